@@ -101,7 +101,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -111,9 +111,9 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t15 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t16 = (t15 @ t14)
-    t17 = (np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t17, (d_K**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t20 = np.reshape(t19, (d_V, d_K, d_V, d_K), copy=False)
     t21 = ((t15 @ t14)).transpose(3, 2, 0, 1)
@@ -126,9 +126,9 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t26
     t27 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t28 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t29 = (np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t29 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t28.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t30 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t25[...] = (np.reshape((np.reshape(t29, (d_K*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t25[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
     t33 = np.swapaxes(W_Q, -1, -2)
@@ -138,7 +138,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t37 = ((t36.transpose(1, 2, 0, 3) @ t35.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t38 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t34.transpose(1, 0)), (n_batch, L, d_K))
     t39 = ((np.reshape(t38, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t32[...] = (np.reshape((np.reshape(t37, (d_K*d_V, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t32[...] = (np.reshape((np.reshape(t39, (d_K*d_V, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
     t42 = ((t35.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
@@ -147,18 +147,18 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t44 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t45 = np.reshape(t44, (d_V, d_K, d_V, d_V), copy=False)
     t46 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t33
-    t47 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t47 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t48 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t46.transpose(1, 0)), (n_batch, L, d_K))
     t49 = ((np.reshape(t48, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t45[...] = (np.reshape((np.reshape(t47, (d_V**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t45[...] = (np.reshape((np.reshape(t49, (d_K*d_V, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t51 = np.reshape(t50, (d_V, d_V, d_V, d_K), copy=False)
     t52 = np.swapaxes(M_1, -1, -2)
     t53 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t52
     t54 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t55 = (np.reshape((np.reshape(t54.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t55 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t54.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t56 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t51[...] = (np.reshape((np.reshape(t55, (d_K*d_V, L*n_batch)) @ np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t51[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t58 = np.reshape(t57, (d_V, d_V, d_V, d_K), copy=False)
     t59 = np.reshape((t11 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
@@ -237,7 +237,7 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -333,7 +333,7 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -365,7 +365,7 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -397,7 +397,7 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -407,9 +407,9 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t14 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t15 = (t14 @ t13)
-    t16 = (np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t16 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t15.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t16, (d_K**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -429,7 +429,7 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -468,7 +468,7 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -500,7 +500,7 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -539,7 +539,7 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -547,9 +547,9 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t12 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t13 = (np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t13 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t12.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t14 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -569,7 +569,7 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -606,7 +606,7 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -639,7 +639,7 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -672,7 +672,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -684,7 +684,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = ((t15.transpose(1, 2, 0, 3) @ t14.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_K))
     t18 = ((np.reshape(t17, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t16, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -705,7 +705,7 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -745,7 +745,7 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -778,7 +778,7 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -818,17 +818,17 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t11 = A @ X
     M_1 = t11
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t13 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t13 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_K))
     t15 = ((np.reshape(t14, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -849,7 +849,7 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -936,15 +936,15 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t14 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t10.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t15 = (np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t15 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -968,7 +968,7 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1006,7 +1006,7 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1038,7 +1038,7 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1136,15 +1136,15 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t2
     t21 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t22 = (np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t22 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t22, (d_K**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
     t26 = np.reshape((t20 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -1160,7 +1160,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t36 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t36.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1172,12 +1172,12 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
     t42 = np.swapaxes(W_Q, -1, -2)
     t43 = (1/(d_K*n_batch)) * t42
-    t44 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t44 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t45 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t43.transpose(1, 0)), (n_batch, L, d_K))
     t46 = ((np.reshape(t45, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t47 = np.einsum('abcb->abc', t41)
     t48 = np.swapaxes(t31, -1, -2)
-    t41[...] = (np.reshape((np.reshape(t44, (d_K*d_V, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t41[...] = (np.reshape((np.reshape(t46, (d_K*d_V, L*n_batch)) @ np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t47 += (np.reshape((np.reshape(t33, (d_K, 1)) * np.reshape(t48.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
@@ -1196,7 +1196,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t61 = np.swapaxes(G, -1, -2)
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
     t63 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t64 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t64 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t60[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t64.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t66 = np.reshape(t65, (d_V, d_V, d_V, d_K), copy=False)
@@ -1297,7 +1297,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1325,7 +1325,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t41 = (n_batch**(-2)) * (t30.sum((0,)) * t30.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t35 * t33).sum() + (1/(d_K**2*n_batch**2)) * (t40 * t37.transpose(0, 2, 3, 1)).sum()
     t42 = np.sqrt(np.maximum(t41, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t43 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t44 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t45 = t44 * t20
@@ -1404,7 +1404,7 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t16.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1444,7 +1444,7 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1484,15 +1484,15 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t16.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/(d_K*n_batch)) * t1
     t20 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t21 = (np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t20.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t21, (d_K**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -1524,7 +1524,7 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1570,7 +1570,7 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t16.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1618,7 +1618,7 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t0 @ t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.sum((0,))), (n_batch, L, d_V))
     t20 = (t19 @ X.transpose(0, 2, 1))
     t21 = np.reshape((np.reshape(t20, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -1656,7 +1656,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1690,7 +1690,7 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -1743,7 +1743,7 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1785,7 +1785,7 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t16.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1826,12 +1826,12 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t1
-    t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t22 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
     t23 = ((np.reshape(t22, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t24 = np.einsum('abcb->abc', t0)
@@ -1840,7 +1840,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t27 = t2 @ t26
     t28 = np.ones((d_K,), dtype=X.dtype)
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t23, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t24 += (np.reshape((np.reshape(t29, (d_K, 1)) * np.reshape(t27.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -1877,7 +1877,7 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(W_Q, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t18.sum((0,))), (n_batch, L, d_V))
     t22 = (t21 @ X.transpose(0, 2, 1))
     t23 = np.reshape((np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -1928,7 +1928,7 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1970,7 +1970,7 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t16.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2005,7 +2005,7 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2041,7 +2041,7 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -2109,13 +2109,13 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(G, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t12
     t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t17 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t17 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -2144,7 +2144,7 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(G, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = np.reshape((np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2185,7 +2185,7 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(G, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2221,7 +2221,7 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(G, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = np.reshape((np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2275,7 +2275,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2285,7 +2285,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t14 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t15 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t16 = (t15 @ t14)
-    t17 = (np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t19 = A @ X
     M_1 = t19
@@ -2299,21 +2299,21 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t2
     t29 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t30 = (np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t30 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t29.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t32 = np.reshape(t17, (d_K**2, L*n_batch))
-    t33 = np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t34 = np.reshape(t30, (d_K**2, L*n_batch))
-    t35 = np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t32 = np.reshape(t18, (d_V**2, L*n_batch))
+    t33 = np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t34 = np.reshape(t31, (d_V**2, L*n_batch))
+    t35 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t36 = np.concatenate([t32, t34], axis=-1)
     t37 = np.concatenate([t33, t35], axis=-2)
-    t1[...] = (np.reshape((t36 @ t37), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((t36 @ t37), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t38 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
     t40 = np.reshape((t28 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -2338,18 +2338,18 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t57 = np.reshape(t56, (d_V, d_K, d_V, d_V), copy=False)
     t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t59 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t58.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t60 = (np.reshape((np.reshape(t59.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t60 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t59.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t61 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t63 = np.reshape((t62 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t64 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t57[...] = (np.reshape((np.reshape(t60, (d_K*d_V, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t57[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t57 += (np.reshape((np.reshape(t63, (d_K*d_V, L*n_batch)) @ np.reshape(t64.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t66 = np.reshape(t65, (d_V, d_K, d_V, d_K), copy=False)
     t67 = np.swapaxes(W_Q, -1, -2)
     t68 = (1/(d_K*n_batch)) * t67
-    t69 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t69 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t70 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t68.transpose(1, 0)), (n_batch, L, d_K))
     t71 = ((np.reshape(t70, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t72 = (2/(L*d_K*d_V*n_batch)) * t67
@@ -2360,13 +2360,13 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t77 = ((np.reshape(t76, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t78 = np.einsum('abcb->abc', t66)
     t79 = np.swapaxes(t47, -1, -2)
-    t80 = np.reshape(t69, (d_K*d_V, L*n_batch))
-    t81 = np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t82 = np.reshape(t75, (d_K*d_V, L*n_batch))
-    t83 = np.reshape(t77.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t80 = np.reshape(t71, (d_K*d_V, L*n_batch))
+    t81 = np.reshape(t69.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t82 = np.reshape(t77, (d_K*d_V, L*n_batch))
+    t83 = np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t84 = np.concatenate([t80, t82], axis=-1)
     t85 = np.concatenate([t81, t83], axis=-2)
-    t66[...] = (np.reshape((t84 @ t85), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t66[...] = (np.reshape((t84 @ t85), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t78 += (np.reshape((np.reshape(t49, (d_K, 1)) * np.reshape(t79.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t86 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t87 = np.reshape(t86, (d_V, d_K, d_V, d_K), copy=False)
@@ -2384,27 +2384,27 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t98 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t99 = np.reshape(t98, (d_V, d_K, d_V, d_V), copy=False)
     t100 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
-    t101 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t101 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t102 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t100.transpose(1, 0)), (n_batch, L, d_K))
     t103 = ((np.reshape(t102, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t104 = (1/(math.sqrt(d_K)*n_batch)) * t67
     t105 = M_2.transpose(3, 2, 0, 1)
     t106 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t104.transpose(1, 0)), (n_batch, L, d_K))
     t107 = ((np.reshape(t106, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t99[...] = (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t99[...] = (np.reshape((np.reshape(t103, (d_K*d_V, L*n_batch)) @ np.reshape(t101.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t99 += (np.reshape((np.reshape(t105, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t109 = np.reshape(t108, (d_V, d_V, d_V, d_K), copy=False)
     t110 = np.swapaxes(M_1, -1, -2)
     t111 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t110
     t112 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t113 = (np.reshape((np.reshape(t112.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t113 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t112.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t114 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t111.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t115 = np.swapaxes(G, -1, -2)
     t116 = (1/(math.sqrt(d_K)*n_batch)) * t115
     t117 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t116.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t118 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t109[...] = (np.reshape((np.reshape(t113, (d_K*d_V, L*n_batch)) @ np.reshape(t114.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t118 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t109[...] = (np.reshape((np.reshape(t114, (d_V**2, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t109 += (np.reshape((np.reshape(t117, (d_V**2, L*n_batch)) @ np.reshape(t118.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t119 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t120 = np.reshape(t119, (d_V, d_V, d_V, d_K), copy=False)
@@ -2510,7 +2510,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -2538,7 +2538,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 - (A * t28).sum(-1, keepdims=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t30.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t30.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
     t31 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t33 = t14 * t31
@@ -2713,7 +2713,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2737,7 +2737,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2766,7 +2766,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2789,7 +2789,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdims=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2816,7 +2816,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2826,7 +2826,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t14 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t15 = (t14 @ t13)
-    t16 = (np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t16 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t15.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t18 = A @ X
     M_1 = t18
@@ -2840,21 +2840,21 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
     t28 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t29 = (np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t31 = np.reshape(t16, (d_K**2, L*n_batch))
-    t32 = np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t33 = np.reshape(t29, (d_K**2, L*n_batch))
-    t34 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t31 = np.reshape(t17, (d_V**2, L*n_batch))
+    t32 = np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t33 = np.reshape(t30, (d_V**2, L*n_batch))
+    t34 = np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t35 = np.concatenate([t31, t33], axis=-1)
     t36 = np.concatenate([t32, t34], axis=-2)
-    t0[...] = (np.reshape((t35 @ t36), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((t35 @ t36), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -2874,7 +2874,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -2902,7 +2902,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 - (A * t28).sum(-1, keepdims=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t30.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t30.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
     t31 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t33 = t14 * t31
@@ -2951,7 +2951,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t16.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2960,7 +2960,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t22 = ((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3016,7 +3016,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = t0 @ t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.sum((0,))), (n_batch, L, d_V))
     t20 = (t19 @ X.transpose(0, 2, 1))
     t21 = np.reshape((np.reshape(t20, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -3024,7 +3024,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = (t23.transpose(1, 2, 0) @ t22.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t25 = W_V @ t11
     t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t17.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
@@ -3078,7 +3078,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3086,7 +3086,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t12 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t13 = (np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t13 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t12.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t14 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t15 = M_1 @ W_V
     F = t15
@@ -3096,7 +3096,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t19 = np.reshape((t18 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t20 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -3117,7 +3117,7 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -3171,7 +3171,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3195,7 +3195,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3225,7 +3225,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3248,7 +3248,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = t22 - (A * t22).sum(-1, keepdims=True)
     t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3289,16 +3289,16 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t1
-    t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t22 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
     t23 = ((np.reshape(t22, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3315,13 +3315,13 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t2 @ t34
     t36 = np.ones((d_K,), dtype=X.dtype)
     t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t38 = np.reshape(t21, (d_K*d_V, L*n_batch))
-    t39 = np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t40 = np.reshape(t29, (d_K*d_V, L*n_batch))
-    t41 = np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t38 = np.reshape(t23, (d_K*d_V, L*n_batch))
+    t39 = np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t40 = np.reshape(t31, (d_K*d_V, L*n_batch))
+    t41 = np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t42 = np.concatenate([t38, t40], axis=-1)
     t43 = np.concatenate([t39, t41], axis=-2)
-    t0[...] = (np.reshape((t42 @ t43), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((t42 @ t43), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t32 += (np.reshape((np.reshape(t37, (d_K, 1)) * np.reshape(t35.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -3358,7 +3358,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(W_Q, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t18.sum((0,))), (n_batch, L, d_V))
     t22 = (t21 @ X.transpose(0, 2, 1))
     t23 = np.reshape((np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -3366,7 +3366,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t26 = (t25.transpose(1, 2, 0) @ t24.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t27 = W_V @ t11
     t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t18.sum((0,))), (n_batch, L, d_V))
     t29 = (t28 @ X.transpose(0, 2, 1))
@@ -3422,7 +3422,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3446,7 +3446,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3481,7 +3481,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -3509,7 +3509,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t31.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = np.reshape((np.reshape(t32, (L*n_batch, d_K)) @ np.reshape(t11.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3547,14 +3547,14 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t11 = A @ X
     M_1 = t11
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t13 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t13 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_K))
     t15 = ((np.reshape(t14, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t16 = M_1 @ W_V
@@ -3566,7 +3566,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t20 = M_2.transpose(3, 2, 0, 1)
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_K))
     t22 = ((np.reshape(t21, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -3588,7 +3588,7 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -3692,13 +3692,13 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t14 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t10.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t15 = (np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t15 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t17 = M_1 @ W_V
     F = t17
@@ -3708,8 +3708,8 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = np.swapaxes(G, -1, -2)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
     t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t23 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t23 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -3734,7 +3734,7 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3790,7 +3790,7 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3832,7 +3832,7 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3933,7 +3933,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -3962,7 +3962,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t31.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = t14 * t33
@@ -4001,7 +4001,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4032,7 +4032,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t32 = t31 @ X
     t33 = t1 @ t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t31.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t33.sum((0,))), (n_batch, L, d_V))
     t35 = (t34 @ X.transpose(0, 2, 1))
     t36 = np.reshape((np.reshape(t35, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -4081,7 +4081,7 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4138,7 +4138,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4170,7 +4170,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t34 = t33 @ X
     t35 = t1 @ t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t32.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
     t36 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t35.sum((0,))), (n_batch, L, d_V))
     t37 = (t36 @ X.transpose(0, 2, 1))
     t38 = np.reshape((np.reshape(t37.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -4220,7 +4220,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4249,7 +4249,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t32.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t35 = np.reshape((np.reshape(t33, (L*n_batch, d_K)) @ np.reshape(t33.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -4289,7 +4289,7 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4349,7 +4349,7 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -4408,7 +4408,7 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -4494,7 +4494,7 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
     t11 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t12 = (np.reshape(t10, (n_batch, L, d_V, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t11.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t2[...] = (np.reshape((np.reshape(t13.transpose(0, 2, 1, 3), (n_batch, L, d_K*d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 2, 4, 3)
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (t10.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))
     t16 = (t11.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
@@ -4525,7 +4525,7 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t11 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t12 = (np.reshape(t10, (n_batch, L, d_V, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t11.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t2[...] = (np.reshape((np.reshape(t13.transpose(0, 2, 1, 3), (n_batch, L, d_K*d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 2, 4, 3)
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (t10.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))
     t16 = (t11.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
@@ -4727,7 +4727,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4737,9 +4737,9 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t16 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t17 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
-    t19 = (np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t19, (d_K**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
     t23 = ((t17 @ t16)).transpose(3, 2, 0, 1)
@@ -4752,9 +4752,9 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t28
     t29 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t30 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t29.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t31 = (np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t31 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t30.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t32 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t27[...] = (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t27[...] = (np.reshape((np.reshape(t32, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
     t35 = np.swapaxes(W_Q, -1, -2)
@@ -4764,7 +4764,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t39 = ((t38.transpose(1, 2, 0, 3) @ t37.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t40 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t36.transpose(1, 0)), (n_batch, L, d_K))
     t41 = ((np.reshape(t40, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t34[...] = (np.reshape((np.reshape(t39, (d_K*d_V, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t34[...] = (np.reshape((np.reshape(t41, (d_K*d_V, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
     t44 = ((t37.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
@@ -4773,18 +4773,18 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t47 = np.reshape(t46, (d_V, d_K, d_V, d_V), copy=False)
     t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
-    t49 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t49 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t50 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t48.transpose(1, 0)), (n_batch, L, d_K))
     t51 = ((np.reshape(t50, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t47[...] = (np.reshape((np.reshape(t49, (d_V**2, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t47[...] = (np.reshape((np.reshape(t51, (d_K*d_V, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
     t54 = np.swapaxes(M_1, -1, -2)
     t55 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
     t56 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t57 = (np.reshape((np.reshape(t56.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t57 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t56.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t58 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t55.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t53[...] = (np.reshape((np.reshape(t57, (d_K*d_V, L*n_batch)) @ np.reshape(t58.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t53[...] = (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t60 = np.reshape(t59, (d_V, d_V, d_V, d_K), copy=False)
     t61 = np.reshape((t13 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
@@ -4867,7 +4867,7 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4965,7 +4965,7 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4999,7 +4999,7 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5033,7 +5033,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5043,9 +5043,9 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t17 = (t16 @ t15)
-    t18 = (np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t18 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t17.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_K**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -5067,7 +5067,7 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5108,7 +5108,7 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5142,7 +5142,7 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5183,7 +5183,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5191,9 +5191,9 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t12
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t15 = (np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t15 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t16 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -5215,7 +5215,7 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5254,7 +5254,7 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5289,7 +5289,7 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5324,7 +5324,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5336,7 +5336,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t18 = ((t17.transpose(1, 2, 0, 3) @ t16.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
     t20 = ((np.reshape(t19, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_K*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -5359,7 +5359,7 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5401,7 +5401,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5436,7 +5436,7 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5478,17 +5478,17 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t13 = A @ X
     M_1 = t13
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t15 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t15 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_K))
     t17 = ((np.reshape(t16, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -5511,7 +5511,7 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5604,15 +5604,15 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t17 = (np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -5638,7 +5638,7 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5678,7 +5678,7 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5712,7 +5712,7 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5816,15 +5816,15 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t2
     t23 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t24 = (np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t23.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t24, (d_K**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
     t28 = np.reshape((t22 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -5840,7 +5840,7 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5852,12 +5852,12 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
     t44 = np.swapaxes(W_Q, -1, -2)
     t45 = (1/(d_K*n_batch)) * t44
-    t46 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t46 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t47 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t45.transpose(1, 0)), (n_batch, L, d_K))
     t48 = ((np.reshape(t47, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t49 = np.einsum('abcb->abc', t43)
     t50 = np.swapaxes(t33, -1, -2)
-    t43[...] = (np.reshape((np.reshape(t46, (d_K*d_V, L*n_batch)) @ np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t43[...] = (np.reshape((np.reshape(t48, (d_K*d_V, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t49 += (np.reshape((np.reshape(t35, (d_K, 1)) * np.reshape(t50.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
@@ -5876,7 +5876,7 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t63 = np.swapaxes(G, -1, -2)
     t64 = (1/(math.sqrt(d_K)*n_batch)) * t63
     t65 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t64.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t66 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t66 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t62[...] = (np.reshape((np.reshape(t65, (d_V**2, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t68 = np.reshape(t67, (d_V, d_V, d_V, d_K), copy=False)
@@ -5981,7 +5981,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6009,7 +6009,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t43 = (n_batch**(-2)) * (t32.sum((0,)) * t32.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t37 * t35).sum() + (1/(d_K**2*n_batch**2)) * (t42 * t39.transpose(0, 2, 3, 1)).sum()
     t44 = np.sqrt(np.maximum(t43, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t45 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t46 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t47 = t46 * t22
@@ -6090,7 +6090,7 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6132,7 +6132,7 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6174,15 +6174,15 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t21 = (1/(d_K*n_batch)) * t1
     t22 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t23 = (np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t23 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t22.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t23, (d_K**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -6216,7 +6216,7 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6264,7 +6264,7 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6314,7 +6314,7 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t0 @ t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t19.sum((0,))), (n_batch, L, d_V))
     t22 = (t21 @ X.transpose(0, 2, 1))
     t23 = np.reshape((np.reshape(t22, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -6354,7 +6354,7 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6390,7 +6390,7 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -6445,7 +6445,7 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6489,7 +6489,7 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6532,12 +6532,12 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t1
-    t23 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t23 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t24 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
     t25 = ((np.reshape(t24, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t26 = np.einsum('abcb->abc', t0)
@@ -6546,7 +6546,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t29 = t2 @ t28
     t30 = np.ones((d_K,), dtype=X.dtype)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t0[...] = (np.reshape((np.reshape(t23, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t25, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t26 += (np.reshape((np.reshape(t31, (d_K, 1)) * np.reshape(t29.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -6585,7 +6585,7 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = np.swapaxes(W_Q, -1, -2)
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.sum((0,))), (n_batch, L, d_V))
     t24 = (t23 @ X.transpose(0, 2, 1))
     t25 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -6638,7 +6638,7 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6682,7 +6682,7 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6719,7 +6719,7 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6757,7 +6757,7 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -6827,13 +6827,13 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t14
     t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -6864,7 +6864,7 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6907,7 +6907,7 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6945,7 +6945,7 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7001,7 +7001,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7011,7 +7011,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t16 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t17 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
-    t19 = (np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t21 = A @ X
     M_1 = t21
@@ -7025,21 +7025,21 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdims=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t28.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t28.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t2
     t31 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t32 = (np.reshape((np.reshape(t31.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t32 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t31.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t33 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t34 = np.reshape(t19, (d_K**2, L*n_batch))
-    t35 = np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t36 = np.reshape(t32, (d_K**2, L*n_batch))
-    t37 = np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t34 = np.reshape(t20, (d_V**2, L*n_batch))
+    t35 = np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t36 = np.reshape(t33, (d_V**2, L*n_batch))
+    t37 = np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t38 = np.concatenate([t34, t36], axis=-1)
     t39 = np.concatenate([t35, t37], axis=-2)
-    t1[...] = (np.reshape((t38 @ t39), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((t38 @ t39), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t40 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
     t42 = np.reshape((t30 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -7064,18 +7064,18 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t59 = np.reshape(t58, (d_V, d_K, d_V, d_V), copy=False)
     t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t61 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t60.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t62 = (np.reshape((np.reshape(t61.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t62 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t61.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t63 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t64 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t65 = np.reshape((t64 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t66 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t59[...] = (np.reshape((np.reshape(t62, (d_K*d_V, L*n_batch)) @ np.reshape(t63.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t59[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t59 += (np.reshape((np.reshape(t65, (d_K*d_V, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t67 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t68 = np.reshape(t67, (d_V, d_K, d_V, d_K), copy=False)
     t69 = np.swapaxes(W_Q, -1, -2)
     t70 = (1/(d_K*n_batch)) * t69
-    t71 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t71 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t72 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t70.transpose(1, 0)), (n_batch, L, d_K))
     t73 = ((np.reshape(t72, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t74 = (2/(L*d_K*d_V*n_batch)) * t69
@@ -7086,13 +7086,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t79 = ((np.reshape(t78, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t80 = np.einsum('abcb->abc', t68)
     t81 = np.swapaxes(t49, -1, -2)
-    t82 = np.reshape(t71, (d_K*d_V, L*n_batch))
-    t83 = np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t84 = np.reshape(t77, (d_K*d_V, L*n_batch))
-    t85 = np.reshape(t79.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t82 = np.reshape(t73, (d_K*d_V, L*n_batch))
+    t83 = np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t84 = np.reshape(t79, (d_K*d_V, L*n_batch))
+    t85 = np.reshape(t77.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t86 = np.concatenate([t82, t84], axis=-1)
     t87 = np.concatenate([t83, t85], axis=-2)
-    t68[...] = (np.reshape((t86 @ t87), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t68[...] = (np.reshape((t86 @ t87), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t80 += (np.reshape((np.reshape(t51, (d_K, 1)) * np.reshape(t81.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t88 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t89 = np.reshape(t88, (d_V, d_K, d_V, d_K), copy=False)
@@ -7110,27 +7110,27 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t100 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t101 = np.reshape(t100, (d_V, d_K, d_V, d_V), copy=False)
     t102 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t69
-    t103 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t103 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t104 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t102.transpose(1, 0)), (n_batch, L, d_K))
     t105 = ((np.reshape(t104, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t106 = (1/(math.sqrt(d_K)*n_batch)) * t69
     t107 = M_2.transpose(3, 2, 0, 1)
     t108 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t106.transpose(1, 0)), (n_batch, L, d_K))
     t109 = ((np.reshape(t108, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t101[...] = (np.reshape((np.reshape(t103, (d_V**2, L*n_batch)) @ np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t101[...] = (np.reshape((np.reshape(t105, (d_K*d_V, L*n_batch)) @ np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t101 += (np.reshape((np.reshape(t107, (d_V**2, L*n_batch)) @ np.reshape(t109.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t111 = np.reshape(t110, (d_V, d_V, d_V, d_K), copy=False)
     t112 = np.swapaxes(M_1, -1, -2)
     t113 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t112
     t114 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t115 = (np.reshape((np.reshape(t114.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t115 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t114.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t116 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t113.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t117 = np.swapaxes(G, -1, -2)
     t118 = (1/(math.sqrt(d_K)*n_batch)) * t117
     t119 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t118.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t120 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t111[...] = (np.reshape((np.reshape(t115, (d_K*d_V, L*n_batch)) @ np.reshape(t116.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t120 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t111[...] = (np.reshape((np.reshape(t116, (d_V**2, L*n_batch)) @ np.reshape(t115.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t111 += (np.reshape((np.reshape(t119, (d_V**2, L*n_batch)) @ np.reshape(t120.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t121 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t122 = np.reshape(t121, (d_V, d_V, d_V, d_K), copy=False)
@@ -7240,7 +7240,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -7268,7 +7268,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t32.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t35 = t16 * t33
@@ -7445,7 +7445,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7469,7 +7469,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 - (A * t25).sum(-1, keepdims=True)
     t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t27.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t27.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7500,7 +7500,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7523,7 +7523,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7552,7 +7552,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7562,7 +7562,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t17 = (t16 @ t15)
-    t18 = (np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t18 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t17.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t20 = A @ X
     M_1 = t20
@@ -7576,21 +7576,21 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 - (A * t25).sum(-1, keepdims=True)
     t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t27.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t27.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t29 = (1/(d_K*n_batch)) * t1
     t30 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t29.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t31 = (np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t31 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t30.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t32 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t33 = np.reshape(t18, (d_K**2, L*n_batch))
-    t34 = np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t35 = np.reshape(t31, (d_K**2, L*n_batch))
-    t36 = np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t33 = np.reshape(t19, (d_V**2, L*n_batch))
+    t34 = np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t35 = np.reshape(t32, (d_V**2, L*n_batch))
+    t36 = np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t37 = np.concatenate([t33, t35], axis=-1)
     t38 = np.concatenate([t34, t36], axis=-2)
-    t0[...] = (np.reshape((t37 @ t38), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((t37 @ t38), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -7612,7 +7612,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -7640,7 +7640,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t32.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t35 = t16 * t33
@@ -7691,7 +7691,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7700,7 +7700,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7758,7 +7758,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = t0 @ t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t19.sum((0,))), (n_batch, L, d_V))
     t22 = (t21 @ X.transpose(0, 2, 1))
     t23 = np.reshape((np.reshape(t22, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -7766,7 +7766,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t26 = (t25.transpose(1, 2, 0) @ t24.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t27 = W_V @ t13
     t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t19.sum((0,))), (n_batch, L, d_V))
     t29 = (t28 @ X.transpose(0, 2, 1))
@@ -7822,7 +7822,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7830,7 +7830,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     M_1 = t12
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t15 = (np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t15 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t16 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t17 = M_1 @ W_V
     F = t17
@@ -7840,7 +7840,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t21 = np.reshape((t20 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t22 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -7863,7 +7863,7 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -7919,7 +7919,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7943,7 +7943,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdims=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t28.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t28.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7975,7 +7975,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7998,7 +7998,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8041,16 +8041,16 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t1
-    t23 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t23 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t24 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
     t25 = ((np.reshape(t24, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8067,13 +8067,13 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t2 @ t36
     t38 = np.ones((d_K,), dtype=X.dtype)
     t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t40 = np.reshape(t23, (d_K*d_V, L*n_batch))
-    t41 = np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t42 = np.reshape(t31, (d_K*d_V, L*n_batch))
-    t43 = np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t40 = np.reshape(t25, (d_K*d_V, L*n_batch))
+    t41 = np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t42 = np.reshape(t33, (d_K*d_V, L*n_batch))
+    t43 = np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t44 = np.concatenate([t40, t42], axis=-1)
     t45 = np.concatenate([t41, t43], axis=-2)
-    t0[...] = (np.reshape((t44 @ t45), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((t44 @ t45), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t34 += (np.reshape((np.reshape(t39, (d_K, 1)) * np.reshape(t37.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -8112,7 +8112,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t21 = np.swapaxes(W_Q, -1, -2)
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.sum((0,))), (n_batch, L, d_V))
     t24 = (t23 @ X.transpose(0, 2, 1))
     t25 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -8120,7 +8120,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t28 = (t27.transpose(1, 2, 0) @ t26.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t29 = W_V @ t13
     t30 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.sum((0,))), (n_batch, L, d_V))
     t31 = (t30 @ X.transpose(0, 2, 1))
@@ -8178,7 +8178,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8202,7 +8202,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdims=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t28.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t28.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8239,7 +8239,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8267,7 +8267,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdims=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t33.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t35 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = np.reshape((np.reshape(t34, (L*n_batch, d_K)) @ np.reshape(t13.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8307,14 +8307,14 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t13 = A @ X
     M_1 = t13
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t15 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t15 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_K))
     t17 = ((np.reshape(t16, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t18 = M_1 @ W_V
@@ -8326,7 +8326,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t22 = M_2.transpose(3, 2, 0, 1)
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_K))
     t24 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -8350,7 +8350,7 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8460,13 +8460,13 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t17 = (np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t19 = M_1 @ W_V
     F = t19
@@ -8476,8 +8476,8 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = np.swapaxes(G, -1, -2)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
     t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t25 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t25 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -8504,7 +8504,7 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8562,7 +8562,7 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8606,7 +8606,7 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8713,7 +8713,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8742,7 +8742,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdims=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t33.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t35 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = t16 * t35
@@ -8783,7 +8783,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8814,7 +8814,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t34 = t33 @ X
     t35 = t1 @ t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t33.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
     t36 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t35.sum((0,))), (n_batch, L, d_V))
     t37 = (t36 @ X.transpose(0, 2, 1))
     t38 = np.reshape((np.reshape(t37, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -8865,7 +8865,7 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8924,7 +8924,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8956,7 +8956,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t36 = t35 @ X
     t37 = t1 @ t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t34.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t37.sum((0,))), (n_batch, L, d_V))
     t39 = (t38 @ X.transpose(0, 2, 1))
     t40 = np.reshape((np.reshape(t39.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -9008,7 +9008,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -9037,7 +9037,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdims=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t34.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
     t35 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t36 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t37 = np.reshape((np.reshape(t35, (L*n_batch, d_K)) @ np.reshape(t35.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9079,7 +9079,7 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -9141,7 +9141,7 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9202,7 +9202,7 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9292,7 +9292,7 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     t13 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t13.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t2[...] = (np.reshape((np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, L, d_K*d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 2, 4, 3)
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
     t18 = (t13.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
@@ -9325,7 +9325,7 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t13 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t13.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t2[...] = (np.reshape((np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, L, d_K*d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 2, 4, 3)
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
     t18 = (t13.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
@@ -9535,7 +9535,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9548,7 +9548,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -9557,9 +9557,9 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t24 = (t23 @ M_2)
     t25 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t26 = (t25 @ t24)
-    t27 = (np.reshape((np.reshape(t26, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t27 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t26.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t28 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t27, (d_K**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
     t31 = ((t25 @ t24)).transpose(2, 3, 0, 1)
@@ -9573,7 +9573,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t38 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t39 = ((t38 @ t22)).transpose(2, 3, 0, 1)
     t40 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t35[...] = (np.reshape((np.reshape(t39, (d_K*d_V, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t35[...] = (np.reshape((np.reshape(t40, (d_V**2, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
     t43 = np.swapaxes(W_Q, -1, -2)
@@ -9582,10 +9582,10 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t46 = (t22.transpose(0, 1, 3, 2) @ t45.transpose(1, 2, 0, 3))
     t47 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t48 = (t47 @ t46)
-    t49 = (np.reshape((np.reshape(t48.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t49 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t48.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t50 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t44.transpose(1, 0)), (n_batch, L, d_K))
     t51 = ((np.reshape(t50, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t42[...] = (np.reshape((np.reshape(t49, (d_K*d_V, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t42[...] = (np.reshape((np.reshape(t51, (d_K*d_V, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
     t54 = ((t47 @ t46)).transpose(3, 2, 0, 1)
@@ -9597,7 +9597,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t59 = ((t22.transpose(0, 1, 3, 2) @ t45.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t60 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t58.transpose(1, 0)), (n_batch, L, d_K))
     t61 = ((np.reshape(t60, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t57[...] = (np.reshape((np.reshape(t59, (d_V**2, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t57[...] = (np.reshape((np.reshape(t61, (d_K*d_V, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t63 = np.reshape(t62, (d_V, d_V, d_V, d_K), copy=False)
     t64 = np.swapaxes(M_1, -1, -2)
@@ -9606,7 +9606,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t67 = np.reshape((t19.transpose(1, 0) @ np.reshape(dA18.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t68 = (t67.transpose(1, 2, 3, 0) @ M_2)
     t69 = np.reshape((np.reshape(t68, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t70 = (np.reshape((np.reshape(t69, (n_batch, L, d_V, d_K, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t70 = (np.reshape((np.reshape(t69.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
     t63[...] = (np.reshape((np.reshape(t66, (d_V**2, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t72 = np.reshape(t71, (d_V, d_V, d_V, d_K), copy=False)
@@ -9616,9 +9616,9 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t76 = np.reshape(t75, (d_V, d_V, d_V, d_V), copy=False)
     t77 = (1/(L*n_batch)) * t64
-    t78 = (np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t78 = (np.reshape((np.reshape(dA18.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t79 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t77.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t76[...] = (np.reshape((np.reshape(t78, (d_V**2, L*n_batch)) @ np.reshape(t79.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t76[...] = (np.reshape((np.reshape(t79, (d_V**2, L*n_batch)) @ np.reshape(t78.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -9692,7 +9692,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -9702,7 +9702,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -9799,7 +9799,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9812,7 +9812,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (X * X).transpose(2, 0, 1)
@@ -9843,7 +9843,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9856,7 +9856,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -9887,7 +9887,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9900,7 +9900,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -9909,9 +9909,9 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t23 = (t22 @ M_2)
     t24 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t25 = (t24 @ t23)
-    t26 = (np.reshape((np.reshape(t25, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t25.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t26, (d_K**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -9931,7 +9931,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -9941,7 +9941,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -9985,7 +9985,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9998,7 +9998,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -10029,7 +10029,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -10039,7 +10039,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -10083,7 +10083,7 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10096,14 +10096,14 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t19 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t22 = ((t21 @ t20)).transpose(2, 3, 0, 1)
     t23 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t22, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -10123,7 +10123,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -10133,7 +10133,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t18 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -10169,7 +10169,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10182,7 +10182,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -10214,7 +10214,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10227,7 +10227,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (M_2 @ M_2.transpose(0, 1, 3, 2))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -10259,7 +10259,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10272,7 +10272,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -10280,10 +10280,10 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t23 = (t22.transpose(0, 1, 3, 2) @ t21.transpose(1, 2, 0, 3))
     t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t25 = (t24 @ t23)
-    t26 = (np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
     t28 = ((np.reshape(t27, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -10304,7 +10304,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -10314,7 +10314,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -10359,7 +10359,7 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10372,7 +10372,7 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -10404,7 +10404,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -10414,7 +10414,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -10459,7 +10459,7 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10472,14 +10472,14 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = ((t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_K))
     t24 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -10500,7 +10500,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -10510,7 +10510,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -10553,7 +10553,7 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
     t17 = (M_1 * t16.transpose(0, 2, 1)).transpose(2, 0, 1)
     t18 = (oe.contract('abcc,abc->abc', dA, t11)).transpose(2, 0, 1)
@@ -10585,7 +10585,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t16 = oe.contract('abcc,abc->ab', dA, t10)
     return (1/(L*n_batch)) * (t16 * t15).sum()
@@ -10617,11 +10617,11 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA18 = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA18 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(dA18.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10630,7 +10630,7 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t22 = np.reshape((t16.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t23 = (t22.transpose(1, 2, 3, 0) @ M_2)
     t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_V, d_K, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t25 = (np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -10659,11 +10659,11 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA17 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
@@ -10706,11 +10706,11 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA18 = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA18 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(dA18.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10748,11 +10748,11 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA17 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
@@ -10795,11 +10795,11 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
-    t17 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t18 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -10827,7 +10827,7 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10874,15 +10874,15 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t2
     t26 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t27 = (np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t27 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t26.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t28 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t27, (d_K**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
     t31 = np.reshape((t25 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -10898,7 +10898,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t39 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t40 = np.reshape(t39, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t41 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10910,12 +10910,12 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t46 = np.reshape(t45, (d_V, d_K, d_V, d_K), copy=False)
     t47 = np.swapaxes(W_Q, -1, -2)
     t48 = (1/(d_K*n_batch)) * t47
-    t49 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t49 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t50 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t48.transpose(1, 0)), (n_batch, L, d_K))
     t51 = ((np.reshape(t50, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t52 = np.einsum('abcb->abc', t46)
     t53 = np.swapaxes(t36, -1, -2)
-    t46[...] = (np.reshape((np.reshape(t49, (d_K*d_V, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t46[...] = (np.reshape((np.reshape(t51, (d_K*d_V, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t52 += (np.reshape((np.reshape(t38, (d_K, 1)) * np.reshape(t53.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t55 = np.reshape(t54, (d_V, d_K, d_V, d_K), copy=False)
@@ -10934,7 +10934,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t66 = np.swapaxes(G, -1, -2)
     t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
     t68 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t67.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t69 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t69 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t65[...] = (np.reshape((np.reshape(t68, (d_V**2, L*n_batch)) @ np.reshape(t69.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t71 = np.reshape(t70, (d_V, d_V, d_V, d_K), copy=False)
@@ -11045,7 +11045,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t23 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11073,7 +11073,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t46 = (n_batch**(-2)) * (t35.sum((0,)) * t35.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t40 * t38).sum() + (1/(d_K**2*n_batch**2)) * (t45 * t42.transpose(0, 2, 3, 1)).sum()
     t47 = np.sqrt(np.maximum(t46, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t48 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t49 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t50 = t49 * t25
@@ -11157,7 +11157,7 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11202,7 +11202,7 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11247,15 +11247,15 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
     t25 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t26 = (np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t26, (d_K**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -11292,7 +11292,7 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t23 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11343,7 +11343,7 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11396,7 +11396,7 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = t0 @ t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.sum((0,))), (n_batch, L, d_V))
     t25 = (t24 @ X.transpose(0, 2, 1))
     t26 = np.reshape((np.reshape(t25, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -11434,7 +11434,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11473,7 +11473,7 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -11536,7 +11536,7 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11583,7 +11583,7 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11629,12 +11629,12 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
-    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_K))
     t28 = ((np.reshape(t27, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t29 = np.einsum('abcb->abc', t0)
@@ -11643,7 +11643,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t32 = t2 @ t31
     t33 = np.ones((d_K,), dtype=X.dtype)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t0[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t29 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t32.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -11685,7 +11685,7 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = np.swapaxes(W_Q, -1, -2)
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t23.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -11741,7 +11741,7 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11788,7 +11788,7 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t25 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11823,7 +11823,7 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11864,7 +11864,7 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -11942,13 +11942,13 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t22 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t22 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -11982,7 +11982,7 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t16.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -12028,7 +12028,7 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12069,7 +12069,7 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t16.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -12123,7 +12123,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12136,7 +12136,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -12145,7 +12145,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t24 = (t23 @ M_2)
     t25 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t26 = (t25 @ t24)
-    t27 = (np.reshape((np.reshape(t26, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t27 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t26.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t28 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     F = t14
     t29 = np.exp(F - F.max(-1, keepdims=True))
@@ -12159,21 +12159,21 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t39 = (1/(d_K*n_batch)) * t2
     t40 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t39.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t41 = (np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t41 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t40.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t42 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t43 = np.reshape(t27, (d_K**2, L*n_batch))
-    t44 = np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t45 = np.reshape(t41, (d_K**2, L*n_batch))
-    t46 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t43 = np.reshape(t28, (d_V**2, L*n_batch))
+    t44 = np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t45 = np.reshape(t42, (d_V**2, L*n_batch))
+    t46 = np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t47 = np.concatenate([t43, t45], axis=-1)
     t48 = np.concatenate([t44, t46], axis=-2)
-    t1[...] = (np.reshape((t47 @ t48), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((t47 @ t48), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t49 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
     t51 = np.reshape((t39 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -12204,13 +12204,13 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t74 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t75 = np.reshape((t74 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t76 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t68[...] = (np.reshape((np.reshape(t72, (d_K*d_V, L*n_batch)) @ np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t68[...] = (np.reshape((np.reshape(t73, (d_V**2, L*n_batch)) @ np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t68 += (np.reshape((np.reshape(t75, (d_K*d_V, L*n_batch)) @ np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t77 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t78 = np.reshape(t77, (d_V, d_K, d_V, d_K), copy=False)
     t79 = np.swapaxes(W_Q, -1, -2)
     t80 = (1/(d_K*n_batch)) * t79
-    t81 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t81 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t82 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t80.transpose(1, 0)), (n_batch, L, d_K))
     t83 = ((np.reshape(t82, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t84 = (1/(L*d_K*n_batch)) * t79
@@ -12218,18 +12218,18 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t86 = (t22.transpose(0, 1, 3, 2) @ t85.transpose(1, 2, 0, 3))
     t87 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t88 = (t87 @ t86)
-    t89 = (np.reshape((np.reshape(t88.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t89 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t88.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t90 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t84.transpose(1, 0)), (n_batch, L, d_K))
     t91 = ((np.reshape(t90, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t92 = np.einsum('abcb->abc', t78)
     t93 = np.swapaxes(t58, -1, -2)
-    t94 = np.reshape(t81, (d_K*d_V, L*n_batch))
-    t95 = np.reshape(t83.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t96 = np.reshape(t89, (d_K*d_V, L*n_batch))
-    t97 = np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t94 = np.reshape(t83, (d_K*d_V, L*n_batch))
+    t95 = np.reshape(t81.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t96 = np.reshape(t91, (d_K*d_V, L*n_batch))
+    t97 = np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t98 = np.concatenate([t94, t96], axis=-1)
     t99 = np.concatenate([t95, t97], axis=-2)
-    t78[...] = (np.reshape((t98 @ t99), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t78[...] = (np.reshape((t98 @ t99), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t92 += (np.reshape((np.reshape(t60, (d_K, 1)) * np.reshape(t93.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t100 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t101 = np.reshape(t100, (d_V, d_K, d_V, d_K), copy=False)
@@ -12254,21 +12254,21 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t119 = M_2.transpose(3, 2, 0, 1)
     t120 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t118.transpose(1, 0)), (n_batch, L, d_K))
     t121 = ((np.reshape(t120, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t113[...] = (np.reshape((np.reshape(t115, (d_V**2, L*n_batch)) @ np.reshape(t117.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t113[...] = (np.reshape((np.reshape(t117, (d_K*d_V, L*n_batch)) @ np.reshape(t115.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t113 += (np.reshape((np.reshape(t119, (d_V**2, L*n_batch)) @ np.reshape(t121.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t122 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t123 = np.reshape(t122, (d_V, d_V, d_V, d_K), copy=False)
     t124 = np.swapaxes(G, -1, -2)
     t125 = (1/(math.sqrt(d_K)*n_batch)) * t124
     t126 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t125.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t127 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t127 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t128 = np.swapaxes(M_1, -1, -2)
     t129 = (1/(L*math.sqrt(d_K)*n_batch)) * t128
     t130 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t129.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t131 = np.reshape((t19.transpose(1, 0) @ np.reshape(dA18.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t132 = (t131.transpose(1, 2, 3, 0) @ M_2)
     t133 = np.reshape((np.reshape(t132, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t134 = (np.reshape((np.reshape(t133, (n_batch, L, d_V, d_K, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t134 = (np.reshape((np.reshape(t133.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
     t123[...] = (np.reshape((np.reshape(t126, (d_V**2, L*n_batch)) @ np.reshape(t127.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t123 += (np.reshape((np.reshape(t130, (d_V**2, L*n_batch)) @ np.reshape(t134.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t135 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
@@ -12282,9 +12282,9 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t141 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t142 = np.reshape(t141, (d_V, d_V, d_V, d_V), copy=False)
     t143 = (1/(L*n_batch)) * t128
-    t144 = (np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t144 = (np.reshape((np.reshape(dA18.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t145 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t143.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t142[...] = (np.reshape((np.reshape(t144, (d_V**2, L*n_batch)) @ np.reshape(t145.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t142[...] = (np.reshape((np.reshape(t145, (d_V**2, L*n_batch)) @ np.reshape(t144.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -12382,7 +12382,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -12392,7 +12392,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -12425,7 +12425,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t43 = t42 - (A * t42).sum(-1, keepdims=True)
     t44 = A * t43
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t44.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t44, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t44, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t44.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t44, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t44, (n_batch, L, 1, L)))
     t45 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t46 = t20 * t45
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -12605,7 +12605,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12618,7 +12618,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (X * X).transpose(2, 0, 1)
@@ -12641,7 +12641,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdims=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t36.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t36.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
     t37 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12670,7 +12670,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12683,7 +12683,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -12705,7 +12705,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdims=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t34.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
     t35 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12732,7 +12732,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12745,7 +12745,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -12754,7 +12754,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t23 = (t22 @ M_2)
     t24 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t25 = (t24 @ t23)
-    t26 = (np.reshape((np.reshape(t25, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t25.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     F = t13
     t28 = np.exp(F - F.max(-1, keepdims=True))
@@ -12768,21 +12768,21 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdims=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t36.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t36.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
     t37 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t38 = (1/(d_K*n_batch)) * t1
     t39 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t38.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t40 = (np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t40 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t39.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t41 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t42 = np.reshape(t26, (d_K**2, L*n_batch))
-    t43 = np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t44 = np.reshape(t40, (d_K**2, L*n_batch))
-    t45 = np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t42 = np.reshape(t27, (d_V**2, L*n_batch))
+    t43 = np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t44 = np.reshape(t41, (d_V**2, L*n_batch))
+    t45 = np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t46 = np.concatenate([t42, t44], axis=-1)
     t47 = np.concatenate([t43, t45], axis=-2)
-    t0[...] = (np.reshape((t46 @ t47), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((t46 @ t47), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -12802,7 +12802,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -12812,7 +12812,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -12845,7 +12845,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t43 = t42 - (A * t42).sum(-1, keepdims=True)
     t44 = A * t43
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t44.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t44, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t44, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t44.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t44, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t44, (n_batch, L, 1, L)))
     t45 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t46 = t20 * t45
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -12899,7 +12899,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12908,7 +12908,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t27 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12916,7 +12916,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdims=True)
     t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA32 = (np.reshape((np.reshape(t31, (d_V, d_V, 1)) * np.reshape(A30.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
+    dA32 = (np.reshape((np.reshape(A30.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t31, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
     t33 = (1/(L*d_K*n_batch)) * t1
     t34 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t33.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t35 = np.reshape((np.reshape(dA32, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -12976,7 +12976,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = t0 @ t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.sum((0,))), (n_batch, L, d_V))
     t25 = (t24 @ X.transpose(0, 2, 1))
     t26 = np.reshape((np.reshape(t25, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -12984,7 +12984,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t29 = (t28.transpose(1, 2, 0) @ t27.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t30 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12992,7 +12992,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A32 = t31 / t31.sum(-1, keepdims=True)
     t33 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = (np.reshape((np.reshape(t33, (d_V, d_V, 1)) * np.reshape(A32.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A32, (n_batch, L, d_V, 1)) * np.reshape(A32, (n_batch, L, 1, d_V)))
+    dA34 = (np.reshape((np.reshape(A32.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t33, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A32, (n_batch, L, d_V, 1)) * np.reshape(A32, (n_batch, L, 1, d_V)))
     t35 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.sum((0,))), (n_batch, L, d_V))
     t36 = np.reshape((np.reshape(t35, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
     t37 = np.reshape((np.reshape(dA34, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13057,7 +13057,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13070,7 +13070,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t19 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13087,7 +13087,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t30 = np.reshape((t29 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t31 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t22, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t30, (d_K*d_V, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -13108,7 +13108,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -13118,7 +13118,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t18 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13172,7 +13172,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13185,7 +13185,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -13208,7 +13208,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13238,7 +13238,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13251,7 +13251,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (M_2 @ M_2.transpose(0, 1, 3, 2))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -13273,7 +13273,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t34 = t33 - (A * t33).sum(-1, keepdims=True)
     t35 = A * t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t35.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t35, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t35, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t35.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t35, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t35, (n_batch, L, 1, L)))
     t36 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t36.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13319,16 +13319,16 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
-    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_K))
     t28 = ((np.reshape(t27, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13336,14 +13336,14 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdims=True)
     t32 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = (np.reshape((np.reshape(t32, (d_V, d_V, 1)) * np.reshape(A31.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
+    dA33 = (np.reshape((np.reshape(A31.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t32, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
     t34 = (1/(L*d_K*n_batch)) * t1
     t35 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t36 = np.reshape((np.reshape(dA33, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t37 = (t36.transpose(0, 1, 3, 2) @ t35.transpose(1, 2, 0, 3))
     t38 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t39 = (t38 @ t37)
-    t40 = (np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t40 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t39.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t41 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t34.transpose(1, 0)), (n_batch, L, d_K))
     t42 = ((np.reshape(t41, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t43 = np.einsum('abcb->abc', t0)
@@ -13352,13 +13352,13 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t46 = t2 @ t45
     t47 = np.ones((d_K,), dtype=X.dtype)
     t48 = (1/(math.sqrt(d_K)*n_batch)) * t47
-    t49 = np.reshape(t26, (d_K*d_V, L*n_batch))
-    t50 = np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t51 = np.reshape(t40, (d_K*d_V, L*n_batch))
-    t52 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t49 = np.reshape(t28, (d_K*d_V, L*n_batch))
+    t50 = np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t51 = np.reshape(t42, (d_K*d_V, L*n_batch))
+    t52 = np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t53 = np.concatenate([t49, t51], axis=-1)
     t54 = np.concatenate([t50, t52], axis=-2)
-    t0[...] = (np.reshape((t53 @ t54), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((t53 @ t54), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t43 += (np.reshape((np.reshape(t48, (d_K, 1)) * np.reshape(t46.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -13400,7 +13400,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = np.swapaxes(W_Q, -1, -2)
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t23.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -13408,7 +13408,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t31 = (t30.transpose(1, 2, 0) @ t29.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13416,7 +13416,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A34 = t33 / t33.sum(-1, keepdims=True)
     t35 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = (np.reshape((np.reshape(t35, (d_V, d_V, 1)) * np.reshape(A34.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))
+    dA36 = (np.reshape((np.reshape(A34.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t35, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))
     t37 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t23.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
     t38 = np.reshape((np.reshape(t37, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
     t39 = np.reshape((np.reshape(dA36, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13482,7 +13482,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13495,7 +13495,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -13518,7 +13518,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13553,7 +13553,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -13563,7 +13563,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -13596,7 +13596,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t44 = t43 - (A * t43).sum(-1, keepdims=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t45.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t45.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
     t46 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t48 = np.reshape((np.reshape(t47, (L*n_batch, d_K)) @ np.reshape(t19.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13634,7 +13634,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13647,7 +13647,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13665,7 +13665,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t31 = M_2.transpose(3, 2, 0, 1)
     t32 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_K))
     t33 = ((np.reshape(t32, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t31, (d_V**2, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -13687,7 +13687,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -13697,7 +13697,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13760,7 +13760,7 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
     t17 = (M_1 * t16.transpose(0, 2, 1)).transpose(2, 0, 1)
     t18 = (oe.contract('abcc,abc->abc', dA, t11)).transpose(2, 0, 1)
@@ -13792,7 +13792,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t16 = oe.contract('abcc,abc->ab', dA, t10)
     return (1/(L*n_batch)) * (t16 * t15).sum()
@@ -13829,26 +13829,26 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t22 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t22 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t23 = np.swapaxes(M_1, -1, -2)
     t24 = np.exp(t11 - t11.max(-1, keepdims=True))
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA27 = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
+    dA27 = (np.reshape((np.reshape(A25.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t26, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
     t28 = np.swapaxes(W_V, -1, -2)
     t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
     t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t31 = np.reshape((t28.transpose(1, 0) @ np.reshape(dA27.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t32 = (t31.transpose(1, 2, 3, 0) @ M_2)
     t33 = np.reshape((np.reshape(t32, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t34 = (np.reshape((np.reshape(t33, (n_batch, L, d_V, d_K, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t34 = (np.reshape((np.reshape(t33.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -13883,7 +13883,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t16.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13898,7 +13898,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A29 = t28 / t28.sum(-1, keepdims=True)
     t30 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA31 = (np.reshape((np.reshape(t30, (d_V, d_V, 1)) * np.reshape(A29.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A29, (n_batch, L, d_V, 1)) * np.reshape(A29, (n_batch, L, 1, d_V)))
+    dA31 = (np.reshape((np.reshape(A29.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t30, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A29, (n_batch, L, d_V, 1)) * np.reshape(A29, (n_batch, L, 1, d_V)))
     t32 = np.swapaxes(W_V, -1, -2)
     t33 = np.reshape((np.reshape(dA31, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t34 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13949,7 +13949,7 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13962,7 +13962,7 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A26 = t25 / t25.sum(-1, keepdims=True)
     t27 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA28 = (np.reshape((np.reshape(t27, (d_V, d_V, 1)) * np.reshape(A26.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A26, (n_batch, L, d_V, 1)) * np.reshape(A26, (n_batch, L, 1, d_V)))
+    dA28 = (np.reshape((np.reshape(A26.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t27, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A26, (n_batch, L, d_V, 1)) * np.reshape(A26, (n_batch, L, 1, d_V)))
     t29 = np.swapaxes(W_V, -1, -2)
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
     t31 = np.reshape((np.reshape(dA28, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -14003,7 +14003,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t16.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14018,7 +14018,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A29 = t28 / t28.sum(-1, keepdims=True)
     t30 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA31 = (np.reshape((np.reshape(t30, (d_V, d_V, 1)) * np.reshape(A29.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A29, (n_batch, L, d_V, 1)) * np.reshape(A29, (n_batch, L, 1, d_V)))
+    dA31 = (np.reshape((np.reshape(A29.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t30, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A29, (n_batch, L, d_V, 1)) * np.reshape(A29, (n_batch, L, 1, d_V)))
     t32 = np.swapaxes(W_V, -1, -2)
     t33 = np.reshape((np.reshape(dA31, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t34 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14064,11 +14064,11 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
-    t17 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t18 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -14096,7 +14096,7 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14123,7 +14123,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -14133,7 +14133,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -14167,7 +14167,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t44 = t43 - (A * t43).sum(-1, keepdims=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t45.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t45.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
     t46 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t48 = t20 * t47
@@ -14206,7 +14206,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -14216,7 +14216,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -14252,7 +14252,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t46 = t45 @ X
     t47 = t1 @ t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t45.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t45.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t47.sum((0,))), (n_batch, L, d_V))
     t49 = (t48 @ X.transpose(0, 2, 1))
     t50 = np.reshape((np.reshape(t49, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -14306,7 +14306,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -14316,7 +14316,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t18 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -14373,7 +14373,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -14383,7 +14383,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -14420,7 +14420,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t48 = t47 @ X
     t49 = t1 @ t48
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t46.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t49.sum((0,))), (n_batch, L, d_V))
     t51 = (t50 @ X.transpose(0, 2, 1))
     t52 = np.reshape((np.reshape(t51.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -14474,7 +14474,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -14484,7 +14484,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -14518,7 +14518,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdims=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t46.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t49 = np.reshape((np.reshape(t47, (L*n_batch, d_K)) @ np.reshape(t47.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14558,7 +14558,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -14568,7 +14568,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -14634,11 +14634,11 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA17 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
@@ -14703,11 +14703,11 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA17 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
@@ -14772,7 +14772,7 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14878,7 +14878,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -14891,7 +14891,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -14900,9 +14900,9 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t26 = (t25 @ M_2)
     t27 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t28 = (t27 @ t26)
-    t29 = (np.reshape((np.reshape(t28, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t29, (d_K**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
     t33 = ((t27 @ t26)).transpose(2, 3, 0, 1)
@@ -14916,7 +14916,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t40 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t41 = ((t40 @ t24)).transpose(2, 3, 0, 1)
     t42 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t37[...] = (np.reshape((np.reshape(t41, (d_K*d_V, L*n_batch)) @ np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t37[...] = (np.reshape((np.reshape(t42, (d_V**2, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
     t45 = np.swapaxes(W_Q, -1, -2)
@@ -14925,10 +14925,10 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t48 = (t24.transpose(0, 1, 3, 2) @ t47.transpose(1, 2, 0, 3))
     t49 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t50 = (t49 @ t48)
-    t51 = (np.reshape((np.reshape(t50.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t51 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t50.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t52 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t46.transpose(1, 0)), (n_batch, L, d_K))
     t53 = ((np.reshape(t52, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t44[...] = (np.reshape((np.reshape(t51, (d_K*d_V, L*n_batch)) @ np.reshape(t53.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t44[...] = (np.reshape((np.reshape(t53, (d_K*d_V, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t55 = np.reshape(t54, (d_V, d_K, d_V, d_K), copy=False)
     t56 = ((t49 @ t48)).transpose(3, 2, 0, 1)
@@ -14940,7 +14940,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t61 = ((t24.transpose(0, 1, 3, 2) @ t47.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t62 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t60.transpose(1, 0)), (n_batch, L, d_K))
     t63 = ((np.reshape(t62, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t59[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t63.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t59[...] = (np.reshape((np.reshape(t63, (d_K*d_V, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t65 = np.reshape(t64, (d_V, d_V, d_V, d_K), copy=False)
     t66 = np.swapaxes(M_1, -1, -2)
@@ -14949,7 +14949,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t69 = np.reshape((t21.transpose(1, 0) @ np.reshape(dA20.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t70 = (t69.transpose(1, 2, 3, 0) @ M_2)
     t71 = np.reshape((np.reshape(t70, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t72 = (np.reshape((np.reshape(t71, (n_batch, L, d_V, d_K, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t72 = (np.reshape((np.reshape(t71.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
     t65[...] = (np.reshape((np.reshape(t68, (d_V**2, L*n_batch)) @ np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t74 = np.reshape(t73, (d_V, d_V, d_V, d_K), copy=False)
@@ -14959,9 +14959,9 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t78 = np.reshape(t77, (d_V, d_V, d_V, d_V), copy=False)
     t79 = (1/(L*n_batch)) * t66
-    t80 = (np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t80 = (np.reshape((np.reshape(dA20.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t81 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t79.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t78[...] = (np.reshape((np.reshape(t80, (d_V**2, L*n_batch)) @ np.reshape(t81.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t78[...] = (np.reshape((np.reshape(t81, (d_V**2, L*n_batch)) @ np.reshape(t80.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -15039,7 +15039,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -15049,7 +15049,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -15148,7 +15148,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15161,7 +15161,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (X * X).transpose(2, 0, 1)
@@ -15194,7 +15194,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15207,7 +15207,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -15240,7 +15240,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15253,7 +15253,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -15262,9 +15262,9 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t25 = (t24 @ M_2)
     t26 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t27 = (t26 @ t25)
-    t28 = (np.reshape((np.reshape(t27, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t27.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t28, (d_K**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t29, (d_V**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -15286,7 +15286,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -15296,7 +15296,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -15342,7 +15342,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15355,7 +15355,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -15388,7 +15388,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -15398,7 +15398,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -15444,7 +15444,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15457,14 +15457,14 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t22 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t23 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t24 = ((t23 @ t22)).transpose(2, 3, 0, 1)
     t25 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -15486,7 +15486,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -15496,7 +15496,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -15534,7 +15534,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15547,7 +15547,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -15581,7 +15581,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15594,7 +15594,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (M_2 @ M_2.transpose(0, 1, 3, 2))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -15628,7 +15628,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15641,7 +15641,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -15649,10 +15649,10 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t25 = (t24.transpose(0, 1, 3, 2) @ t23.transpose(1, 2, 0, 3))
     t26 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t27 = (t26 @ t25)
-    t28 = (np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t27.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t29 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
     t30 = ((np.reshape(t29, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t30, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -15675,7 +15675,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -15685,7 +15685,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -15732,7 +15732,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15745,7 +15745,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -15779,7 +15779,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -15789,7 +15789,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -15836,7 +15836,7 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15849,14 +15849,14 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t23 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t24 = ((t23.transpose(0, 1, 3, 2) @ t22.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t25 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_K))
     t26 = ((np.reshape(t25, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -15879,7 +15879,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -15889,7 +15889,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -15934,7 +15934,7 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
     t19 = (M_1 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
     t20 = (oe.contract('abcc,abc->abc', dA, t13)).transpose(2, 0, 1)
@@ -15968,7 +15968,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t18 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t18 * t17).sum()
@@ -16002,11 +16002,11 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA20 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA20.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16015,7 +16015,7 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t24 = np.reshape((t18.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t25 = (t24.transpose(1, 2, 3, 0) @ M_2)
     t26 = np.reshape((np.reshape(t25, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t27 = (np.reshape((np.reshape(t26, (n_batch, L, d_V, d_K, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t27 = (np.reshape((np.reshape(t26.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
     t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -16046,11 +16046,11 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA19 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V))
@@ -16095,11 +16095,11 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA20 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA20.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16139,11 +16139,11 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA19 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V))
@@ -16188,11 +16188,11 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
-    t19 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t19 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t20 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -16222,7 +16222,7 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -16271,15 +16271,15 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t2
     t28 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t29 = (np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t29, (d_K**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
     t33 = np.reshape((t27 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -16295,7 +16295,7 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t42 = np.reshape(t41, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t43 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t43.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16307,12 +16307,12 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
     t49 = np.swapaxes(W_Q, -1, -2)
     t50 = (1/(d_K*n_batch)) * t49
-    t51 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t51 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t52 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t50.transpose(1, 0)), (n_batch, L, d_K))
     t53 = ((np.reshape(t52, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t54 = np.einsum('abcb->abc', t48)
     t55 = np.swapaxes(t38, -1, -2)
-    t48[...] = (np.reshape((np.reshape(t51, (d_K*d_V, L*n_batch)) @ np.reshape(t53.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t48[...] = (np.reshape((np.reshape(t53, (d_K*d_V, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t54 += (np.reshape((np.reshape(t40, (d_K, 1)) * np.reshape(t55.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t57 = np.reshape(t56, (d_V, d_K, d_V, d_K), copy=False)
@@ -16331,7 +16331,7 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t68 = np.swapaxes(G, -1, -2)
     t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
     t70 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t71 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t71 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t67[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t73 = np.reshape(t72, (d_V, d_V, d_V, d_K), copy=False)
@@ -16446,7 +16446,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t25 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t26 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -16474,7 +16474,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t48 = (n_batch**(-2)) * (t37.sum((0,)) * t37.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t42 * t40).sum() + (1/(d_K**2*n_batch**2)) * (t47 * t44.transpose(0, 2, 3, 1)).sum()
     t49 = np.sqrt(np.maximum(t48, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t50 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t51 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t52 = t51 * t27
@@ -16560,7 +16560,7 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16607,7 +16607,7 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16654,15 +16654,15 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t26 = (1/(d_K*n_batch)) * t1
     t27 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t26.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t28 = (np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t27.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t28, (d_K**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t29, (d_V**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -16701,7 +16701,7 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t25 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t26 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -16754,7 +16754,7 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16809,7 +16809,7 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = t0 @ t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t24.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -16849,7 +16849,7 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16890,7 +16890,7 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -16955,7 +16955,7 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17004,7 +17004,7 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17052,12 +17052,12 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
-    t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t29 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_K))
     t30 = ((np.reshape(t29, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t31 = np.einsum('abcb->abc', t0)
@@ -17066,7 +17066,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t34 = t2 @ t33
     t35 = np.ones((d_K,), dtype=X.dtype)
     t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
-    t0[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t30, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t31 += (np.reshape((np.reshape(t36, (d_K, 1)) * np.reshape(t34.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -17110,7 +17110,7 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t26 = np.swapaxes(W_Q, -1, -2)
     t27 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t27, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.sum((0,))), (n_batch, L, d_V))
     t29 = (t28 @ X.transpose(0, 2, 1))
     t30 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -17168,7 +17168,7 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17217,7 +17217,7 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t27 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17254,7 +17254,7 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17297,7 +17297,7 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -17377,13 +17377,13 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(G, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -17419,7 +17419,7 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17467,7 +17467,7 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(G, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17510,7 +17510,7 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17566,7 +17566,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17579,7 +17579,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -17588,7 +17588,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t26 = (t25 @ M_2)
     t27 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t28 = (t27 @ t26)
-    t29 = (np.reshape((np.reshape(t28, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     F = t16
     t31 = np.exp(F - F.max(-1, keepdims=True))
@@ -17602,21 +17602,21 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t39.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
     t40 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t41 = (1/(d_K*n_batch)) * t2
     t42 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t41.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t43 = (np.reshape((np.reshape(t42.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t43 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t42.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t44 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t45 = np.reshape(t29, (d_K**2, L*n_batch))
-    t46 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t47 = np.reshape(t43, (d_K**2, L*n_batch))
-    t48 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t45 = np.reshape(t30, (d_V**2, L*n_batch))
+    t46 = np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t47 = np.reshape(t44, (d_V**2, L*n_batch))
+    t48 = np.reshape(t43.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t49 = np.concatenate([t45, t47], axis=-1)
     t50 = np.concatenate([t46, t48], axis=-2)
-    t1[...] = (np.reshape((t49 @ t50), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((t49 @ t50), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t51 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
     t53 = np.reshape((t41 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -17647,13 +17647,13 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t76 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t77 = np.reshape((t76 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t78 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t70[...] = (np.reshape((np.reshape(t74, (d_K*d_V, L*n_batch)) @ np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t70[...] = (np.reshape((np.reshape(t75, (d_V**2, L*n_batch)) @ np.reshape(t74.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t70 += (np.reshape((np.reshape(t77, (d_K*d_V, L*n_batch)) @ np.reshape(t78.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t79 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t80 = np.reshape(t79, (d_V, d_K, d_V, d_K), copy=False)
     t81 = np.swapaxes(W_Q, -1, -2)
     t82 = (1/(d_K*n_batch)) * t81
-    t83 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t83 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t84 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t82.transpose(1, 0)), (n_batch, L, d_K))
     t85 = ((np.reshape(t84, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t86 = (1/(L*d_K*n_batch)) * t81
@@ -17661,18 +17661,18 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t88 = (t24.transpose(0, 1, 3, 2) @ t87.transpose(1, 2, 0, 3))
     t89 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t90 = (t89 @ t88)
-    t91 = (np.reshape((np.reshape(t90.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t91 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t90.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t92 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t86.transpose(1, 0)), (n_batch, L, d_K))
     t93 = ((np.reshape(t92, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t94 = np.einsum('abcb->abc', t80)
     t95 = np.swapaxes(t60, -1, -2)
-    t96 = np.reshape(t83, (d_K*d_V, L*n_batch))
-    t97 = np.reshape(t85.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t98 = np.reshape(t91, (d_K*d_V, L*n_batch))
-    t99 = np.reshape(t93.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t96 = np.reshape(t85, (d_K*d_V, L*n_batch))
+    t97 = np.reshape(t83.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t98 = np.reshape(t93, (d_K*d_V, L*n_batch))
+    t99 = np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t100 = np.concatenate([t96, t98], axis=-1)
     t101 = np.concatenate([t97, t99], axis=-2)
-    t80[...] = (np.reshape((t100 @ t101), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t80[...] = (np.reshape((t100 @ t101), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t94 += (np.reshape((np.reshape(t62, (d_K, 1)) * np.reshape(t95.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t102 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t103 = np.reshape(t102, (d_V, d_K, d_V, d_K), copy=False)
@@ -17697,21 +17697,21 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t121 = M_2.transpose(3, 2, 0, 1)
     t122 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t120.transpose(1, 0)), (n_batch, L, d_K))
     t123 = ((np.reshape(t122, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t115[...] = (np.reshape((np.reshape(t117, (d_V**2, L*n_batch)) @ np.reshape(t119.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t115[...] = (np.reshape((np.reshape(t119, (d_K*d_V, L*n_batch)) @ np.reshape(t117.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t115 += (np.reshape((np.reshape(t121, (d_V**2, L*n_batch)) @ np.reshape(t123.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t125 = np.reshape(t124, (d_V, d_V, d_V, d_K), copy=False)
     t126 = np.swapaxes(G, -1, -2)
     t127 = (1/(math.sqrt(d_K)*n_batch)) * t126
     t128 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t127.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t129 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t129 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t130 = np.swapaxes(M_1, -1, -2)
     t131 = (1/(L*math.sqrt(d_K)*n_batch)) * t130
     t132 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t131.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t133 = np.reshape((t21.transpose(1, 0) @ np.reshape(dA20.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t134 = (t133.transpose(1, 2, 3, 0) @ M_2)
     t135 = np.reshape((np.reshape(t134, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t136 = (np.reshape((np.reshape(t135, (n_batch, L, d_V, d_K, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t136 = (np.reshape((np.reshape(t135.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
     t125[...] = (np.reshape((np.reshape(t128, (d_V**2, L*n_batch)) @ np.reshape(t129.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t125 += (np.reshape((np.reshape(t132, (d_V**2, L*n_batch)) @ np.reshape(t136.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t137 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
@@ -17725,9 +17725,9 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t143 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t144 = np.reshape(t143, (d_V, d_V, d_V, d_V), copy=False)
     t145 = (1/(L*n_batch)) * t130
-    t146 = (np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t146 = (np.reshape((np.reshape(dA20.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t147 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t145.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t144[...] = (np.reshape((np.reshape(t146, (d_V**2, L*n_batch)) @ np.reshape(t147.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t144[...] = (np.reshape((np.reshape(t147, (d_V**2, L*n_batch)) @ np.reshape(t146.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -17829,7 +17829,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -17839,7 +17839,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -17872,7 +17872,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdims=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t46.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t48 = t22 * t47
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -18054,7 +18054,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18067,7 +18067,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (X * X).transpose(2, 0, 1)
@@ -18090,7 +18090,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t38.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
     t39 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18121,7 +18121,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18134,7 +18134,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -18156,7 +18156,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdims=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t36.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t36.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
     t37 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18185,7 +18185,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18198,7 +18198,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -18207,7 +18207,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = (t24 @ M_2)
     t26 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t27 = (t26 @ t25)
-    t28 = (np.reshape((np.reshape(t27, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t27.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     F = t15
     t30 = np.exp(F - F.max(-1, keepdims=True))
@@ -18221,21 +18221,21 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t38.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
     t39 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t40 = (1/(d_K*n_batch)) * t1
     t41 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t40.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t42 = (np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t42 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t41.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t43 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t44 = np.reshape(t28, (d_K**2, L*n_batch))
-    t45 = np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t46 = np.reshape(t42, (d_K**2, L*n_batch))
-    t47 = np.reshape(t43.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t44 = np.reshape(t29, (d_V**2, L*n_batch))
+    t45 = np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t46 = np.reshape(t43, (d_V**2, L*n_batch))
+    t47 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t48 = np.concatenate([t44, t46], axis=-1)
     t49 = np.concatenate([t45, t47], axis=-2)
-    t0[...] = (np.reshape((t48 @ t49), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((t48 @ t49), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -18257,7 +18257,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -18267,7 +18267,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -18300,7 +18300,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdims=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t46.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t48 = t22 * t47
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -18356,7 +18356,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18365,7 +18365,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t29 = ((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t30 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18373,7 +18373,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A32 = t31 / t31.sum(-1, keepdims=True)
     t33 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = (np.reshape((np.reshape(t33, (d_V, d_V, 1)) * np.reshape(A32.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A32, (n_batch, L, d_V, 1)) * np.reshape(A32, (n_batch, L, 1, d_V)))
+    dA34 = (np.reshape((np.reshape(A32.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t33, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A32, (n_batch, L, d_V, 1)) * np.reshape(A32, (n_batch, L, 1, d_V)))
     t35 = (1/(L*d_K*n_batch)) * t1
     t36 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t35.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t37 = np.reshape((np.reshape(dA34, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -18435,7 +18435,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = t0 @ t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t24.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -18443,7 +18443,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t31 = (t30.transpose(1, 2, 0) @ t29.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18451,7 +18451,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A34 = t33 / t33.sum(-1, keepdims=True)
     t35 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = (np.reshape((np.reshape(t35, (d_V, d_V, 1)) * np.reshape(A34.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))
+    dA36 = (np.reshape((np.reshape(A34.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t35, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))
     t37 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t24.sum((0,))), (n_batch, L, d_V))
     t38 = np.reshape((np.reshape(t37, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
     t39 = np.reshape((np.reshape(dA36, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -18518,7 +18518,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18531,7 +18531,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t22 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -18548,7 +18548,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t32 = np.reshape((t31 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t33 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t32, (d_K*d_V, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -18571,7 +18571,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -18581,7 +18581,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -18637,7 +18637,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18650,7 +18650,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -18673,7 +18673,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t39.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
     t40 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18705,7 +18705,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18718,7 +18718,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (M_2 @ M_2.transpose(0, 1, 3, 2))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -18740,7 +18740,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18788,16 +18788,16 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
-    t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t29 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_K))
     t30 = ((np.reshape(t29, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t31 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t31.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18805,14 +18805,14 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A33 = t32 / t32.sum(-1, keepdims=True)
     t34 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA35 = (np.reshape((np.reshape(t34, (d_V, d_V, 1)) * np.reshape(A33.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A33, (n_batch, L, d_V, 1)) * np.reshape(A33, (n_batch, L, 1, d_V)))
+    dA35 = (np.reshape((np.reshape(A33.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t34, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A33, (n_batch, L, d_V, 1)) * np.reshape(A33, (n_batch, L, 1, d_V)))
     t36 = (1/(L*d_K*n_batch)) * t1
     t37 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t38 = np.reshape((np.reshape(dA35, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t39 = (t38.transpose(0, 1, 3, 2) @ t37.transpose(1, 2, 0, 3))
     t40 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t41 = (t40 @ t39)
-    t42 = (np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t42 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t41.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t43 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t36.transpose(1, 0)), (n_batch, L, d_K))
     t44 = ((np.reshape(t43, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t45 = np.einsum('abcb->abc', t0)
@@ -18821,13 +18821,13 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t48 = t2 @ t47
     t49 = np.ones((d_K,), dtype=X.dtype)
     t50 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t51 = np.reshape(t28, (d_K*d_V, L*n_batch))
-    t52 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t53 = np.reshape(t42, (d_K*d_V, L*n_batch))
-    t54 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t51 = np.reshape(t30, (d_K*d_V, L*n_batch))
+    t52 = np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t53 = np.reshape(t44, (d_K*d_V, L*n_batch))
+    t54 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t55 = np.concatenate([t51, t53], axis=-1)
     t56 = np.concatenate([t52, t54], axis=-2)
-    t0[...] = (np.reshape((t55 @ t56), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((t55 @ t56), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t45 += (np.reshape((np.reshape(t50, (d_K, 1)) * np.reshape(t48.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -18871,7 +18871,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = np.swapaxes(W_Q, -1, -2)
     t27 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t27, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.sum((0,))), (n_batch, L, d_V))
     t29 = (t28 @ X.transpose(0, 2, 1))
     t30 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -18879,7 +18879,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t32 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t33 = (t32.transpose(1, 2, 0) @ t31.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t27, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t34 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18887,7 +18887,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A36 = t35 / t35.sum(-1, keepdims=True)
     t37 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = (np.reshape((np.reshape(t37, (d_V, d_V, 1)) * np.reshape(A36.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A36, (n_batch, L, d_V, 1)) * np.reshape(A36, (n_batch, L, 1, d_V)))
+    dA38 = (np.reshape((np.reshape(A36.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t37, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A36, (n_batch, L, d_V, 1)) * np.reshape(A36, (n_batch, L, 1, d_V)))
     t39 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t25.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
     t40 = np.reshape((np.reshape(t39, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
     t41 = np.reshape((np.reshape(dA38, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -18955,7 +18955,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18968,7 +18968,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -18991,7 +18991,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t39.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
     t40 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -19028,7 +19028,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -19038,7 +19038,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -19071,7 +19071,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t46 = t45 - (A * t45).sum(-1, keepdims=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t47.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t47.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t50 = np.reshape((np.reshape(t49, (L*n_batch, d_K)) @ np.reshape(t21.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19111,7 +19111,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -19124,7 +19124,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t23 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -19142,7 +19142,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t33 = M_2.transpose(3, 2, 0, 1)
     t34 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t32.transpose(1, 0)), (n_batch, L, d_K))
     t35 = ((np.reshape(t34, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t33, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -19166,7 +19166,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -19176,7 +19176,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -19241,7 +19241,7 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
     t19 = (M_1 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
     t20 = (oe.contract('abcc,abc->abc', dA, t13)).transpose(2, 0, 1)
@@ -19275,7 +19275,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t18 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t18 * t17).sum()
@@ -19314,26 +19314,26 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(G, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t25 = np.swapaxes(M_1, -1, -2)
     t26 = np.exp(t13 - t13.max(-1, keepdims=True))
     A27 = t26 / t26.sum(-1, keepdims=True)
     t28 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA29 = (np.reshape((np.reshape(t28, (d_V, d_V, 1)) * np.reshape(A27.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A27, (n_batch, L, d_V, 1)) * np.reshape(A27, (n_batch, L, 1, d_V)))
+    dA29 = (np.reshape((np.reshape(A27.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t28, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A27, (n_batch, L, d_V, 1)) * np.reshape(A27, (n_batch, L, 1, d_V)))
     t30 = np.swapaxes(W_V, -1, -2)
     t31 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
     t32 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t33 = np.reshape((t30.transpose(1, 0) @ np.reshape(dA29.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t34 = (t33.transpose(1, 2, 3, 0) @ M_2)
     t35 = np.reshape((np.reshape(t34, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t36 = (np.reshape((np.reshape(t35, (n_batch, L, d_V, d_K, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t36 = (np.reshape((np.reshape(t35.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
     t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t32, (d_V**2, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -19370,7 +19370,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19385,7 +19385,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdims=True)
     t32 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = (np.reshape((np.reshape(t32, (d_V, d_V, 1)) * np.reshape(A31.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
+    dA33 = (np.reshape((np.reshape(A31.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t32, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
     t34 = np.swapaxes(W_V, -1, -2)
     t35 = np.reshape((np.reshape(dA33, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t36 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19438,7 +19438,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(G, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -19451,7 +19451,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A28 = t27 / t27.sum(-1, keepdims=True)
     t29 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA30 = (np.reshape((np.reshape(t29, (d_V, d_V, 1)) * np.reshape(A28.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A28, (n_batch, L, d_V, 1)) * np.reshape(A28, (n_batch, L, 1, d_V)))
+    dA30 = (np.reshape((np.reshape(A28.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t29, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A28, (n_batch, L, d_V, 1)) * np.reshape(A28, (n_batch, L, 1, d_V)))
     t31 = np.swapaxes(W_V, -1, -2)
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
     t33 = np.reshape((np.reshape(dA30, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -19494,7 +19494,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19509,7 +19509,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdims=True)
     t32 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = (np.reshape((np.reshape(t32, (d_V, d_V, 1)) * np.reshape(A31.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
+    dA33 = (np.reshape((np.reshape(A31.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t32, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
     t34 = np.swapaxes(W_V, -1, -2)
     t35 = np.reshape((np.reshape(dA33, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t36 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19557,11 +19557,11 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
-    t19 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t19 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t20 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -19591,7 +19591,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19620,7 +19620,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -19630,7 +19630,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -19664,7 +19664,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t46 = t45 - (A * t45).sum(-1, keepdims=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t47.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t47.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t50 = t22 * t49
@@ -19705,7 +19705,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -19715,7 +19715,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -19751,7 +19751,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t48 = t47 @ X
     t49 = t1 @ t48
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t47.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t47.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t49.sum((0,))), (n_batch, L, d_V))
     t51 = (t50 @ X.transpose(0, 2, 1))
     t52 = np.reshape((np.reshape(t51, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -19807,7 +19807,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -19817,7 +19817,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -19876,7 +19876,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -19886,7 +19886,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -19923,7 +19923,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t50 = t49 @ X
     t51 = t1 @ t50
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t48.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t48.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))
     t52 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t51.sum((0,))), (n_batch, L, d_V))
     t53 = (t52 @ X.transpose(0, 2, 1))
     t54 = np.reshape((np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -19979,7 +19979,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -19989,7 +19989,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -20023,7 +20023,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t47 = t46 - (A * t46).sum(-1, keepdims=True)
     t48 = A * t47
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t48.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t48.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t51 = np.reshape((np.reshape(t49, (L*n_batch, d_K)) @ np.reshape(t49.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -20065,7 +20065,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -20075,7 +20075,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -20143,11 +20143,11 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA19 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V))
@@ -20214,11 +20214,11 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA19 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V))
@@ -20285,7 +20285,7 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))

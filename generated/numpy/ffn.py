@@ -78,7 +78,7 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t8 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
     t9 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4, (n_batch, L, 1, d_ff)))
     t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t8, (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))
-    t1[...] = (np.reshape((np.reshape(t10.transpose(1, 2, 0, 3), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t6.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(3, 1, 2, 0)
+    t1[...] = (np.reshape((np.reshape(t10.transpose(2, 1, 3, 0), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t6, (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(2, 0, 3, 1)
     t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t12 = np.reshape(t11, (d_V, d_ff, d_ff, d_V), copy=False)
     t13 = (t3 * np.heaviside(t3, 0.0))
@@ -227,7 +227,7 @@ def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t7 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
     t8 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3, (n_batch, L, 1, d_ff)))
     t9 = np.reshape((np.reshape(t8.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t7, (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))
-    t0[...] = (np.reshape((np.reshape(t9.transpose(1, 2, 0, 3), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(3, 1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t9.transpose(2, 1, 3, 0), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t5, (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -725,7 +725,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t8 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
     t9 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4, (n_batch, L, 1, d_ff)))
     t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t8, (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))
-    t1[...] = (np.reshape((np.reshape(t10.transpose(1, 2, 0, 3), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t6.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(3, 1, 2, 0)
+    t1[...] = (np.reshape((np.reshape(t10.transpose(2, 1, 3, 0), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t6, (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(2, 0, 3, 1)
     t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t12 = np.reshape(t11, (d_V, d_ff, d_ff, d_V), copy=False)
     t13 = (t3 * np.heaviside(t3, 0.0))
@@ -924,7 +924,7 @@ def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t7 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
     t8 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3, (n_batch, L, 1, d_ff)))
     t9 = np.reshape((np.reshape(t8.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t7, (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))
-    t0[...] = (np.reshape((np.reshape(t9.transpose(1, 2, 0, 3), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(3, 1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t9.transpose(2, 1, 3, 0), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t5, (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(2, 0, 3, 1)
     return out
 
 
@@ -1420,7 +1420,7 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = (1/(L*n_batch)) * t2
     t13 = X.transpose(2, 0, 1)
@@ -1429,13 +1429,13 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
     t17 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(t16, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t4, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t19 = ((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t17, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
+    t19 = ((np.reshape(t18.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t17.transpose(2, 0, 1, 3), (d_ff, n_batch, L, 1, d_V)))).transpose(4, 0, 3, 1, 2)
     t1[...] = (np.reshape((np.reshape(t13, (d_V, L*n_batch)) @ np.reshape(t19.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(1, 2, 0, 3)
     t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t21 = np.reshape(t20, (d_V, d_ff, d_ff, d_V), copy=False)
     t22 = t7.transpose(2, 0, 1)
     t23 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t24 = ((np.reshape(t17, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
+    t24 = ((np.reshape(t17.transpose(2, 0, 1, 3), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t23.transpose(3, 0, 1, 2), (d_ff, n_batch, L, 1, d_V)))).transpose(3, 0, 4, 1, 2)
     t21[...] = (np.reshape((np.reshape(t22, (d_ff, L*n_batch)) @ np.reshape(t24.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V**2*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(1, 2, 0, 3)
     t25 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t26 = np.reshape(t25, (d_ff, d_V, d_V, d_ff), copy=False)
@@ -1445,13 +1445,13 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t30 = np.reshape((t11.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
     t31 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
     t32 = np.reshape((np.reshape(t30, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
-    t33 = ((np.reshape(t32.transpose(1, 2, 3, 0), (n_batch, L, d_V, d_ff, 1)) * np.reshape(t31, (n_batch, L, d_V, 1, d_ff)))).transpose(4, 2, 3, 0, 1)
+    t33 = ((np.reshape(t32.transpose(3, 1, 2, 0), (d_V, n_batch, L, d_ff, 1)) * np.reshape(t31.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_ff)))).transpose(4, 0, 3, 1, 2)
     t26[...] = (np.reshape((np.reshape(t13, (d_V, L*n_batch)) @ np.reshape(t33.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_ff, d_V, d_ff))).transpose(1, 2, 0, 3)
     t34 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t35 = np.reshape(t34, (d_ff, d_V, d_ff, d_V), copy=False)
-    t36 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t36 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t6.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t37 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t35[...] = (np.reshape((np.reshape(t36, (d_V**2, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(2, 0, 3, 1)
+    t35[...] = (np.reshape((np.reshape(t37, (d_ff**2, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -1507,7 +1507,7 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
@@ -1563,7 +1563,7 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = X * t11.transpose(0, 2, 1)
@@ -1593,7 +1593,7 @@ def ce_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t11 = t2 * t2
@@ -1623,7 +1623,7 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = X.transpose(2, 0, 1)
@@ -1632,7 +1632,7 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
     t16 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(t15, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t3, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t18 = ((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t16, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
+    t18 = ((np.reshape(t17.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t16.transpose(2, 0, 1, 3), (d_ff, n_batch, L, 1, d_V)))).transpose(4, 0, 3, 1, 2)
     t0[...] = (np.reshape((np.reshape(t12, (d_V, L*n_batch)) @ np.reshape(t18.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(1, 2, 0, 3)
     return out
 
@@ -1654,7 +1654,7 @@ def ce_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
@@ -1690,13 +1690,13 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = (1/(L*n_batch)) * t1
     t11 = t6.transpose(2, 0, 1)
     t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t13 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
     t14 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t15 = ((np.reshape(t14, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
+    t15 = ((np.reshape(t14.transpose(2, 0, 1, 3), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t13.transpose(3, 0, 1, 2), (d_ff, n_batch, L, 1, d_V)))).transpose(3, 0, 4, 1, 2)
     t0[...] = (np.reshape((np.reshape(t11, (d_ff, L*n_batch)) @ np.reshape(t15.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V**2*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(1, 2, 0, 3)
     return out
 
@@ -1718,7 +1718,7 @@ def ce_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t11 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1752,7 +1752,7 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
     t13 = (t8 * t12.transpose(0, 2, 1)).transpose(2, 0, 1)
     t14 = (oe.contract('abcc,abc->abc', dA, t6)).transpose(2, 0, 1)
@@ -1779,7 +1779,7 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.reshape((np.reshape(t7, (n_batch, L, 1, d_ff)) @ np.reshape(t3.transpose(0, 2, 1), (n_batch, L, d_ff, 1))), (n_batch, L))
     t12 = oe.contract('abcc,abc->ab', dA, t5)
     return (1/(L*n_batch)) * (t12 * t11).sum()
@@ -1806,7 +1806,7 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t12 = np.swapaxes(W_2, -1, -2)
     t13 = np.heaviside(t3, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
@@ -1815,7 +1815,7 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t17 = np.reshape((t12.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
     t18 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
     t19 = np.reshape((np.reshape(t17, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
-    t20 = ((np.reshape(t19.transpose(1, 2, 3, 0), (n_batch, L, d_V, d_ff, 1)) * np.reshape(t18, (n_batch, L, d_V, 1, d_ff)))).transpose(4, 2, 3, 0, 1)
+    t20 = ((np.reshape(t19.transpose(3, 1, 2, 0), (d_V, n_batch, L, d_ff, 1)) * np.reshape(t18.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_ff)))).transpose(4, 0, 3, 1, 2)
     t0[...] = (np.reshape((np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t20.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_ff, d_V, d_ff))).transpose(1, 2, 0, 3)
     return out
 
@@ -1839,7 +1839,7 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
@@ -1876,11 +1876,11 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
-    t13 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t13 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t6.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t14 = ((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -1903,7 +1903,7 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2256,7 +2256,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = (1/(L*n_batch)) * t2
     t13 = X.transpose(2, 0, 1)
@@ -2265,13 +2265,13 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
     t17 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(t16, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t4, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t19 = ((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t17, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
+    t19 = ((np.reshape(t18.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t17.transpose(2, 0, 1, 3), (d_ff, n_batch, L, 1, d_V)))).transpose(4, 0, 3, 1, 2)
     t1[...] = (np.reshape((np.reshape(t13, (d_V, L*n_batch)) @ np.reshape(t19.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(1, 2, 0, 3)
     t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t21 = np.reshape(t20, (d_V, d_ff, d_ff, d_V), copy=False)
     t22 = t7.transpose(2, 0, 1)
     t23 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t24 = ((np.reshape(t17, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
+    t24 = ((np.reshape(t17.transpose(2, 0, 1, 3), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t23.transpose(3, 0, 1, 2), (d_ff, n_batch, L, 1, d_V)))).transpose(3, 0, 4, 1, 2)
     t25 = np.einsum('abbc->abc', t21)
     F = t8
     t26 = np.exp(F - F.max(-1, keepdims=True))
@@ -2293,7 +2293,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t39 = np.reshape((t11.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
     t40 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t38.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
     t41 = np.reshape((np.reshape(t39, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
-    t42 = ((np.reshape(t41.transpose(1, 2, 3, 0), (n_batch, L, d_V, d_ff, 1)) * np.reshape(t40, (n_batch, L, d_V, 1, d_ff)))).transpose(4, 2, 3, 0, 1)
+    t42 = ((np.reshape(t41.transpose(3, 1, 2, 0), (d_V, n_batch, L, d_ff, 1)) * np.reshape(t40.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_ff)))).transpose(4, 0, 3, 1, 2)
     t43 = np.einsum('abca->abc', t35)
     t44 = np.swapaxes(G, -1, -2)
     t45 = np.swapaxes(t4, -1, -2)
@@ -2303,9 +2303,9 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t43 += np.reshape((np.reshape(t47, (d_V*d_ff, L*n_batch)) @ np.reshape(t13.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
     t48 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t49 = np.reshape(t48, (d_ff, d_V, d_ff, d_V), copy=False)
-    t50 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t50 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t6.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t51 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t38.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t49[...] = (np.reshape((np.reshape(t50, (d_V**2, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(2, 0, 3, 1)
+    t49[...] = (np.reshape((np.reshape(t51, (d_ff**2, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -2373,7 +2373,7 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
@@ -2453,7 +2453,7 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = X * t11.transpose(0, 2, 1)
@@ -2483,7 +2483,7 @@ def ce_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t11 = t2 * t2
@@ -2513,7 +2513,7 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = X.transpose(2, 0, 1)
@@ -2522,7 +2522,7 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
     t16 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(t15, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t3, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t18 = ((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t16, (n_batch, L, d_ff, 1, d_V)))).transpose(4, 2, 3, 0, 1)
+    t18 = ((np.reshape(t17.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t16.transpose(2, 0, 1, 3), (d_ff, n_batch, L, 1, d_V)))).transpose(4, 0, 3, 1, 2)
     t0[...] = (np.reshape((np.reshape(t12, (d_V, L*n_batch)) @ np.reshape(t18.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(1, 2, 0, 3)
     return out
 
@@ -2544,7 +2544,7 @@ def ce_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
@@ -2580,13 +2580,13 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t9, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = (1/(L*n_batch)) * t1
     t11 = t6.transpose(2, 0, 1)
     t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t13 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
     t14 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t15 = ((np.reshape(t14, (n_batch, L, d_ff, d_V, 1)) * np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(3, 2, 4, 0, 1)
+    t15 = ((np.reshape(t14.transpose(2, 0, 1, 3), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t13.transpose(3, 0, 1, 2), (d_ff, n_batch, L, 1, d_V)))).transpose(3, 0, 4, 1, 2)
     t16 = np.einsum('abbc->abc', t0)
     F = t7
     t17 = np.exp(F - F.max(-1, keepdims=True))
@@ -2620,7 +2620,7 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t11 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2669,7 +2669,7 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
     t13 = (t8 * t12.transpose(0, 2, 1)).transpose(2, 0, 1)
     t14 = (oe.contract('abcc,abc->abc', dA, t6)).transpose(2, 0, 1)
@@ -2696,7 +2696,7 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.reshape((np.reshape(t7, (n_batch, L, 1, d_ff)) @ np.reshape(t3.transpose(0, 2, 1), (n_batch, L, d_ff, 1))), (n_batch, L))
     t12 = oe.contract('abcc,abc->ab', dA, t5)
     return (1/(L*n_batch)) * (t12 * t11).sum()
@@ -2723,7 +2723,7 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t12 = np.swapaxes(W_2, -1, -2)
     t13 = np.heaviside(t3, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
@@ -2732,7 +2732,7 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t17 = np.reshape((t12.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
     t18 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
     t19 = np.reshape((np.reshape(t17, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
-    t20 = ((np.reshape(t19.transpose(1, 2, 3, 0), (n_batch, L, d_V, d_ff, 1)) * np.reshape(t18, (n_batch, L, d_V, 1, d_ff)))).transpose(4, 2, 3, 0, 1)
+    t20 = ((np.reshape(t19.transpose(3, 1, 2, 0), (d_V, n_batch, L, d_ff, 1)) * np.reshape(t18.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_ff)))).transpose(4, 0, 3, 1, 2)
     t21 = np.einsum('abca->abc', t0)
     F = t9
     t22 = np.exp(F - F.max(-1, keepdims=True))
@@ -2768,7 +2768,7 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
@@ -2821,11 +2821,11 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
-    t13 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t13 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t6.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t14 = ((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -2848,7 +2848,7 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2876,7 +2876,7 @@ def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
@@ -2912,7 +2912,7 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t8, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t11 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2964,7 +2964,7 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
@@ -3020,7 +3020,7 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t10, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))

@@ -111,7 +111,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t22 = (2/(L*d_K*d_V*n_batch)) * t19
     t23 = t22.transpose(1, 2, 0)
     t24 = t21.transpose(1, 2, 0)
-    t17[...] = (np.reshape((np.reshape(t23, (d_K*d_V, n_batch)) @ np.reshape(t24.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t17[...] = (np.reshape((np.reshape(t24, (d_K*d_V, n_batch)) @ np.reshape(t23.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t26 = np.reshape(t25, (d_V, d_K, d_V, d_V), copy=False)
     t27 = t18 @ t5
@@ -132,7 +132,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t40 = (2/(L*d_K*d_V*n_batch)) * t38
     t41 = t40.transpose(1, 2, 0)
     t42 = t39.transpose(1, 2, 0)
-    t37[...] = (np.reshape((np.reshape(t41, (d_K*d_V, n_batch)) @ np.reshape(t42.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t37[...] = (np.reshape((np.reshape(t42, (d_K*d_V, n_batch)) @ np.reshape(t41.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
     t45 = t9 @ X
@@ -150,7 +150,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
     t57 = t56.transpose(1, 2, 0)
     t58 = t55.transpose(1, 2, 0)
-    t53[...] = (np.reshape((np.reshape(t57, (d_V**2, n_batch)) @ np.reshape(t58.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t53[...] = (np.reshape((np.reshape(t58, (d_K*d_V, n_batch)) @ np.reshape(t57.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t60 = np.reshape(t59, (d_V, d_V, d_V, d_K), copy=False)
     t61 = np.swapaxes(t30, -1, -2)
@@ -166,7 +166,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t70 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t68
     t71 = t70.transpose(1, 2, 0)
     t72 = t69.transpose(1, 2, 0)
-    t67[...] = (np.reshape((np.reshape(t71, (d_K*d_V, n_batch)) @ np.reshape(t72.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t67[...] = (np.reshape((np.reshape(t72, (d_V**2, n_batch)) @ np.reshape(t71.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t73[...] = 0
     t74 = np.reshape(t73, (d_V, d_V, d_V, d_V), copy=False)
@@ -417,7 +417,7 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_K*d_V*n_batch)) * t3
     t13 = t12.transpose(1, 2, 0)
     t14 = t11.transpose(1, 2, 0)
-    t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, n_batch)) @ np.reshape(t14.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_K*d_V, n_batch)) @ np.reshape(t13.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -563,7 +563,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_K*d_V*n_batch)) * t8
     t13 = t12.transpose(1, 2, 0)
     t14 = t11.transpose(1, 2, 0)
-    t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, n_batch)) @ np.reshape(t14.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_K*d_V, n_batch)) @ np.reshape(t13.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -665,7 +665,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t3
     t14 = t13.transpose(1, 2, 0)
     t15 = t12.transpose(1, 2, 0)
-    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, n_batch)) @ np.reshape(t15.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, n_batch)) @ np.reshape(t14.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -821,7 +821,7 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t10
     t15 = t14.transpose(1, 2, 0)
     t16 = t13.transpose(1, 2, 0)
-    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, n_batch)) @ np.reshape(t16.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, n_batch)) @ np.reshape(t15.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -941,7 +941,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t22
     t25 = t24.transpose(1, 2, 0)
     t26 = t23.transpose(1, 2, 0)
-    t21[...] = (np.reshape((np.reshape(t25, (d_V**2, n_batch)) @ np.reshape(t26.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t21[...] = (np.reshape((np.reshape(t26, (d_K*d_V, n_batch)) @ np.reshape(t25.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t27[...] = 0
     t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
@@ -967,7 +967,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t45 = (1/(math.sqrt(d_K)*n_batch)) * t43
     t46 = t45.transpose(1, 2, 0)
     t47 = t44.transpose(1, 2, 0)
-    t42[...] = (np.reshape((np.reshape(t46, (d_K*d_V, n_batch)) @ np.reshape(t47.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t42[...] = (np.reshape((np.reshape(t47, (d_V**2, n_batch)) @ np.reshape(t46.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
     t50 = np.swapaxes(t37, -1, -2)
@@ -1210,7 +1210,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = (1/(math.sqrt(d_K)*n_batch)) * t11
     t14 = t13.transpose(1, 2, 0)
     t15 = t12.transpose(1, 2, 0)
-    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, n_batch)) @ np.reshape(t15.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, n_batch)) @ np.reshape(t14.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -1454,7 +1454,7 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t3
     t15 = t14.transpose(1, 2, 0)
     t16 = t13.transpose(1, 2, 0)
-    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, n_batch)) @ np.reshape(t16.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, n_batch)) @ np.reshape(t15.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -1617,14 +1617,14 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
     t35 = (np.reshape(t32.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
     t17[...] = (np.reshape((np.reshape(t22, (d_K*d_V, n_batch)) @ np.reshape(t23.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t24 += (np.reshape((np.reshape(t35, (d_V**2, 1)) * np.reshape(t34, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
+    t24 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t35.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
     t38 = t5 @ X
     t39 = T @ X
     t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t41 = ((t39.transpose(0, 2, 1) @ t40.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t42 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t38.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))).transpose(2, 0, 1)
+    t42 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t38.transpose(2, 1, 0), (d_V, d_K*n_batch))), (d_V, d_K, n_batch))).transpose(1, 0, 2)
     t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t44 = t38.transpose(1, 2, 0)
     t45 = ((G.transpose(0, 2, 1) @ t43.transpose(0, 2, 1))).transpose(2, 1, 0)
@@ -1644,7 +1644,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t57 = t56 @ X
     t58 = (np.reshape(t57.transpose(2, 0, 1), (d_V, d_V*n_batch)) @ np.reshape(t48.transpose(0, 2, 1), (d_V*n_batch, d_V)))
     t47[...] = (np.reshape((np.reshape(t53, (d_K*d_V, n_batch)) @ np.reshape(t54.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t55 += (np.reshape((np.reshape(t58, (d_V**2, 1)) * np.reshape(t34, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
+    t55 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t58.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t60 = np.reshape(t59, (d_V, d_K, d_V, d_K), copy=False)
     t61 = t9 @ X
@@ -1660,10 +1660,10 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t70 = t3.transpose(1, 2, 0)
     t71 = ((G.transpose(0, 2, 1) @ t69.transpose(0, 2, 1))).transpose(2, 1, 0)
     t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
-    t73 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t3.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))).transpose(2, 0, 1)
+    t73 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t3.transpose(2, 1, 0), (d_V, d_V*n_batch))), (d_V, d_V, n_batch))).transpose(1, 0, 2)
     t74 = ((t39.transpose(0, 2, 1) @ t72.transpose(0, 2, 1))).transpose(2, 1, 0)
     t68[...] = (np.reshape((np.reshape(t70, (d_V**2, n_batch)) @ np.reshape(t71.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    t68 += (np.reshape((np.reshape(t73, (d_V**2, n_batch)) @ np.reshape(t74.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t68 += (np.reshape((np.reshape(t74, (d_K*d_V, n_batch)) @ np.reshape(t73.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t76 = np.reshape(t75, (d_V, d_V, d_V, d_K), copy=False)
     t77 = np.swapaxes(T, -1, -2)
@@ -1672,7 +1672,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t80 = ((t78.transpose(0, 2, 1) @ t40.transpose(0, 2, 1))).transpose(2, 1, 0)
     t81 = t57.transpose(1, 2, 0)
     t82 = ((t10.transpose(0, 2, 1) @ t43.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t76[...] = (np.reshape((np.reshape(t79, (d_K*d_V, n_batch)) @ np.reshape(t80.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t76[...] = (np.reshape((np.reshape(t80, (d_V**2, n_batch)) @ np.reshape(t79.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t76 += (np.reshape((np.reshape(t81, (d_V**2, n_batch)) @ np.reshape(t82.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t84 = np.reshape(t83, (d_V, d_V, d_V, d_K), copy=False)
@@ -1683,7 +1683,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t89 = np.swapaxes(t48, -1, -2)
     t90 = t89.transpose(1, 2, 0)
     t91 = ((t88.transpose(0, 2, 1) @ t40.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t84[...] = (np.reshape((np.reshape(t86, (d_K*d_V, n_batch)) @ np.reshape(t87.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t84[...] = (np.reshape((np.reshape(t87, (d_V**2, n_batch)) @ np.reshape(t86.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t84 += (np.reshape((np.reshape(t90, (d_V**2, n_batch)) @ np.reshape(t91.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t92[...] = 0
@@ -2020,7 +2020,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
     t25 = (np.reshape(t22.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t12, (d_K*d_V, n_batch)) @ np.reshape(t13.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t14 += (np.reshape((np.reshape(t25, (d_V**2, 1)) * np.reshape(t24, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
+    t14 += (np.reshape((np.reshape(t24, (d_K, 1)) * np.reshape(t25.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -2081,7 +2081,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = T @ X
     t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t10 = ((t8.transpose(0, 2, 1) @ t9.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t11 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t4.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))).transpose(2, 0, 1)
+    t11 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t4.transpose(2, 1, 0), (d_V, d_K*n_batch))), (d_V, d_K, n_batch))).transpose(1, 0, 2)
     t12 = t8 @ W_V
     F = t12
     t13 = F - Y
@@ -2216,7 +2216,7 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
     t25 = (np.reshape(t22.transpose(2, 0, 1), (d_V, d_V*n_batch)) @ np.reshape(t3.transpose(0, 2, 1), (d_V*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t11, (d_K*d_V, n_batch)) @ np.reshape(t12.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t13 += (np.reshape((np.reshape(t25, (d_V**2, 1)) * np.reshape(t24, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
+    t13 += (np.reshape((np.reshape(t24, (d_K, 1)) * np.reshape(t25.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -2337,10 +2337,10 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = ((G.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))).transpose(2, 1, 0)
     t17 = T @ X
     t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t19 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t2.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))).transpose(2, 0, 1)
+    t19 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t2.transpose(2, 1, 0), (d_V, d_V*n_batch))), (d_V, d_V, n_batch))).transpose(1, 0, 2)
     t20 = ((t17.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))).transpose(2, 1, 0)
     t0[...] = (np.reshape((np.reshape(t15, (d_V**2, n_batch)) @ np.reshape(t16.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    t0 += (np.reshape((np.reshape(t19, (d_V**2, n_batch)) @ np.reshape(t20.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t20, (d_K*d_V, n_batch)) @ np.reshape(t19.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -2465,7 +2465,7 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t23 = t21.transpose(1, 2, 0)
     t24 = ((t11.transpose(0, 2, 1) @ t22.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t0[...] = (np.reshape((np.reshape(t14, (d_K*d_V, n_batch)) @ np.reshape(t15.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, n_batch)) @ np.reshape(t14.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t23, (d_V**2, n_batch)) @ np.reshape(t24.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -2546,7 +2546,7 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t22 = t20.transpose(1, 2, 0)
     t23 = ((t18.transpose(0, 2, 1) @ t21.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, n_batch)) @ np.reshape(t16.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, n_batch)) @ np.reshape(t15.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t22, (d_V**2, n_batch)) @ np.reshape(t23.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -3174,13 +3174,13 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t11 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t10, (L, 1, L)))
     t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t9), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t14 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
     t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t14, (d_K**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
     t18 = X @ W_Q
-    t19 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t19 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
     t20 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t17[...] = (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -3193,7 +3193,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t27 = np.swapaxes(t6, -1, -2)
     t28 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t29 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t30 = (np.reshape((np.reshape(t29.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t26), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t30 = (np.reshape((t26.transpose(0, 2, 1) @ np.reshape(t29.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t31 = ((np.reshape(t27, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t22[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -3204,33 +3204,33 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t37 = (np.reshape(t35.transpose(1, 0), (L, L, 1)) * np.reshape(t36.transpose(1, 0), (L, 1, L)))
     t38 = (np.reshape(t37.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t39 = np.reshape((np.reshape(t38.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t40 = (np.reshape((np.reshape(t39.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t40 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t41 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t33[...] = (np.reshape((np.reshape(t40, (d_K*d_V, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t33[...] = (np.reshape((np.reshape(t41, (d_K*d_V, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
-    t44 = (np.reshape((np.reshape(t39.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t44 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t45 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t43[...] = (np.reshape((np.reshape(t44, (d_V**2, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t47 = np.reshape(t46, (d_V, d_K, d_V, d_V), copy=False)
     t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
     t49 = np.reshape((np.reshape(t48, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t50 = (np.reshape((np.reshape(t49.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t27), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t50 = (np.reshape((t27.transpose(0, 2, 1) @ np.reshape(t49.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t51 = ((np.reshape(t26, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t47[...] = (np.reshape((np.reshape(t50, (d_V**2, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t47[...] = (np.reshape((np.reshape(t51, (d_K*d_V, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
     t54 = np.swapaxes(t26, -1, -2)
     t55 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t54.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t56 = (np.reshape((np.reshape(t55.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t56 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t55.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t57 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t53[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t59 = np.reshape(t58, (d_V, d_V, d_V, d_K), copy=False)
-    t60 = (np.reshape((np.reshape(t55.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t60 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t55.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t61 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t59[...] = (np.reshape((np.reshape(t60, (d_K*d_V, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t59[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t62[...] = 0
     t63 = np.reshape(t62, (d_V, d_V, d_V, d_V), copy=False)
@@ -3451,9 +3451,9 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
     t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t12 = np.reshape((np.reshape(t11.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t13 = (np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t8), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t13 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
     t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t13, (d_K**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -3508,7 +3508,7 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
     t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t12 = np.reshape((np.reshape(t11.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t13 = (np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t13 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
     t14 = ((np.reshape(t8, (n_batch, L, d_K, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
@@ -3565,7 +3565,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t11 = np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t12 = (np.reshape((np.reshape(t11.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t8), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t12 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t11.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t13 = ((np.reshape(t9, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
@@ -3675,9 +3675,9 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = (np.reshape(t4.transpose(1, 0), (L, L, 1)) * np.reshape(t10.transpose(1, 0), (L, 1, L)))
     t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t14 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t14, (d_K*d_V, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -3734,7 +3734,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = (np.reshape(t4.transpose(1, 0), (L, L, 1)) * np.reshape(t10.transpose(1, 0), (L, 1, L)))
     t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t14 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t15 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -3795,9 +3795,9 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ X
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
     t14 = np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t15 = (np.reshape((np.reshape(t14.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t5), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t15 = (np.reshape((t5.transpose(0, 2, 1) @ np.reshape(t14.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t16 = ((np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_K*d_V, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -3912,7 +3912,7 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(t4, -1, -2)
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t15 = np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t10.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t16 = (np.reshape((np.reshape(t15.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t16 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t15.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t17 = ((np.reshape(t13, (n_batch, L, d_K, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -3977,9 +3977,9 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = X @ W_Q
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t15 = np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t10.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t16 = (np.reshape((np.reshape(t15.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t13), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t16 = (np.reshape((t13.transpose(0, 2, 1) @ np.reshape(t15.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t16, (d_K*d_V, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -4114,9 +4114,9 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = np.reshape(t22, (d_V, d_K, d_V, d_V), copy=False)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t25 = np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t26 = (np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t26 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t25.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t23[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t23[...] = (np.reshape((np.reshape(t27, (d_K*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t28[...] = 0
     t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
@@ -4132,16 +4132,16 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t37 = np.swapaxes(Mcausal, -1, -2)
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
     t39 = np.reshape((np.reshape(t38, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t40 = (np.reshape((np.reshape(t39.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t40 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t39.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t41 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t34[...] = (np.reshape((np.reshape(t40, (d_V**2, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_V, d_V, d_K), copy=False)
     t44 = np.swapaxes(G, -1, -2)
     t45 = np.swapaxes(t6, -1, -2)
-    t46 = (np.reshape((np.reshape(t39.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t45), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t46 = (np.reshape((t45.transpose(0, 2, 1) @ np.reshape(t39.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t47 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t43[...] = (np.reshape((np.reshape(t46, (d_K*d_V, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t43[...] = (np.reshape((np.reshape(t47, (d_V**2, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
     t50 = np.swapaxes(t36, -1, -2)
@@ -4412,9 +4412,9 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t11
     t12 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t13 = np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t14 = (np.reshape((np.reshape(t13.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t14 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t13.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -4591,7 +4591,7 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t16 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t16.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t18 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
@@ -4682,9 +4682,9 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(t3, -1, -2)
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
     t16 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t14), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape((t14.transpose(0, 2, 1) @ np.reshape(t16.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -4753,7 +4753,7 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = X @ W_Q
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
     t16 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t16.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t18 = ((np.reshape(t14, (n_batch, L, d_K, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -4838,13 +4838,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t11 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t10, (L, 1, L)))
     t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t9), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t14 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
     t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t14, (d_K**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
     t18 = X @ W_Q
-    t19 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t19 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
     t20 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t21 = np.einsum('abcb->abc', t17)
     t22 = t18 @ t4
@@ -4864,7 +4864,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
     t34 = (np.reshape(t31.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
     t17[...] = (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t21 += (np.reshape((np.reshape(t34, (d_V**2, 1)) * np.reshape(t33, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
+    t21 += (np.reshape((np.reshape(t33, (d_K, 1)) * np.reshape(t34.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
     t37 = t24 @ X
@@ -4872,13 +4872,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t39 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
     t40 = ((np.reshape(t39.transpose(1, 2, 0), (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t41 = np.reshape((np.reshape(t38, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t42 = (np.reshape((np.reshape(t41.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t37), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t42 = (np.reshape((t37.transpose(0, 2, 1) @ np.reshape(t41.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t43 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t44 = np.reshape((np.reshape(t43, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t45 = (np.reshape((np.reshape(t44.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t45 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t44.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t46 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t36[...] = (np.reshape((np.reshape(t40, (d_K*d_V, L*n_batch)) @ np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
-    t36 += (np.reshape((np.reshape(t45, (d_V**2, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t36[...] = (np.reshape((np.reshape(t42, (d_V**2, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t36 += (np.reshape((np.reshape(t46, (d_K*d_V, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
     t49 = np.swapaxes(t18, -1, -2)
@@ -4887,32 +4887,32 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t52 = (np.reshape(t50.transpose(1, 0), (L, L, 1)) * np.reshape(t51.transpose(1, 0), (L, 1, L)))
     t53 = (np.reshape(t52.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t54 = np.reshape((np.reshape(t53.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t55 = (np.reshape((np.reshape(t54.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t55 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t56 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t57 = np.einsum('abcb->abc', t48)
     t58 = np.swapaxes(t29, -1, -2)
     t59 = t58 * t50
     t60 = t59 @ X
     t61 = (np.reshape(t60.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
-    t48[...] = (np.reshape((np.reshape(t55, (d_K*d_V, L*n_batch)) @ np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
-    t57 += (np.reshape((np.reshape(t61, (d_V**2, 1)) * np.reshape(t33, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
+    t48[...] = (np.reshape((np.reshape(t56, (d_K*d_V, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t57 += (np.reshape((np.reshape(t33, (d_K, 1)) * np.reshape(t61.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t62 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t63 = np.reshape(t62, (d_V, d_K, d_V, d_K), copy=False)
-    t64 = (np.reshape((np.reshape(t54.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t64 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t65 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t63[...] = (np.reshape((np.reshape(t64, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t66 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t67 = np.reshape(t66, (d_V, d_K, d_V, d_V), copy=False)
     t68 = (1/(math.sqrt(d_K)*n_batch)) * t50
     t69 = np.reshape((np.reshape(t68, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t70 = (np.reshape((np.reshape(t69.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t70 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t69.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t71 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
     t73 = np.reshape((np.reshape(t72, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t74 = (np.reshape((t39.transpose(1, 0, 2) @ np.reshape(t73.transpose(2, 0, 1, 3), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(3, 1, 0, 2)
+    t74 = (np.reshape((t39.transpose(1, 0, 2) @ np.reshape(t73.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t75 = ((np.reshape(t37, (n_batch, L, d_V, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t67[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    t67 += (np.reshape((np.reshape(t74, (d_V**2, L*n_batch)) @ np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t67 += (np.reshape((np.reshape(t75, (d_K*d_V, L*n_batch)) @ np.reshape(t74.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t77 = np.reshape(t76, (d_V, d_V, d_V, d_K), copy=False)
     t78 = np.swapaxes(T, -1, -2)
@@ -4920,18 +4920,18 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t80 = (t79.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
     t81 = ((np.reshape(t80, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t82 = np.reshape((np.reshape(t38.transpose(1, 0), (L, L, 1)) * np.reshape(t6.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t83 = (np.reshape((np.reshape(t82.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t83 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t82.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t84 = np.swapaxes(G, -1, -2)
-    t85 = (np.reshape((np.reshape(t69.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t85 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t69.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t86 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t84.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t77[...] = (np.reshape((np.reshape(t81, (d_V**2, L*n_batch)) @ np.reshape(t83.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t77 += (np.reshape((np.reshape(t85, (d_K*d_V, L*n_batch)) @ np.reshape(t86.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t77 += (np.reshape((np.reshape(t86, (d_V**2, L*n_batch)) @ np.reshape(t85.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t88 = np.reshape(t87, (d_V, d_V, d_V, d_K), copy=False)
     t89 = ((np.reshape(t80, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
-    t90 = (np.reshape((np.reshape(t82.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t90 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t82.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t91 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t84.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t88[...] = (np.reshape((np.reshape(t89, (d_K*d_V, L*n_batch)) @ np.reshape(t90.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t88[...] = (np.reshape((np.reshape(t90, (d_V**2, L*n_batch)) @ np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t88 += (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t92[...] = 0
@@ -5249,9 +5249,9 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
     t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t12 = np.reshape((np.reshape(t11.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t13 = (np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t8), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t13 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
     t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t13, (d_K**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -5306,7 +5306,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t9, (L, 1, L)))
     t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t12 = np.reshape((np.reshape(t11.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t13 = (np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t13 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
     t14 = ((np.reshape(t8, (n_batch, L, d_K, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t15 = np.einsum('abcb->abc', t0)
     t16 = t8 @ t3
@@ -5326,7 +5326,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
     t28 = (np.reshape(t25.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t15 += (np.reshape((np.reshape(t28, (d_V**2, 1)) * np.reshape(t27, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
+    t15 += (np.reshape((np.reshape(t27, (d_K, 1)) * np.reshape(t28.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -5401,7 +5401,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
     t11 = ((np.reshape(t10.transpose(1, 2, 0), (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t12 = np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t13 = (np.reshape((np.reshape(t12.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t8), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t13 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t12.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t14 = t8 @ W_V
     F = t14
     t15 = F - Y
@@ -5409,10 +5409,10 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t16
     t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t18 = np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t19 = (np.reshape((np.reshape(t18.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t19 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t18.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t11, (d_K*d_V, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
-    t0 += (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -5537,7 +5537,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = (np.reshape(t4.transpose(1, 0), (L, L, 1)) * np.reshape(t10.transpose(1, 0), (L, 1, L)))
     t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t9), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t14 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t16 = np.einsum('abcb->abc', t0)
     t17 = np.swapaxes(t6, -1, -2)
@@ -5559,8 +5559,8 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = np.ones((d_K,), dtype=X.dtype)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
     t32 = (np.reshape(t29.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
-    t0[...] = (np.reshape((np.reshape(t14, (d_K*d_V, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
-    t16 += (np.reshape((np.reshape(t32, (d_V**2, 1)) * np.reshape(t31, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t16 += (np.reshape((np.reshape(t31, (d_K, 1)) * np.reshape(t32.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -5640,7 +5640,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = (np.reshape(t4.transpose(1, 0), (L, L, 1)) * np.reshape(t10.transpose(1, 0), (L, 1, L)))
     t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t14 = (np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t14 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t15 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -5705,16 +5705,16 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t16 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t16.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t18 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t19 = t10 @ X
     t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
     t21 = np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t23 = (np.reshape((t22.transpose(1, 0, 2) @ np.reshape(t21.transpose(2, 0, 1, 3), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(3, 1, 0, 2)
+    t23 = (np.reshape((t22.transpose(1, 0, 2) @ np.reshape(t21.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t24 = ((np.reshape(t19, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    t0 += (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -5849,7 +5849,7 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = (t9.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
     t15 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t16 = np.reshape((np.reshape(t13.transpose(1, 0), (L, L, 1)) * np.reshape(t11.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t12), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape((t12.transpose(0, 2, 1) @ np.reshape(t16.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t18 = Mcausal * T
     t19 = np.swapaxes(t11, -1, -2)
     t20 = t18 @ t19
@@ -5860,10 +5860,10 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t23 = np.swapaxes(G, -1, -2)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t25 = np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t26 = (np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t12), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t26 = (np.reshape((t12.transpose(0, 2, 1) @ np.reshape(t25.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t0 += (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -5946,7 +5946,7 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = (t9.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
     t15 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
     t16 = np.reshape((np.reshape(t13.transpose(1, 0), (L, L, 1)) * np.reshape(t11.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t17 = (np.reshape((np.reshape(t16.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t16.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t18 = Mcausal * T
     t19 = np.swapaxes(t11, -1, -2)
     t20 = t18 @ t19
@@ -5957,9 +5957,9 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = np.swapaxes(G, -1, -2)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t25 = np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t26 = (np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t26 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t25.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t27 = ((np.reshape(t12, (n_batch, L, d_K, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -6522,7 +6522,7 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     t5 = (1/math.sqrt(d_K)) * Mcausal
     t6 = np.reshape((np.reshape(t5.transpose(1, 0), (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
     t7 = np.reshape((np.reshape(t6.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t4), (n_batch, L, d_V, d_K))
-    t3[...] = (np.reshape((np.reshape(t7, (n_batch, L, d_K*d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 2, 4, 3)
+    t3[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t7, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     return out
 
 
@@ -6713,7 +6713,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(t6, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
     t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
@@ -6729,14 +6729,14 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t26 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t27 = np.reshape((t25.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t28 = ((t27.transpose(0, 2, 1, 3) @ t18.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t22[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t22[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t30 = np.reshape(t29, (d_V, d_K, d_V, d_V), copy=False)
     t31 = T @ X
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t33 = ((np.reshape(t31, (n_batch, L, d_V, 1)) * np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t34 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t35 = (np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t6.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t35 = (np.reshape((t6 @ np.reshape(t34.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
     t30[...] = (np.reshape((np.reshape(t33, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
@@ -6754,32 +6754,32 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
     t49 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t43.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t50 = ((t27.transpose(0, 2, 1, 3) @ t45.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t48[...] = (np.reshape((np.reshape(t49, (d_K**2, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t48[...] = (np.reshape((np.reshape(t50, (d_V**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t52 = np.reshape(t51, (d_V, d_K, d_V, d_V), copy=False)
     t53 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
     t54 = ((np.reshape(t31, (n_batch, L, d_V, 1)) * np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t55 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t56 = (np.reshape((np.reshape(t55.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t38.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t56 = (np.reshape((t38 @ np.reshape(t55.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t52[...] = (np.reshape((np.reshape(t54, (d_K*d_V, L*n_batch)) @ np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t58 = np.reshape(t57, (d_V, d_V, d_V, d_K), copy=False)
     t59 = np.swapaxes(t31, -1, -2)
     t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t59
     t61 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t60.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t62 = (np.reshape((np.reshape(t34, (n_batch, L*d_V, d_V)) @ t15), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t62 = (np.reshape((t15.transpose(0, 2, 1) @ np.reshape(t34.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t58[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t64 = np.reshape(t63, (d_V, d_V, d_V, d_K), copy=False)
     t65 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t60.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t66 = (np.reshape((np.reshape(t34, (n_batch, L*d_V, d_V)) @ t25), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t64[...] = (np.reshape((np.reshape(t65, (d_K*d_V, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t66 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t34.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+    t64[...] = (np.reshape((np.reshape(t66, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = np.reshape(t67, (d_V, d_V, d_V, d_V), copy=False)
     t69 = (1/(L*n_batch)) * t59
-    t70 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t70 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t71 = ((np.reshape(t31, (n_batch, L, d_V, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t68[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t68[...] = (np.reshape((np.reshape(t71, (d_V**2, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -6854,7 +6854,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6951,7 +6951,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
     t16 = (X * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -6984,7 +6984,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = (t13 @ t4)
@@ -7017,7 +7017,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
     t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
@@ -7050,7 +7050,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7088,7 +7088,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = np.swapaxes(t4, -1, -2)
     t16 = t15 @ X
@@ -7097,7 +7097,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t19 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
     t20 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t21 = ((t20.transpose(0, 2, 1, 3) @ t19.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -7123,7 +7123,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = X @ W_Q
     t14 = np.swapaxes(t3, -1, -2)
     t15 = t14 @ X
@@ -7163,12 +7163,12 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t16 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t18 = (np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape((t5 @ np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -7195,7 +7195,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = T @ X
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
@@ -7235,7 +7235,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = (t9 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -7271,7 +7271,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t4.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
     t18 = (t16 @ t2)
@@ -7307,7 +7307,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t2, -1, -2)
     t18 = np.swapaxes(t11, -1, -2)
     t19 = t17 @ t18
@@ -7345,7 +7345,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t1, -1, -2)
     t17 = np.swapaxes(t10, -1, -2)
     t18 = t16 @ t17
@@ -7388,14 +7388,14 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t20 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
     t21 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t22 = ((t21.transpose(0, 2, 1, 3) @ t20.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t19, (d_K**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -7424,7 +7424,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t18 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7465,12 +7465,12 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = T @ X
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t5
     t19 = ((np.reshape(t17, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t21 = (np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape((t3 @ np.reshape(t20.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t0[...] = (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -7500,7 +7500,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = T @ X
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
@@ -7538,7 +7538,7 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (t11 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
@@ -7569,7 +7569,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(t10, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -7600,7 +7600,7 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = t15 @ t1
     t17 = np.swapaxes(t3, -1, -2)
@@ -7608,7 +7608,7 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
     t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t22 = (np.reshape((np.reshape(t21, (n_batch, L*d_V, d_V)) @ t18), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t22 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t21.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -7636,7 +7636,7 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t14 @ t0
     t16 = np.swapaxes(t2, -1, -2)
@@ -7677,7 +7677,7 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = X @ W_Q
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t1
@@ -7685,8 +7685,8 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
     t20 = ((np.reshape(t15, (n_batch, L, d_K, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t22 = (np.reshape((np.reshape(t21, (n_batch, L*d_V, d_V)) @ t18), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t22 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t21.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -7713,7 +7713,7 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = t15 @ t0
@@ -7754,11 +7754,11 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t16 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t10.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t17 = ((np.reshape(t11, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -7785,7 +7785,7 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7841,7 +7841,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t28 = (1/(math.sqrt(d_K)*n_batch)) * t26
     t29 = t28.transpose(1, 2, 0)
     t30 = t27.transpose(1, 2, 0)
-    t25[...] = (np.reshape((np.reshape(t29, (d_V**2, n_batch)) @ np.reshape(t30.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t25[...] = (np.reshape((np.reshape(t30, (d_K*d_V, n_batch)) @ np.reshape(t29.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t31[...] = 0
     t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
@@ -7867,7 +7867,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t49 = (1/(math.sqrt(d_K)*n_batch)) * t47
     t50 = t49.transpose(1, 2, 0)
     t51 = t48.transpose(1, 2, 0)
-    t46[...] = (np.reshape((np.reshape(t50, (d_K*d_V, n_batch)) @ np.reshape(t51.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t46[...] = (np.reshape((np.reshape(t51, (d_V**2, n_batch)) @ np.reshape(t50.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
     t54 = np.swapaxes(t41, -1, -2)
@@ -8135,7 +8135,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t15
     t18 = t17.transpose(1, 2, 0)
     t19 = t16.transpose(1, 2, 0)
-    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, n_batch)) @ np.reshape(t19.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_K*d_V, n_batch)) @ np.reshape(t18.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -8409,7 +8409,7 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t3
     t19 = t18.transpose(1, 2, 0)
     t20 = t17.transpose(1, 2, 0)
-    t0[...] = (np.reshape((np.reshape(t19, (d_K*d_V, n_batch)) @ np.reshape(t20.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, n_batch)) @ np.reshape(t19.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -8564,7 +8564,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(t6, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
     t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
@@ -8593,8 +8593,8 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t37 = np.ones((d_K,), dtype=X.dtype)
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
     t39 = (np.reshape(t36.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
-    t22[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
-    t29 += (np.reshape((np.reshape(t39, (d_V**2, 1)) * np.reshape(t38, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
+    t22[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t29 += (np.reshape((np.reshape(t38, (d_K, 1)) * np.reshape(t39.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_V), copy=False)
     t42 = t4 @ X
@@ -8603,7 +8603,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t45 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t46 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t47 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t42.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
-    t48 = (np.reshape((t47.transpose(1, 2, 0) @ np.reshape(t46.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))).transpose(1, 3, 0, 2)
+    t48 = (np.reshape((t47.transpose(1, 2, 0) @ np.reshape(t46.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
     t49 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t50 = t42.transpose(1, 2, 0)
     t51 = ((G.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
@@ -8625,12 +8625,12 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t65 = (t64.transpose(0, 2, 1) @ t54.transpose(0, 2, 1))
     t66 = (np.reshape(t65.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
     t53[...] = (np.reshape((np.reshape(t60, (d_K*d_V, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t63 += (np.reshape((np.reshape(t66, (d_V**2, 1)) * np.reshape(t38, (1, d_K))), (d_V, d_V, d_K))).transpose(0, 2, 1)
+    t63 += (np.reshape((np.reshape(t38, (d_K, 1)) * np.reshape(t66, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t67 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t68 = np.reshape(t67, (d_V, d_K, d_V, d_K), copy=False)
     t69 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t70 = ((t27.transpose(0, 2, 1, 3) @ t61.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t68[...] = (np.reshape((np.reshape(t69, (d_K**2, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t68[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t69.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t71 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t72 = np.reshape(t71, (d_V, d_K, d_V, d_V), copy=False)
     t73 = t2 @ X
@@ -8641,7 +8641,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t78 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t77.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t79 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t80 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t73.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
-    t81 = (np.reshape((t80.transpose(1, 2, 0) @ np.reshape(t79.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))).transpose(1, 3, 0, 2)
+    t81 = (np.reshape((t80.transpose(1, 2, 0) @ np.reshape(t79.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t72[...] = (np.reshape((np.reshape(t75, (d_V**2, n_batch)) @ np.reshape(t76.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t72 += (np.reshape((np.reshape(t78, (d_K*d_V, L*n_batch)) @ np.reshape(t81.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t82 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
@@ -8652,27 +8652,27 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t87 = ((t84.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
     t88 = np.swapaxes(T, -1, -2)
     t89 = (1/(L*math.sqrt(d_K)*n_batch)) * t88
-    t90 = (np.reshape((np.reshape(t46, (n_batch, L*d_V, d_V)) @ t15), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t90 = (np.reshape((t15.transpose(0, 2, 1) @ np.reshape(t46.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t91 = (t89.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
     t92 = ((np.reshape(t91, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t83[...] = (np.reshape((np.reshape(t86, (d_V**2, n_batch)) @ np.reshape(t87.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t83 += (np.reshape((np.reshape(t90, (d_K*d_V, L*n_batch)) @ np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t83 += (np.reshape((np.reshape(t92, (d_V**2, L*n_batch)) @ np.reshape(t90.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t93 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t94 = np.reshape(t93, (d_V, d_V, d_V, d_K), copy=False)
     t95 = t64 @ t23
     t96 = t95.transpose(1, 2, 0)
     t97 = ((X.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
-    t98 = (np.reshape((np.reshape(t46, (n_batch, L*d_V, d_V)) @ t25), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t98 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t46.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t99 = ((np.reshape(t91, (n_batch, L, d_V, 1)) * np.reshape(t23, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
-    t94[...] = (np.reshape((np.reshape(t96, (d_K*d_V, n_batch)) @ np.reshape(t97.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t94[...] = (np.reshape((np.reshape(t97, (d_V**2, n_batch)) @ np.reshape(t96.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t94 += (np.reshape((np.reshape(t98, (d_V**2, L*n_batch)) @ np.reshape(t99.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t100 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t101 = np.reshape(t100, (d_V, d_V, d_V, d_V), copy=False)
     t102 = np.swapaxes(t43, -1, -2)
     t103 = (1/(L*n_batch)) * t102
-    t104 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t104 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t105 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t103.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t101[...] = (np.reshape((np.reshape(t104, (d_V**2, L*n_batch)) @ np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t101[...] = (np.reshape((np.reshape(t105, (d_V**2, L*n_batch)) @ np.reshape(t104.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -8771,7 +8771,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8929,7 +8929,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
     t16 = (X * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -8962,7 +8962,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = (t13 @ t4)
@@ -8995,7 +8995,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
     t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
@@ -9028,7 +9028,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9066,7 +9066,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = np.swapaxes(t4, -1, -2)
     t16 = t15 @ X
@@ -9088,8 +9088,8 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = np.ones((d_K,), dtype=X.dtype)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
     t32 = (np.reshape(t29.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
-    t0[...] = (np.reshape((np.reshape(t18, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
-    t22 += (np.reshape((np.reshape(t32, (d_V**2, 1)) * np.reshape(t31, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t22 += (np.reshape((np.reshape(t31, (d_K, 1)) * np.reshape(t32.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -9126,7 +9126,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A20 = t19 / t19.sum(-1, keepdims=True)
     t21 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t21, (d_V, d_V, 1)) * np.reshape(A20.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A20, (n_batch, L, d_V, 1)) * np.reshape(A20, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A20.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t21, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A20, (n_batch, L, d_V, 1)) * np.reshape(A20, (n_batch, L, 1, d_V)))
     t22 = X @ W_Q
     t23 = t14 @ X
     t24 = (t22 @ t18)
@@ -9170,13 +9170,13 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t16 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t4.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
-    t19 = (np.reshape((t18.transpose(1, 2, 0) @ np.reshape(t17.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))).transpose(1, 3, 0, 2)
+    t19 = (np.reshape((t18.transpose(1, 2, 0) @ np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
     F = t11
     t20 = np.exp(F - F.max(-1, keepdims=True))
     A21 = t20 / t20.sum(-1, keepdims=True)
@@ -9214,7 +9214,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = T @ X
     t14 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t3.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
     t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -9269,7 +9269,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = (t9 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -9305,7 +9305,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t4.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
     t18 = (t16 @ t2)
@@ -9341,7 +9341,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t2, -1, -2)
     t18 = np.swapaxes(t11, -1, -2)
     t19 = t17 @ t18
@@ -9366,7 +9366,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t36 = (t33.transpose(0, 2, 1) @ t3.transpose(0, 2, 1))
     t37 = (np.reshape(t36.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t25 += (np.reshape((np.reshape(t37, (d_V**2, 1)) * np.reshape(t35, (1, d_K))), (d_V, d_V, d_K))).transpose(0, 2, 1)
+    t25 += (np.reshape((np.reshape(t35, (d_K, 1)) * np.reshape(t37, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -9408,7 +9408,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A25.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t26, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
     t27 = np.swapaxes(t1, -1, -2)
     t28 = np.swapaxes(t6, -1, -2)
     t29 = t27 @ t28
@@ -9454,14 +9454,14 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t20 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
     t21 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t22 = ((t21.transpose(0, 2, 1, 3) @ t20.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t19, (d_K**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -9490,7 +9490,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t18 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9543,13 +9543,13 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A25.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t26, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
     t27 = T @ X
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
     t29 = ((np.reshape(t27, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t30 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t31 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t2.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
-    t32 = (np.reshape((t31.transpose(1, 2, 0) @ np.reshape(t30.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))).transpose(1, 3, 0, 2)
+    t32 = (np.reshape((t31.transpose(1, 2, 0) @ np.reshape(t30.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t0[...] = (np.reshape((np.reshape(t19, (d_V**2, n_batch)) @ np.reshape(t20.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t29, (d_K*d_V, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -9593,7 +9593,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t26, (d_V, d_V, 1)) * np.reshape(A25.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A25.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t26, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
     t27 = T @ X
     t28 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t29 = np.reshape((np.reshape(t27, (L*n_batch, d_V)) @ np.reshape(t1.transpose(2, 0, 1), (d_V, d_V*n_batch))), (n_batch, L, n_batch, d_V))
@@ -9636,7 +9636,7 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (t11 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
@@ -9667,7 +9667,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(t10, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -9709,16 +9709,16 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A22 = t21 / t21.sum(-1, keepdims=True)
     t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A22.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t23, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))
     t24 = np.swapaxes(t9, -1, -2)
     t25 = t24 @ t2
     t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
     t27 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t28 = (np.reshape((np.reshape(t27, (n_batch, L*d_V, d_V)) @ t25), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t28 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t27.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t29 = (t26.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
     t30 = ((np.reshape(t29, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t0[...] = (np.reshape((np.reshape(t18, (d_V**2, n_batch)) @ np.reshape(t19.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t0 += (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0 += (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -9757,7 +9757,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A22 = t21 / t21.sum(-1, keepdims=True)
     t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A22.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t23, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))
     t24 = np.swapaxes(t8, -1, -2)
     t25 = t24 @ t1
     t26 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t3, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -9814,15 +9814,15 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A23 = t22 / t22.sum(-1, keepdims=True)
     t24 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t24, (d_V, d_V, 1)) * np.reshape(A23.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A23, (n_batch, L, d_V, 1)) * np.reshape(A23, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A23.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t24, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A23, (n_batch, L, d_V, 1)) * np.reshape(A23, (n_batch, L, 1, d_V)))
     t25 = np.swapaxes(t9, -1, -2)
     t26 = t25 @ X
     t27 = (1/(L*math.sqrt(d_K)*n_batch)) * t21
     t28 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t3, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t29 = (np.reshape((np.reshape(t28, (n_batch, L*d_V, d_V)) @ t26), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t29 = (np.reshape((t26.transpose(0, 2, 1) @ np.reshape(t28.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t30 = (t27.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
     t31 = ((np.reshape(t30, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t19, (d_K*d_V, n_batch)) @ np.reshape(t20.transpose(2, 0, 1), (n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, n_batch)) @ np.reshape(t19.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t29, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -9863,7 +9863,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A23 = t22 / t22.sum(-1, keepdims=True)
     t24 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t24, (d_V, d_V, 1)) * np.reshape(A23.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A23, (n_batch, L, d_V, 1)) * np.reshape(A23, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A23.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t24, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A23, (n_batch, L, d_V, 1)) * np.reshape(A23, (n_batch, L, 1, d_V)))
     t25 = np.swapaxes(t8, -1, -2)
     t26 = t25 @ X
     t27 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -9908,11 +9908,11 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t16 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t10.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t17 = ((np.reshape(t11, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -9939,7 +9939,7 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9972,7 +9972,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10010,7 +10010,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = X @ W_Q
     t14 = np.swapaxes(t3, -1, -2)
     t15 = t14 @ X
@@ -10068,7 +10068,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = T @ X
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
@@ -10125,7 +10125,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t1, -1, -2)
     t17 = np.swapaxes(t10, -1, -2)
     t18 = t16 @ t17
@@ -10189,7 +10189,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t18 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10230,7 +10230,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = T @ X
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
@@ -10288,7 +10288,7 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t14 @ t0
     t16 = np.swapaxes(t2, -1, -2)
@@ -10349,7 +10349,7 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = t15 @ t0
@@ -10410,7 +10410,7 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10521,7 +10521,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(t5, -1, -2)
     t16 = np.swapaxes(t4, -1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
@@ -10551,7 +10551,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t39 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, L))
     t40 = np.reshape((np.reshape(t39.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t36, (L, L, 1, 1))), (L, L, n_batch, d_V))
     t41 = np.reshape((np.reshape(t40.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
-    t42 = (np.reshape((np.reshape(t41, (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
+    t42 = (np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
     t34[...] = (np.reshape((np.reshape(t37, (d_V, L*n_batch)) @ np.reshape(t42.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
     t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
@@ -10581,7 +10581,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t66 = np.reshape((np.reshape(t65.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, L))
     t67 = np.reshape((np.reshape(t66.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t64.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
     t68 = np.reshape((np.reshape(t67.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
-    t69 = (np.reshape((np.reshape(t68, (n_batch, L, d_V**2, 1)) * np.reshape(t45.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(3, 4, 2, 0, 1)
+    t69 = (np.reshape((np.reshape(t68.transpose(0, 1, 3, 2), (n_batch, L, d_V**2, 1)) * np.reshape(t45.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
     t63[...] = (np.reshape((np.reshape(t37, (d_V, L*n_batch)) @ np.reshape(t69.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
     t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t71 = np.reshape(t70, (d_V, d_V, d_V, d_K), copy=False)
@@ -10589,19 +10589,19 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t73 = np.reshape((np.reshape(t19.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t36.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
     t74 = np.reshape((np.reshape(t73.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
     t75 = (np.reshape(t7, (n_batch, L, d_V, 1)) * np.reshape(t72.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t76 = ((np.reshape(t75, (n_batch, L, d_V, d_V, 1)) * np.reshape(t74, (n_batch, L, d_V, 1, d_K)))).transpose(3, 2, 4, 0, 1)
+    t76 = ((np.reshape(t75.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t74.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_K)))).transpose(3, 0, 4, 1, 2)
     t71[...] = (np.reshape((np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t76.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_V, d_K))).transpose(1, 2, 0, 3)
     t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t78 = np.reshape(t77, (d_V, d_V, d_V, d_K), copy=False)
     t79 = np.reshape((np.reshape(t73.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t80 = ((np.reshape(t75, (n_batch, L, d_V, d_V, 1)) * np.reshape(t79, (n_batch, L, d_V, 1, d_V)))).transpose(3, 2, 4, 0, 1)
+    t80 = ((np.reshape(t75.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t79.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)))).transpose(3, 0, 4, 1, 2)
     t78[...] = np.reshape((np.reshape(t80, (d_V**3, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_V, d_V, d_K))
     t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t82 = np.reshape(t81, (d_V, d_V, d_V, d_V), copy=False)
     t83 = (1/(L*n_batch)) * t72
-    t84 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t84 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t85 = ((np.reshape(t35, (n_batch, L, d_V, 1)) * np.reshape(t83.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t82[...] = (np.reshape((np.reshape(t84, (d_V**2, L*n_batch)) @ np.reshape(t85.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t82[...] = (np.reshape((np.reshape(t85, (d_V**2, L*n_batch)) @ np.reshape(t84.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -10683,7 +10683,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -10792,7 +10792,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -10831,7 +10831,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
@@ -10870,7 +10870,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -10910,7 +10910,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -10956,7 +10956,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -10996,7 +10996,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = X @ W_Q
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -11042,7 +11042,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = t10 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t16 = t14.transpose(2, 0, 1)
@@ -11050,7 +11050,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t18 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, L))
     t19 = np.reshape((np.reshape(t18.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t15, (L, L, 1, 1))), (L, L, n_batch, d_V))
     t20 = np.reshape((np.reshape(t19.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
-    t21 = (np.reshape((np.reshape(t20, (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
+    t21 = (np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
     t0[...] = (np.reshape((np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t21.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
     return out
 
@@ -11078,7 +11078,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = t9 @ X
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, L))
@@ -11123,7 +11123,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = (t9 * t3.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -11165,7 +11165,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t2.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
     t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -11207,7 +11207,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = np.swapaxes(t11, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
@@ -11251,7 +11251,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.swapaxes(t10, -1, -2)
     t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -11301,7 +11301,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = t9.transpose(2, 0, 1)
@@ -11344,7 +11344,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11393,7 +11393,7 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = t14 @ X
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
     t20 = t18.transpose(2, 0, 1)
@@ -11401,7 +11401,7 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, L))
     t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
     t24 = np.reshape((np.reshape(t23.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
-    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_V**2, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(3, 4, 2, 0, 1)
+    t25 = (np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L, d_V**2, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
     t0[...] = (np.reshape((np.reshape(t20, (d_V, L*n_batch)) @ np.reshape(t25.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
     return out
 
@@ -11433,7 +11433,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = t13 @ X
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, L))
@@ -11477,7 +11477,7 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
     t18 = (t13 * t17.transpose(0, 2, 1)).transpose(2, 0, 1)
     t19 = (oe.contract('abcc,abc->abc', dA, t12)).transpose(2, 0, 1)
@@ -11511,7 +11511,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(t12, (n_batch, L, 1, d_V)) @ np.reshape(t9.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t17 = oe.contract('abcc,abc->ab', dA, t11)
     return (1/(L*n_batch)) * (t17 * t16).sum()
@@ -11545,7 +11545,7 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = np.swapaxes(t4, -1, -2)
@@ -11555,7 +11555,7 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
     t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t19), (n_batch, L, d_V, d_K))
     t25 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t26 = ((np.reshape(t25, (n_batch, L, d_V, d_V, 1)) * np.reshape(t24, (n_batch, L, d_V, 1, d_K)))).transpose(3, 2, 4, 0, 1)
+    t26 = ((np.reshape(t25.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_K)))).transpose(3, 0, 4, 1, 2)
     t0[...] = (np.reshape((np.reshape(t21, (d_V, L*n_batch)) @ np.reshape(t26.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_V, d_K))).transpose(1, 2, 0, 3)
     return out
 
@@ -11586,7 +11586,7 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = np.swapaxes(t3, -1, -2)
@@ -11632,7 +11632,7 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
@@ -11642,7 +11642,7 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
     t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t26 = ((np.reshape(t25, (n_batch, L, d_V, d_V, 1)) * np.reshape(t24, (n_batch, L, d_V, 1, d_V)))).transpose(3, 2, 4, 0, 1)
+    t26 = ((np.reshape(t25.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)))).transpose(3, 0, 4, 1, 2)
     t0[...] = np.reshape((np.reshape(t26, (d_V**3, L*n_batch)) @ np.reshape(t21.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_V, d_V, d_K))
     return out
 
@@ -11673,7 +11673,7 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
@@ -11719,11 +11719,11 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
-    t18 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t18 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t19 = ((np.reshape(t13, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -11753,7 +11753,7 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t12, (L*n_batch, d_V)) @ np.reshape(t12.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11809,9 +11809,9 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
     t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t29 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t30 = (np.reshape((np.reshape(t29.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t30 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t29.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t27[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t27[...] = (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t32[...] = 0
     t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
@@ -11827,16 +11827,16 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t41 = np.swapaxes(Mcausal, -1, -2)
     t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
     t43 = np.reshape((np.reshape(t42, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t44 = (np.reshape((np.reshape(t43.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t44 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t43.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t45 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t40.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t38[...] = (np.reshape((np.reshape(t44, (d_V**2, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t47 = np.reshape(t46, (d_V, d_V, d_V, d_K), copy=False)
     t48 = np.swapaxes(G, -1, -2)
     t49 = np.swapaxes(t8, -1, -2)
-    t50 = (np.reshape((np.reshape(t43.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t49), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t50 = (np.reshape((t49.transpose(0, 2, 1) @ np.reshape(t43.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t51 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t48.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t47[...] = (np.reshape((np.reshape(t50, (d_K*d_V, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t47[...] = (np.reshape((np.reshape(t51, (d_V**2, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
     t54 = np.swapaxes(t40, -1, -2)
@@ -12132,9 +12132,9 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t17 = np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t18 = (np.reshape((np.reshape(t17.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t18 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t17.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -12331,7 +12331,7 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t20 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t21 = (np.reshape((np.reshape(t20.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t21 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t22 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
@@ -12432,9 +12432,9 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t20 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t21 = (np.reshape((np.reshape(t20.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t21 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -12513,7 +12513,7 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = X @ W_Q
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t20 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t21 = (np.reshape((np.reshape(t20.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t21 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t22 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -12607,7 +12607,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(t5, -1, -2)
     t16 = np.swapaxes(t4, -1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
@@ -12642,7 +12642,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t43 = (1/(math.sqrt(d_K)*n_batch)) * t42
     t44 = (np.reshape(t41.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
     t28[...] = np.reshape((np.reshape(t32, (d_K*d_V**2, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
-    t33 += (np.reshape((np.reshape(t44, (d_V**2, 1)) * np.reshape(t43, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
+    t33 += (np.reshape((np.reshape(t43, (d_K, 1)) * np.reshape(t44.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t45 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t46 = np.reshape(t45, (d_V, d_K, d_V, d_V), copy=False)
     t47 = t11 @ X
@@ -12653,13 +12653,13 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t52 = np.reshape((np.reshape(t51.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t50.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t53 = np.reshape((np.reshape(t52.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t48, (L, L, 1, 1))), (L, L, n_batch, d_V))
     t54 = np.reshape((np.reshape(t53.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
-    t55 = (np.reshape((np.reshape(t54, (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
+    t55 = (np.reshape((np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
     t56 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t57 = np.reshape((np.reshape(t56, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t58 = (np.reshape((np.reshape(t57.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t58 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t57.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t59 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t46[...] = (np.reshape((np.reshape(t49, (d_V, L*n_batch)) @ np.reshape(t55.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
-    t46 += (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t46 += (np.reshape((np.reshape(t59, (d_K*d_V, L*n_batch)) @ np.reshape(t58.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t60 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t61 = np.reshape(t60, (d_V, d_K, d_V, d_K), copy=False)
     t62 = np.swapaxes(t29, -1, -2)
@@ -12681,7 +12681,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t78 = (t77.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
     t79 = (np.reshape(t78.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
     t61[...] = (np.reshape((np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t74.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
-    t75 += (np.reshape((np.reshape(t79, (d_V**2, 1)) * np.reshape(t43, (1, d_K))), (d_V, d_V, d_K))).transpose(0, 2, 1)
+    t75 += (np.reshape((np.reshape(t43, (d_K, 1)) * np.reshape(t79, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t80 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t81 = np.reshape(t80, (d_V, d_K, d_V, d_K), copy=False)
     t82 = np.reshape((np.reshape(t72.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12691,14 +12691,14 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t85 = np.reshape(t84, (d_V, d_K, d_V, d_V), copy=False)
     t86 = (1/(math.sqrt(d_K)*n_batch)) * t63
     t87 = np.reshape((np.reshape(t86, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t88 = (np.reshape((np.reshape(t87.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t88 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t87.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t89 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t90 = (1/(L*math.sqrt(d_K)*n_batch)) * t63
     t91 = ((np.reshape(t47, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t92 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t93 = np.reshape((np.reshape(t92.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t50.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t94 = np.reshape((np.reshape(t93.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t90.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t95 = (np.reshape((np.reshape(t94.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t95 = (np.reshape((t2 @ np.reshape(t94.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t85[...] = (np.reshape((np.reshape(t88, (d_V**2, L*n_batch)) @ np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t85 += (np.reshape((np.reshape(t91, (d_K*d_V, L*n_batch)) @ np.reshape(t95.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
@@ -12709,27 +12709,27 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t101 = ((np.reshape(t100, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t102 = np.reshape((np.reshape(t19.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t48.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
     t103 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
-    t104 = (np.reshape((np.reshape(t103, (n_batch, L, d_V, d_K, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t104 = (np.reshape((np.reshape(t103.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
     t105 = np.swapaxes(G, -1, -2)
-    t106 = (np.reshape((np.reshape(t87.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t106 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t87.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t107 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t105.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t97[...] = (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t104.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t97 += (np.reshape((np.reshape(t106, (d_K*d_V, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t97 += (np.reshape((np.reshape(t107, (d_V**2, L*n_batch)) @ np.reshape(t106.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t109 = np.reshape(t108, (d_V, d_V, d_V, d_K), copy=False)
     t110 = ((np.reshape(t100, (n_batch, L, d_V, 1)) * np.reshape(t29, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
     t111 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t112 = (np.reshape((np.reshape(t111, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t112 = (np.reshape((np.reshape(t111.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t113 = ((np.reshape(t29, (n_batch, L, d_K, 1)) * np.reshape(t105.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t109[...] = (np.reshape((np.reshape(t110, (d_K*d_V, L*n_batch)) @ np.reshape(t112.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t109[...] = (np.reshape((np.reshape(t112, (d_V**2, L*n_batch)) @ np.reshape(t110.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t109 += (np.reshape((np.reshape(t88, (d_V**2, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t114 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t115 = np.reshape(t114, (d_V, d_V, d_V, d_V), copy=False)
     t116 = np.swapaxes(t47, -1, -2)
     t117 = (1/(L*n_batch)) * t116
-    t118 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t118 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t119 = ((np.reshape(t47, (n_batch, L, d_V, 1)) * np.reshape(t117.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t115[...] = (np.reshape((np.reshape(t118, (d_V**2, L*n_batch)) @ np.reshape(t119.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t115[...] = (np.reshape((np.reshape(t119, (d_V**2, L*n_batch)) @ np.reshape(t118.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -12840,7 +12840,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -13018,7 +13018,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -13057,7 +13057,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
@@ -13096,7 +13096,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -13136,7 +13136,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -13182,7 +13182,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -13210,7 +13210,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
     t37 = (np.reshape(t34.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
     t0[...] = np.reshape((np.reshape(t25, (d_K*d_V**2, L*n_batch)) @ np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
-    t26 += (np.reshape((np.reshape(t37, (d_V**2, 1)) * np.reshape(t36, (1, d_K))), (d_V, d_V, d_K))).transpose(1, 2, 0)
+    t26 += (np.reshape((np.reshape(t36, (d_K, 1)) * np.reshape(t37.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -13249,7 +13249,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A21 = t20 / t20.sum(-1, keepdims=True)
     t22 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(A21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A21, (n_batch, L, d_V, 1)) * np.reshape(A21, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A21.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t22, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A21, (n_batch, L, d_V, 1)) * np.reshape(A21, (n_batch, L, 1, d_V)))
     t23 = X @ W_Q
     t24 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t25 = (t23 @ t4)
@@ -13300,7 +13300,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = t9 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t16 = t14.transpose(2, 0, 1)
@@ -13309,7 +13309,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t17.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t20 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t15, (L, L, 1, 1))), (L, L, n_batch, d_V))
     t21 = np.reshape((np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
-    t22 = (np.reshape((np.reshape(t21, (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(4, 3, 2, 0, 1)
+    t22 = (np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
     F = t11
     t23 = np.exp(F - F.max(-1, keepdims=True))
     A24 = t23 / t23.sum(-1, keepdims=True)
@@ -13319,10 +13319,10 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t27
     t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t29 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t30 = (np.reshape((np.reshape(t29.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ G), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t30 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t29.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t22.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
-    t0 += (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -13349,7 +13349,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = t8 @ X
     t14 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
     t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -13415,7 +13415,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = (t9 * t3.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -13457,7 +13457,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t2.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
     t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -13499,7 +13499,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = np.swapaxes(t11, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
@@ -13530,7 +13530,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t43 = (t40.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
     t44 = (np.reshape(t43.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t21, (d_V, L*n_batch)) @ np.reshape(t29.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
-    t30 += (np.reshape((np.reshape(t44, (d_V**2, 1)) * np.reshape(t42, (1, d_K))), (d_V, d_V, d_K))).transpose(0, 2, 1)
+    t30 += (np.reshape((np.reshape(t42, (d_K, 1)) * np.reshape(t44, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -13578,7 +13578,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdims=True)
     t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t31, (d_V, d_V, 1)) * np.reshape(A30.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A30.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t31, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
     t32 = np.swapaxes(t9, -1, -2)
     t33 = np.swapaxes(t4, -1, -2)
     t34 = np.reshape((t32.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -13630,7 +13630,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = t9.transpose(2, 0, 1)
@@ -13673,7 +13673,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13726,7 +13726,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t20 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t21 = (np.reshape((np.reshape(t20.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t21 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t22 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t23 = np.swapaxes(Y, -1, -2)
     t24 = t23.sum(-2, keepdims=True)
@@ -13735,7 +13735,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A27 = t26 / t26.sum(-1, keepdims=True)
     t28 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t28, (d_V, d_V, 1)) * np.reshape(A27.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A27, (n_batch, L, d_V, 1)) * np.reshape(A27, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A27.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t28, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A27, (n_batch, L, d_V, 1)) * np.reshape(A27, (n_batch, L, 1, d_V)))
     t29 = t12 @ X
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
     t31 = ((np.reshape(t29, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
@@ -13743,7 +13743,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t33 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t25.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t34 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t32.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t35 = np.reshape((np.reshape(t34.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t30.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t36 = (np.reshape((np.reshape(t35.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))).transpose(3, 2, 0, 1)
+    t36 = (np.reshape((t1 @ np.reshape(t35.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -13793,7 +13793,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdims=True)
     t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t31, (d_V, d_V, 1)) * np.reshape(A30.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A30.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t31, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
     t32 = t11 @ X
     t33 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t34 = np.reshape((np.reshape(t32, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13843,7 +13843,7 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
     t18 = (t13 * t17.transpose(0, 2, 1)).transpose(2, 0, 1)
     t19 = (oe.contract('abcc,abc->abc', dA, t12)).transpose(2, 0, 1)
@@ -13877,7 +13877,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(t12, (n_batch, L, 1, d_V)) @ np.reshape(t9.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t17 = oe.contract('abcc,abc->ab', dA, t11)
     return (1/(L*n_batch)) * (t17 * t16).sum()
@@ -13911,7 +13911,7 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t13, -1, -2)
     t18 = np.swapaxes(t4, -1, -2)
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
@@ -13920,7 +13920,7 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
     t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))
-    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_V, d_K, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t25 = (np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
     F = t14
     t26 = np.exp(F - F.max(-1, keepdims=True))
     A27 = t26 / t26.sum(-1, keepdims=True)
@@ -13931,10 +13931,10 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t31 = np.swapaxes(G, -1, -2)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t33 = np.reshape((np.reshape(t32, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t34 = (np.reshape((np.reshape(t33.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t34 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t33.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t0 += (np.reshape((np.reshape(t34, (d_K*d_V, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t35, (d_V**2, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -13964,7 +13964,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t12, -1, -2)
     t17 = np.swapaxes(t3, -1, -2)
     t18 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -14029,7 +14029,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t13, -1, -2)
     t18 = X @ W_Q
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
@@ -14038,7 +14038,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
     t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t25 = (np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     F = t14
     t26 = np.exp(F - F.max(-1, keepdims=True))
     A27 = t26 / t26.sum(-1, keepdims=True)
@@ -14049,9 +14049,9 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t31 = np.swapaxes(G, -1, -2)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t33 = np.reshape((np.reshape(t32, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t34 = (np.reshape((np.reshape(t33.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t34 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t33.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t35 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t34, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -14082,7 +14082,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(t12, -1, -2)
     t17 = X @ W_Q
     t18 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -14147,11 +14147,11 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
-    t18 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t18 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t19 = ((np.reshape(t13, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -14181,7 +14181,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t12, (L*n_batch, d_V)) @ np.reshape(t12.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14215,7 +14215,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -14261,7 +14261,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = X @ W_Q
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -14327,7 +14327,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t13 = t9 @ X
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, L))
@@ -14395,7 +14395,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.swapaxes(t10, -1, -2)
     t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -14468,7 +14468,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14517,7 +14517,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = t13 @ X
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, L))
@@ -14585,7 +14585,7 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = np.swapaxes(t3, -1, -2)
@@ -14654,7 +14654,7 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
@@ -14723,7 +14723,7 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t12, (L*n_batch, d_V)) @ np.reshape(t12.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))

@@ -83,7 +83,7 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -93,14 +93,14 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     t11 = np.reshape((t9.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t12 = ((t11.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
     t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t14 = H[0:d_V**2, d_V**2:2*d_V**2]
     t15 = np.reshape(t14, (d_V, d_V, d_V, d_V), copy=False)
     t16 = A @ X
     M_1 = t16
-    t17 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t17 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t18 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t15[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t15[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
     t21 = np.swapaxes(M_1, -1, -2)
@@ -162,7 +162,7 @@ def mse_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -216,7 +216,7 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -242,7 +242,7 @@ def mse_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -268,7 +268,7 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -278,7 +278,7 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t10 = np.reshape((t8.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t11 = ((t10.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
     t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t9, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t11, (d_V**2, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -294,7 +294,7 @@ def mse_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -325,16 +325,16 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t7 = A @ X
     M_1 = t7
     t8 = (2/(L*d_V*n_batch)) * X
-    t9 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t9 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t10 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t8, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t9, (d_V**2, L*n_batch)) @ np.reshape(t10.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t10, (d_V**2, L*n_batch)) @ np.reshape(t9.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -350,7 +350,7 @@ def mse_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -423,7 +423,7 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -450,7 +450,7 @@ def mse_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t6.transpose(1, 0)), (n_batch, L, d_V))
     t9 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -534,18 +534,18 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t14.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/n_batch) * t2
     t18 = M_3.transpose(2, 3, 0, 1)
     t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t20 = H[0:d_V**2, d_V**2:2*d_V**2]
     t21 = np.reshape(t20, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -559,7 +559,7 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t29 = (1/n_batch) * t28
     t30 = M_2.transpose(2, 3, 0, 1)
     t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t27[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t27[...] = (np.reshape((np.reshape(t31, (d_V**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t32[...] = 0
     return H
@@ -629,7 +629,7 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t12.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t12.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = t15 * t14
@@ -639,7 +639,7 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t20 = (n_batch**(-2)) * (t19 * t16.transpose(0, 2, 3, 1)).sum()
     t21 = np.sqrt(np.maximum(t20, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t22 * t15
     t24 = np.reshape((np.reshape(t14.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -681,7 +681,7 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t13.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t13, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t13, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t13.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t13, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t13, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -716,7 +716,7 @@ def mse_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t12.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t12.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -750,14 +750,14 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t13.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t13, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t13, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t13.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t13, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t13, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t16 = (1/n_batch) * t1
     t17 = M_3.transpose(2, 3, 0, 1)
     t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -785,7 +785,7 @@ def mse_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t12.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t12.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = t15 * t14
@@ -811,7 +811,7 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -841,7 +841,7 @@ def mse_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = M_1 @ W_V
@@ -901,14 +901,14 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t9 = np.swapaxes(G, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t12 = (1/n_batch) * t9
     t13 = M_2.transpose(2, 3, 0, 1)
     t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -932,7 +932,7 @@ def mse_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t8 = np.swapaxes(G, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -978,7 +978,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1000,28 +1000,28 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t20 = t19 - (A * t19).sum(-1, keepdims=True)
     t21 = A * t20
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * t2
     t24 = M_3.transpose(2, 3, 0, 1)
     t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t26 = np.reshape(t12, (d_V**2, L*n_batch))
-    t27 = np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t28 = np.reshape(t24, (d_V**2, L*n_batch))
-    t29 = np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t26 = np.reshape(t13, (d_V**2, L*n_batch))
+    t27 = np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t28 = np.reshape(t25, (d_V**2, L*n_batch))
+    t29 = np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
     t30 = np.concatenate([t26, t28], axis=-1)
     t31 = np.concatenate([t27, t29], axis=-2)
-    t1[...] = (np.reshape((t30 @ t31), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((t30 @ t31), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t32 = H[0:d_V**2, d_V**2:2*d_V**2]
     t33 = np.reshape(t32, (d_V, d_V, d_V, d_V), copy=False)
-    t34 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t34 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t35 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t36 = (1/n_batch) * X
     t37 = M_2.transpose(3, 2, 0, 1)
     t38 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t36, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t33[...] = (np.reshape((np.reshape(t34, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t33[...] = (np.reshape((np.reshape(t35, (d_V**2, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t33 += (np.reshape((np.reshape(t37, (d_V**2, L*n_batch)) @ np.reshape(t38.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t39 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t40 = np.reshape(t39, (d_V, d_V, d_V, d_V), copy=False)
@@ -1034,7 +1034,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t47 = M_2.transpose(2, 3, 0, 1)
     t48 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t40[...] = (np.reshape((np.reshape(t43, (d_V**2, L*n_batch)) @ np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
-    t40 += (np.reshape((np.reshape(t47, (d_V**2, L*n_batch)) @ np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t40 += (np.reshape((np.reshape(t48, (d_V**2, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t49 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t49[...] = 0
     t50 = np.reshape(t49, (d_V, d_V, d_V, d_V), copy=False)
@@ -1106,7 +1106,7 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1130,7 +1130,7 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdims=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = t9 * t24
     t26 = np.reshape((np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -1201,7 +1201,7 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1223,7 +1223,7 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdims=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1247,7 +1247,7 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1268,7 +1268,7 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t17 = t16 - (A * t16).sum(-1, keepdims=True)
     t18 = A * t17
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1290,7 +1290,7 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1312,20 +1312,20 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdims=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/n_batch) * t1
     t23 = M_3.transpose(2, 3, 0, 1)
     t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t25 = np.reshape(t11, (d_V**2, L*n_batch))
-    t26 = np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t27 = np.reshape(t23, (d_V**2, L*n_batch))
-    t28 = np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t25 = np.reshape(t12, (d_V**2, L*n_batch))
+    t26 = np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t27 = np.reshape(t24, (d_V**2, L*n_batch))
+    t28 = np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
     t29 = np.concatenate([t25, t27], axis=-1)
     t30 = np.concatenate([t26, t28], axis=-2)
-    t0[...] = (np.reshape((t29 @ t30), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((t29 @ t30), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -1341,7 +1341,7 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1365,7 +1365,7 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdims=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = t9 * t24
     t26 = np.reshape((np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -1395,14 +1395,14 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t7 = A @ X
     M_1 = t7
     t8 = (2/(L*d_V*n_batch)) * X
-    t9 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t9 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t10 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t8, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t11 = M_1 @ W_V
     F = t11
@@ -1412,7 +1412,7 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t14 = (1/n_batch) * X
     t15 = M_2.transpose(3, 2, 0, 1)
     t16 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t14, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t9, (d_V**2, L*n_batch)) @ np.reshape(t10.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t10, (d_V**2, L*n_batch)) @ np.reshape(t9.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -1429,7 +1429,7 @@ def mse_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1519,7 +1519,7 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1536,7 +1536,7 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t18 = M_2.transpose(2, 3, 0, 1)
     t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t11, (d_V**2, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
-    t0 += (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -1556,7 +1556,7 @@ def mse_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t6.transpose(1, 0)), (n_batch, L, d_V))
     t9 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1643,7 +1643,7 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1668,7 +1668,7 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t23 = t22 - (A * t22).sum(-1, keepdims=True)
     t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t26 = t9 * t25
     t27 = np.reshape((np.reshape(t25.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -1700,7 +1700,7 @@ def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1754,7 +1754,7 @@ def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t6.transpose(1, 0)), (n_batch, L, d_V))
     t9 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1828,7 +1828,7 @@ def causal0__jacobian__W_QK(X, W_QK, W_V):
     t6 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t7 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(t7.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t6), (n_batch, d_V, L, d_V))
-    t2[...] = (np.reshape((np.reshape(t8.transpose(0, 2, 1, 3), (n_batch, L, d_V**2, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 4, 2)
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t8.transpose(0, 2, 3, 1), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
     t9 = -A
     t10 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t11 = (t6.transpose(0, 2, 1) @ t9.transpose(0, 2, 1))
@@ -1853,7 +1853,7 @@ def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
     t6 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t7 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(t7.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t6), (n_batch, d_V, L, d_V))
-    t2[...] = (np.reshape((np.reshape(t8.transpose(0, 2, 1, 3), (n_batch, L, d_V**2, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 4, 2)
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t8.transpose(0, 2, 3, 1), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
     t9 = -A
     t10 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t11 = (t6.transpose(0, 2, 1) @ t9.transpose(0, 2, 1))
@@ -1967,7 +1967,7 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1977,14 +1977,14 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     t13 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t14 = ((t13.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
     t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t16 = H[0:d_V**2, d_V**2:2*d_V**2]
     t17 = np.reshape(t16, (d_V, d_V, d_V, d_V), copy=False)
     t18 = A @ X
     M_1 = t18
-    t19 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t19 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t20 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t17[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t17[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t21 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
     t23 = np.swapaxes(M_1, -1, -2)
@@ -2050,7 +2050,7 @@ def mse_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -2106,7 +2106,7 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2134,7 +2134,7 @@ def mse_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2162,7 +2162,7 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2172,7 +2172,7 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t12 = np.reshape((t10.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t13 = ((t12.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
     t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -2190,7 +2190,7 @@ def mse_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -2223,16 +2223,16 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t9 = A @ X
     M_1 = t9
     t10 = (2/(L*d_V*n_batch)) * X
-    t11 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t11 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t12 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t11, (d_V**2, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -2250,7 +2250,7 @@ def mse_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -2329,7 +2329,7 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2358,7 +2358,7 @@ def mse_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V))
     t11 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2448,18 +2448,18 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t16.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t16.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/n_batch) * t2
     t20 = M_3.transpose(2, 3, 0, 1)
     t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t22 = H[0:d_V**2, d_V**2:2*d_V**2]
     t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2473,7 +2473,7 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t31 = (1/n_batch) * t30
     t32 = M_2.transpose(2, 3, 0, 1)
     t33 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t29[...] = (np.reshape((np.reshape(t32, (d_V**2, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t29[...] = (np.reshape((np.reshape(t33, (d_V**2, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t34[...] = 0
     return H
@@ -2547,7 +2547,7 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t14.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = t17 * t16
@@ -2557,7 +2557,7 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t22 = (n_batch**(-2)) * (t21 * t18.transpose(0, 2, 3, 1)).sum()
     t23 = np.sqrt(np.maximum(t22, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = t24 * t17
     t26 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -2601,7 +2601,7 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2638,7 +2638,7 @@ def mse_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t14.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2674,14 +2674,14 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t15.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t18 = (1/n_batch) * t1
     t19 = M_3.transpose(2, 3, 0, 1)
     t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -2711,7 +2711,7 @@ def mse_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t14.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t14.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = t17 * t16
@@ -2739,7 +2739,7 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2771,7 +2771,7 @@ def mse_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = M_1 @ W_V
@@ -2833,14 +2833,14 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t11 = np.swapaxes(G, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t14 = (1/n_batch) * t11
     t15 = M_2.transpose(2, 3, 0, 1)
     t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t14.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -2866,7 +2866,7 @@ def mse_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t10 = np.swapaxes(G, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2914,7 +2914,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2936,28 +2936,28 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdims=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/n_batch) * t2
     t26 = M_3.transpose(2, 3, 0, 1)
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t25.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t28 = np.reshape(t14, (d_V**2, L*n_batch))
-    t29 = np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t30 = np.reshape(t26, (d_V**2, L*n_batch))
-    t31 = np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t28 = np.reshape(t15, (d_V**2, L*n_batch))
+    t29 = np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t30 = np.reshape(t27, (d_V**2, L*n_batch))
+    t31 = np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
     t32 = np.concatenate([t28, t30], axis=-1)
     t33 = np.concatenate([t29, t31], axis=-2)
-    t1[...] = (np.reshape((t32 @ t33), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((t32 @ t33), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t34 = H[0:d_V**2, d_V**2:2*d_V**2]
     t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
-    t36 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t36 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t37 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t38 = (1/n_batch) * X
     t39 = M_2.transpose(3, 2, 0, 1)
     t40 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t38, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t35[...] = (np.reshape((np.reshape(t36, (d_V**2, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t35[...] = (np.reshape((np.reshape(t37, (d_V**2, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t35 += (np.reshape((np.reshape(t39, (d_V**2, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t41 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t42 = np.reshape(t41, (d_V, d_V, d_V, d_V), copy=False)
@@ -2970,7 +2970,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t49 = M_2.transpose(2, 3, 0, 1)
     t50 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t48.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t42[...] = (np.reshape((np.reshape(t45, (d_V**2, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
-    t42 += (np.reshape((np.reshape(t49, (d_V**2, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t42 += (np.reshape((np.reshape(t50, (d_V**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t51 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t51[...] = 0
     t52 = np.reshape(t51, (d_V, d_V, d_V, d_V), copy=False)
@@ -3046,7 +3046,7 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3070,7 +3070,7 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t27 = t11 * t26
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -3143,7 +3143,7 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3165,7 +3165,7 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t21 = t20 - (A * t20).sum(-1, keepdims=True)
     t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3191,7 +3191,7 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3212,7 +3212,7 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdims=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3236,7 +3236,7 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3258,20 +3258,20 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t21 = t20 - (A * t20).sum(-1, keepdims=True)
     t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/n_batch) * t1
     t25 = M_3.transpose(2, 3, 0, 1)
     t26 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t27 = np.reshape(t13, (d_V**2, L*n_batch))
-    t28 = np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t29 = np.reshape(t25, (d_V**2, L*n_batch))
-    t30 = np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t27 = np.reshape(t14, (d_V**2, L*n_batch))
+    t28 = np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t29 = np.reshape(t26, (d_V**2, L*n_batch))
+    t30 = np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
     t31 = np.concatenate([t27, t29], axis=-1)
     t32 = np.concatenate([t28, t30], axis=-2)
-    t0[...] = (np.reshape((t31 @ t32), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((t31 @ t32), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -3289,7 +3289,7 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3313,7 +3313,7 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t27 = t11 * t26
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -3345,14 +3345,14 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t9 = A @ X
     M_1 = t9
     t10 = (2/(L*d_V*n_batch)) * X
-    t11 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t11 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t12 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t13 = M_1 @ W_V
     F = t13
@@ -3362,7 +3362,7 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t16 = (1/n_batch) * X
     t17 = M_2.transpose(3, 2, 0, 1)
     t18 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t11, (d_V**2, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -3381,7 +3381,7 @@ def mse_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3477,7 +3477,7 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3494,7 +3494,7 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t20 = M_2.transpose(2, 3, 0, 1)
     t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
-    t0 += (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -3516,7 +3516,7 @@ def mse_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V))
     t11 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3609,7 +3609,7 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3634,7 +3634,7 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t28 = t11 * t27
     t29 = np.reshape((np.reshape(t27.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -3668,7 +3668,7 @@ def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3724,7 +3724,7 @@ def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V))
     t11 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3802,7 +3802,7 @@ def causal1__jacobian__W_QK(X, W_QK, W_V):
     t8 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t9 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(t9.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t8), (n_batch, d_V, L, d_V))
-    t2[...] = (np.reshape((np.reshape(t10.transpose(0, 2, 1, 3), (n_batch, L, d_V**2, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 4, 2)
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 3, 1), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
     t11 = -A
     t12 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t13 = (t8.transpose(0, 2, 1) @ t11.transpose(0, 2, 1))
@@ -3829,7 +3829,7 @@ def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
     t8 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t9 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(t9.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t8), (n_batch, d_V, L, d_V))
-    t2[...] = (np.reshape((np.reshape(t10.transpose(0, 2, 1, 3), (n_batch, L, d_V**2, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 4, 2)
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 3, 1), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
     t11 = -A
     t12 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t13 = (t8.transpose(0, 2, 1) @ t11.transpose(0, 2, 1))
@@ -3947,7 +3947,7 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3960,7 +3960,7 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = (1/(L*n_batch)) * X
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -3969,12 +3969,12 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     t21 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t22 = ((t21 @ t20)).transpose(3, 2, 0, 1)
     t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t24 = H[0:d_V**2, d_V**2:2*d_V**2]
     t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
     t26 = ((t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t27 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t25[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t25[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
     t30 = np.swapaxes(M_1, -1, -2)
@@ -3984,9 +3984,9 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     t29[...] = (np.reshape((np.reshape(t32, (d_V**2, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
-    t36 = (np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t36 = (np.reshape((np.reshape(dA15.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t9.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t37 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t35[...] = (np.reshape((np.reshape(t36, (d_V**2, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t35[...] = (np.reshape((np.reshape(t37, (d_V**2, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -4042,7 +4042,7 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4052,7 +4052,7 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -4109,7 +4109,7 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4122,7 +4122,7 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = (X * t16).transpose(2, 0, 1)
@@ -4147,7 +4147,7 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4160,7 +4160,7 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
+    dA13 = (np.reshape((np.reshape(A11.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t16 = (M_2 @ M_2.transpose(0, 1, 3, 2))
@@ -4185,7 +4185,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4198,7 +4198,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -4207,7 +4207,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t21 = ((t20 @ t19)).transpose(3, 2, 0, 1)
     t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -4223,7 +4223,7 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4233,7 +4233,7 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -4269,7 +4269,7 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4282,13 +4282,13 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * X
     t16 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t17 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = ((t17.transpose(0, 1, 3, 2) @ t16.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t19 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t15, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -4304,7 +4304,7 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4314,7 +4314,7 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t13.transpose(1, 0, 2)), (n_batch, L, d_V, L))
@@ -4351,7 +4351,7 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A11.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
     t14 = (M_1 * t13.transpose(0, 2, 1)).transpose(2, 0, 1)
     t15 = (oe.contract('abcc,abc->abc', dA, t8)).transpose(2, 0, 1)
@@ -4379,7 +4379,7 @@ def ce_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t12 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t5.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t13 = oe.contract('abcc,abc->ab', dA, t7)
     return (1/(L*n_batch)) * (t13 * t12).sum()
@@ -4407,11 +4407,11 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A11.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA15 = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA15 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA15.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4444,11 +4444,11 @@ def ce_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA14 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t16 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V))
@@ -4485,11 +4485,11 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A11.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
-    t14 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t14 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t15 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -4513,7 +4513,7 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t13 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t14 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -4556,18 +4556,18 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/n_batch) * t2
     t23 = M_3.transpose(2, 3, 0, 1)
     t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t25 = H[0:d_V**2, d_V**2:2*d_V**2]
     t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4581,7 +4581,7 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t34 = (1/n_batch) * t33
     t35 = M_2.transpose(2, 3, 0, 1)
     t36 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t32[...] = (np.reshape((np.reshape(t35, (d_V**2, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t32[...] = (np.reshape((np.reshape(t36, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t37 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t37[...] = 0
     return H
@@ -4661,7 +4661,7 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = t20 * t19
@@ -4671,7 +4671,7 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t25 = (n_batch**(-2)) * (t24 * t21.transpose(0, 2, 3, 1)).sum()
     t26 = np.sqrt(np.maximum(t25, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t28 = t27 * t20
     t29 = np.reshape((np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -4718,7 +4718,7 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4758,7 +4758,7 @@ def ce_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4797,14 +4797,14 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t21 = (1/n_batch) * t1
     t22 = M_3.transpose(2, 3, 0, 1)
     t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -4837,7 +4837,7 @@ def ce_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18, (L, L, 1)) * np.reshape(t17.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = t20 * t19
@@ -4863,7 +4863,7 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4898,7 +4898,7 @@ def ce_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4968,14 +4968,14 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/n_batch) * t14
     t18 = M_2.transpose(2, 3, 0, 1)
     t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -5004,7 +5004,7 @@ def ce_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5050,7 +5050,7 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5063,7 +5063,7 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = (1/(L*n_batch)) * X
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -5084,20 +5084,20 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t32.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
     t33 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t34 = (1/n_batch) * t2
     t35 = M_3.transpose(2, 3, 0, 1)
     t36 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t37 = np.reshape(t22, (d_V**2, L*n_batch))
-    t38 = np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t39 = np.reshape(t35, (d_V**2, L*n_batch))
-    t40 = np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t37 = np.reshape(t23, (d_V**2, L*n_batch))
+    t38 = np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t39 = np.reshape(t36, (d_V**2, L*n_batch))
+    t40 = np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
     t41 = np.concatenate([t37, t39], axis=-1)
     t42 = np.concatenate([t38, t40], axis=-2)
-    t1[...] = (np.reshape((t41 @ t42), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((t41 @ t42), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t43 = H[0:d_V**2, d_V**2:2*d_V**2]
     t44 = np.reshape(t43, (d_V, d_V, d_V, d_V), copy=False)
     t45 = ((t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
@@ -5105,7 +5105,7 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t47 = (1/n_batch) * X
     t48 = M_2.transpose(3, 2, 0, 1)
     t49 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t47, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t44[...] = (np.reshape((np.reshape(t45, (d_V**2, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t44[...] = (np.reshape((np.reshape(t46, (d_V**2, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t44 += (np.reshape((np.reshape(t48, (d_V**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t50 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t51 = np.reshape(t50, (d_V, d_V, d_V, d_V), copy=False)
@@ -5117,13 +5117,13 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t57 = (1/(L*n_batch)) * t56
     t58 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t57.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t59 = ((t21 @ t19.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t51[...] = (np.reshape((np.reshape(t54, (d_V**2, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t51[...] = (np.reshape((np.reshape(t55, (d_V**2, L*n_batch)) @ np.reshape(t54.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t51 += (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t60 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t61 = np.reshape(t60, (d_V, d_V, d_V, d_V), copy=False)
-    t62 = (np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t62 = (np.reshape((np.reshape(dA15.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t9.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t63 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t57.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t61[...] = (np.reshape((np.reshape(t62, (d_V**2, L*n_batch)) @ np.reshape(t63.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t61[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -5197,7 +5197,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5207,7 +5207,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -5236,7 +5236,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t39 = t16 * t38
     t40 = np.reshape((np.reshape(t38.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -5307,7 +5307,7 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5320,7 +5320,7 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = (X * t16).transpose(2, 0, 1)
@@ -5341,7 +5341,7 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t31.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5365,7 +5365,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5378,7 +5378,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
+    dA13 = (np.reshape((np.reshape(A11.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t16 = (M_2 @ M_2.transpose(0, 1, 3, 2))
@@ -5398,7 +5398,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t28 = t27 - (A * t27).sum(-1, keepdims=True)
     t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t29.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t29, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t29, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t29.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t29, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t29, (n_batch, L, 1, L)))
     t30 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5420,7 +5420,7 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5433,7 +5433,7 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -5454,20 +5454,20 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t31.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t33 = (1/n_batch) * t1
     t34 = M_3.transpose(2, 3, 0, 1)
     t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t36 = np.reshape(t21, (d_V**2, L*n_batch))
-    t37 = np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t38 = np.reshape(t34, (d_V**2, L*n_batch))
-    t39 = np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t36 = np.reshape(t22, (d_V**2, L*n_batch))
+    t37 = np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t38 = np.reshape(t35, (d_V**2, L*n_batch))
+    t39 = np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
     t40 = np.concatenate([t36, t38], axis=-1)
     t41 = np.concatenate([t37, t39], axis=-2)
-    t0[...] = (np.reshape((t40 @ t41), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((t40 @ t41), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -5483,7 +5483,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5493,7 +5493,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -5522,7 +5522,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t39 = t16 * t38
     t40 = np.reshape((np.reshape(t38.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -5552,7 +5552,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t5, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5565,7 +5565,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * X
     t16 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t17 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -5581,7 +5581,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t25 = (1/n_batch) * X
     t26 = M_2.transpose(3, 2, 0, 1)
     t27 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t25, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -5598,7 +5598,7 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5608,7 +5608,7 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t13.transpose(1, 0, 2)), (n_batch, L, d_V, L))
@@ -5665,7 +5665,7 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A11.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
     t14 = (M_1 * t13.transpose(0, 2, 1)).transpose(2, 0, 1)
     t15 = (oe.contract('abcc,abc->abc', dA, t8)).transpose(2, 0, 1)
@@ -5693,7 +5693,7 @@ def ce_causal0__trace__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t12 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t5.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t13 = oe.contract('abcc,abc->ab', dA, t7)
     return (1/(L*n_batch)) * (t13 * t12).sum()
@@ -5726,7 +5726,7 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5738,14 +5738,14 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     A22 = t21 / t21.sum(-1, keepdims=True)
     t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA24 = (np.reshape((np.reshape(t23, (d_V, d_V, 1)) * np.reshape(A22.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))
+    dA24 = (np.reshape((np.reshape(A22.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t23, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))
     t25 = np.swapaxes(W_V, -1, -2)
     t26 = (1/(L*n_batch)) * t20
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t26.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t28 = np.reshape((np.reshape(dA24, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t29 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t30 = ((t29 @ t28.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -5775,7 +5775,7 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5788,7 +5788,7 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     A24 = t23 / t23.sum(-1, keepdims=True)
     t25 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA26 = (np.reshape((np.reshape(t25, (d_V, d_V, 1)) * np.reshape(A24.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A24, (n_batch, L, d_V, 1)) * np.reshape(A24, (n_batch, L, 1, d_V)))
+    dA26 = (np.reshape((np.reshape(A24.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t25, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A24, (n_batch, L, d_V, 1)) * np.reshape(A24, (n_batch, L, 1, d_V)))
     t27 = np.swapaxes(W_V, -1, -2)
     t28 = np.reshape((np.reshape(dA26, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t29 = np.reshape((np.reshape(t22.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5830,11 +5830,11 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t12, (d_V, d_V, 1)) * np.reshape(A11.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A11.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
-    t14 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t14 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t15 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -5858,7 +5858,7 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t13 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t14 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5881,7 +5881,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5891,7 +5891,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -5921,7 +5921,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t38.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
     t39 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t40 = t16 * t39
     t41 = np.reshape((np.reshape(t39.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -5953,7 +5953,7 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t4, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5963,7 +5963,7 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t13 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t13.transpose(1, 0, 2)), (n_batch, L, d_V, L))
@@ -6023,11 +6023,11 @@ def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA14 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t16 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V))
@@ -6088,7 +6088,7 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t11, (d_V, d_V, 1)) * np.reshape(A10.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
     t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t13 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t14 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6176,7 +6176,7 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6189,7 +6189,7 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*n_batch)) * X
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -6198,12 +6198,12 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t24 = ((t23 @ t22)).transpose(3, 2, 0, 1)
     t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t26 = H[0:d_V**2, d_V**2:2*d_V**2]
     t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
     t28 = ((t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t29 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t27[...] = (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t27[...] = (np.reshape((np.reshape(t29, (d_V**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t30 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t31 = np.reshape(t30, (d_V, d_V, d_V, d_V), copy=False)
     t32 = np.swapaxes(M_1, -1, -2)
@@ -6213,9 +6213,9 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     t31[...] = (np.reshape((np.reshape(t34, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t37 = np.reshape(t36, (d_V, d_V, d_V, d_V), copy=False)
-    t38 = (np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t38 = (np.reshape((np.reshape(dA17.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t39 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t37[...] = (np.reshape((np.reshape(t38, (d_V**2, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t37[...] = (np.reshape((np.reshape(t39, (d_V**2, L*n_batch)) @ np.reshape(t38.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -6275,7 +6275,7 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -6285,7 +6285,7 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -6344,7 +6344,7 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6357,7 +6357,7 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = (X * t18).transpose(2, 0, 1)
@@ -6384,7 +6384,7 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6397,7 +6397,7 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t18 = (M_2 @ M_2.transpose(0, 1, 3, 2))
@@ -6424,7 +6424,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6437,7 +6437,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -6446,7 +6446,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t23 = ((t22 @ t21)).transpose(3, 2, 0, 1)
     t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -6464,7 +6464,7 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -6474,7 +6474,7 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -6512,7 +6512,7 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6525,13 +6525,13 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * X
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = ((t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t21 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -6549,7 +6549,7 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -6559,7 +6559,7 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t15.transpose(1, 0, 2)), (n_batch, L, d_V, L))
@@ -6598,7 +6598,7 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (M_1 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
@@ -6628,7 +6628,7 @@ def ce_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -6658,11 +6658,11 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA17 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA17.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6697,11 +6697,11 @@ def ce_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA16 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V))
@@ -6740,11 +6740,11 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t16 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t10.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t17 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -6770,7 +6770,7 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6815,18 +6815,18 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/n_batch) * t2
     t25 = M_3.transpose(2, 3, 0, 1)
     t26 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t27 = H[0:d_V**2, d_V**2:2*d_V**2]
     t28 = np.reshape(t27, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6840,7 +6840,7 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t36 = (1/n_batch) * t35
     t37 = M_2.transpose(2, 3, 0, 1)
     t38 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t34[...] = (np.reshape((np.reshape(t37, (d_V**2, L*n_batch)) @ np.reshape(t38.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t34[...] = (np.reshape((np.reshape(t38, (d_V**2, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t39 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t39[...] = 0
     return H
@@ -6924,7 +6924,7 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t22 * t21
@@ -6934,7 +6934,7 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t27 = (n_batch**(-2)) * (t26 * t23.transpose(0, 2, 3, 1)).sum()
     t28 = np.sqrt(np.maximum(t27, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t30 = t29 * t22
     t31 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -6983,7 +6983,7 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7025,7 +7025,7 @@ def ce_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7066,14 +7066,14 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * t1
     t24 = M_3.transpose(2, 3, 0, 1)
     t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -7108,7 +7108,7 @@ def ce_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t22 * t21
@@ -7136,7 +7136,7 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7173,7 +7173,7 @@ def ce_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -7245,14 +7245,14 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/n_batch) * t16
     t20 = M_2.transpose(2, 3, 0, 1)
     t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -7283,7 +7283,7 @@ def ce_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t15.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7331,7 +7331,7 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7344,7 +7344,7 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*n_batch)) * X
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -7365,20 +7365,20 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdims=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t34.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
     t35 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t36 = (1/n_batch) * t2
     t37 = M_3.transpose(2, 3, 0, 1)
     t38 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t39 = np.reshape(t24, (d_V**2, L*n_batch))
-    t40 = np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t41 = np.reshape(t37, (d_V**2, L*n_batch))
-    t42 = np.reshape(t38.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t39 = np.reshape(t25, (d_V**2, L*n_batch))
+    t40 = np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t41 = np.reshape(t38, (d_V**2, L*n_batch))
+    t42 = np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
     t43 = np.concatenate([t39, t41], axis=-1)
     t44 = np.concatenate([t40, t42], axis=-2)
-    t1[...] = (np.reshape((t43 @ t44), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((t43 @ t44), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t45 = H[0:d_V**2, d_V**2:2*d_V**2]
     t46 = np.reshape(t45, (d_V, d_V, d_V, d_V), copy=False)
     t47 = ((t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
@@ -7386,7 +7386,7 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t49 = (1/n_batch) * X
     t50 = M_2.transpose(3, 2, 0, 1)
     t51 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t49, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t46[...] = (np.reshape((np.reshape(t47, (d_V**2, L*n_batch)) @ np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t46[...] = (np.reshape((np.reshape(t48, (d_V**2, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t46 += (np.reshape((np.reshape(t50, (d_V**2, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t52 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t53 = np.reshape(t52, (d_V, d_V, d_V, d_V), copy=False)
@@ -7398,13 +7398,13 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t59 = (1/(L*n_batch)) * t58
     t60 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t61 = ((t23 @ t21.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t53[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t53[...] = (np.reshape((np.reshape(t57, (d_V**2, L*n_batch)) @ np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t53 += (np.reshape((np.reshape(t60, (d_V**2, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t62 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t63 = np.reshape(t62, (d_V, d_V, d_V, d_V), copy=False)
-    t64 = (np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t64 = (np.reshape((np.reshape(dA17.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t65 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t63[...] = (np.reshape((np.reshape(t64, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t63[...] = (np.reshape((np.reshape(t65, (d_V**2, L*n_batch)) @ np.reshape(t64.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -7482,7 +7482,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -7492,7 +7492,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -7521,7 +7521,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t39.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
     t40 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t41 = t18 * t40
     t42 = np.reshape((np.reshape(t40.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -7594,7 +7594,7 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7607,7 +7607,7 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = (X * t18).transpose(2, 0, 1)
@@ -7628,7 +7628,7 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdims=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t33.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
     t34 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7654,7 +7654,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7667,7 +7667,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t18 = (M_2 @ M_2.transpose(0, 1, 3, 2))
@@ -7687,7 +7687,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t31.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7711,7 +7711,7 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7724,7 +7724,7 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -7745,20 +7745,20 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdims=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t33.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t33.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
     t34 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t35 = (1/n_batch) * t1
     t36 = M_3.transpose(2, 3, 0, 1)
     t37 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t35.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t38 = np.reshape(t23, (d_V**2, L*n_batch))
-    t39 = np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t40 = np.reshape(t36, (d_V**2, L*n_batch))
-    t41 = np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t38 = np.reshape(t24, (d_V**2, L*n_batch))
+    t39 = np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t40 = np.reshape(t37, (d_V**2, L*n_batch))
+    t41 = np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
     t42 = np.concatenate([t38, t40], axis=-1)
     t43 = np.concatenate([t39, t41], axis=-2)
-    t0[...] = (np.reshape((t42 @ t43), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((t42 @ t43), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -7776,7 +7776,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -7786,7 +7786,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -7815,7 +7815,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t39.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
     t40 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t41 = t18 * t40
     t42 = np.reshape((np.reshape(t40.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -7847,7 +7847,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7860,7 +7860,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * X
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -7876,7 +7876,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t27 = (1/n_batch) * X
     t28 = M_2.transpose(3, 2, 0, 1)
     t29 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t27, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -7895,7 +7895,7 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -7905,7 +7905,7 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t15.transpose(1, 0, 2)), (n_batch, L, d_V, L))
@@ -7964,7 +7964,7 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (M_1 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
@@ -7994,7 +7994,7 @@ def ce_causal1__trace__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -8029,7 +8029,7 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8041,14 +8041,14 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     A24 = t23 / t23.sum(-1, keepdims=True)
     t25 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA26 = (np.reshape((np.reshape(t25, (d_V, d_V, 1)) * np.reshape(A24.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A24, (n_batch, L, d_V, 1)) * np.reshape(A24, (n_batch, L, 1, d_V)))
+    dA26 = (np.reshape((np.reshape(A24.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t25, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A24, (n_batch, L, d_V, 1)) * np.reshape(A24, (n_batch, L, 1, d_V)))
     t27 = np.swapaxes(W_V, -1, -2)
     t28 = (1/(L*n_batch)) * t22
     t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t30 = np.reshape((np.reshape(dA26, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t31 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t32 = ((t31 @ t30.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t29, (d_V**2, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -8080,7 +8080,7 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t15.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8093,7 +8093,7 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     A26 = t25 / t25.sum(-1, keepdims=True)
     t27 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA28 = (np.reshape((np.reshape(t27, (d_V, d_V, 1)) * np.reshape(A26.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A26, (n_batch, L, d_V, 1)) * np.reshape(A26, (n_batch, L, 1, d_V)))
+    dA28 = (np.reshape((np.reshape(A26.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t27, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A26, (n_batch, L, d_V, 1)) * np.reshape(A26, (n_batch, L, 1, d_V)))
     t29 = np.swapaxes(W_V, -1, -2)
     t30 = np.reshape((np.reshape(dA28, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t31 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8137,11 +8137,11 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t14, (d_V, d_V, 1)) * np.reshape(A13.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t16 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t10.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t17 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -8167,7 +8167,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8192,7 +8192,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -8202,7 +8202,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -8232,7 +8232,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t39 = t38 - (A * t38).sum(-1, keepdims=True)
     t40 = A * t39
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(t40.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t40, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t40, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t40.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t40, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t40, (n_batch, L, 1, L)))
     t41 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t42 = t18 * t41
     t43 = np.reshape((np.reshape(t41.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -8266,7 +8266,7 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t6, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -8276,7 +8276,7 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t15.transpose(1, 0, 2)), (n_batch, L, d_V, L))
@@ -8338,11 +8338,11 @@ def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA16 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V))
@@ -8405,7 +8405,7 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t13, (d_V, d_V, 1)) * np.reshape(A12.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))

@@ -111,7 +111,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -124,9 +124,9 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t18 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t19 = (t18 @ t17)
-    t20 = (np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t20 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t20, (d_K**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
     t24 = ((t18 @ t17)).transpose(3, 2, 0, 1)
@@ -140,16 +140,16 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t30 = np.swapaxes(t14, -1, -2)
     t31 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t32 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t31.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t33 = (np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t30), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t33 = (np.reshape((t30.transpose(1, 0) @ np.reshape(t32.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t34 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t28[...] = (np.reshape((np.reshape(t33, (d_H*d_K, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t28[...] = (np.reshape((np.reshape(t34, (d_V**2, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t35 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t36 = np.reshape(t35, (d_V, d_K, d_H, d_V), copy=False)
     t37 = M_1 @ W_V
     t38 = np.swapaxes(t13, -1, -2)
-    t39 = (np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t38), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t39 = (np.reshape((t38.transpose(1, 0) @ np.reshape(t32.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t40 = ((np.reshape(t37, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t36[...] = (np.reshape((np.reshape(t39, (d_K*d_V, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t36[...] = (np.reshape((np.reshape(t40, (d_H*d_V, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
     t43 = np.swapaxes(W_Q, -1, -2)
@@ -159,7 +159,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t47 = ((t46.transpose(1, 2, 0, 3) @ t45.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t48 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t44.transpose(1, 0)), (n_batch, L, d_K))
     t49 = ((np.reshape(t48, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t42[...] = (np.reshape((np.reshape(t47, (d_K*d_V, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t42[...] = (np.reshape((np.reshape(t49, (d_K*d_V, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t50 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t51 = np.reshape(t50, (d_V, d_K, d_V, d_K), copy=False)
     t52 = ((t45.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
@@ -168,23 +168,23 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t54 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t55 = np.reshape(t54, (d_V, d_K, d_V, d_H), copy=False)
     t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t43
-    t57 = (np.reshape((t30.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t57 = (np.reshape((t30.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t58 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t56.transpose(1, 0)), (n_batch, L, d_K))
     t59 = ((np.reshape(t58, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t55[...] = (np.reshape((np.reshape(t57, (d_H*d_V, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t55[...] = (np.reshape((np.reshape(t59, (d_K*d_V, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t60 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t61 = np.reshape(t60, (d_V, d_K, d_H, d_V), copy=False)
-    t62 = (np.reshape((t38.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t62 = (np.reshape((t38.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t63 = ((np.reshape(t58, (n_batch, L, d_K, 1)) * np.reshape(t37, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t61[...] = (np.reshape((np.reshape(t62, (d_V**2, L*n_batch)) @ np.reshape(t63.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t61[...] = (np.reshape((np.reshape(t63, (d_H*d_K, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t64 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t65 = np.reshape(t64, (d_V, d_H, d_V, d_K), copy=False)
     t66 = np.swapaxes(M_1, -1, -2)
     t67 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t66
     t68 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t69 = (np.reshape((np.reshape(t68.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t69 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t68.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t70 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t67.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t65[...] = (np.reshape((np.reshape(t69, (d_H*d_K, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t65[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t69.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     t71 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t72 = np.reshape(t71, (d_V, d_H, d_V, d_K), copy=False)
     t73 = np.reshape((t14 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
@@ -195,20 +195,20 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t77 = t66 @ M_1
     t78 = W_O @ t11
     t79 = (2/(L*d_V*n_batch)) * t78
-    t76[...] = (np.reshape((np.reshape(t79, (d_H**2, 1)) * np.reshape(t77.sum((0,)), (1, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t76[...] = (np.reshape((np.reshape(t77.sum((0,)), (d_V**2, 1)) * np.reshape(t79, (1, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(0, 2, 1, 3)
     t80 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t81 = np.reshape(t80, (d_V, d_H, d_H, d_V), copy=False)
     t82 = t66 @ t37
     t83 = (2/(L*d_V*n_batch)) * W_O
-    t81[...] = (np.reshape((np.reshape(t83, (d_H*d_V, 1)) * np.reshape(t82.sum((0,)), (1, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t81[...] = (np.reshape((np.reshape(t82.sum((0,)), (d_H*d_V, 1)) * np.reshape(t83, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
     t84 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t85 = np.reshape(t84, (d_H, d_V, d_V, d_K), copy=False)
     t86 = np.swapaxes(t37, -1, -2)
     t87 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t86
     t88 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t89 = (np.reshape((np.reshape(t88.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t89 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t88.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t90 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t87.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t85[...] = (np.reshape((np.reshape(t89, (d_K*d_V, L*n_batch)) @ np.reshape(t90.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_K, d_H, d_V))).transpose(2, 0, 3, 1)
+    t85[...] = (np.reshape((np.reshape(t90, (d_H*d_V, L*n_batch)) @ np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t92 = np.reshape(t91, (d_H, d_V, d_V, d_K), copy=False)
     t93 = np.reshape((t13 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
@@ -218,7 +218,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t96 = np.reshape(t95, (d_H, d_V, d_V, d_H), copy=False)
     t97 = np.swapaxes(t82, -1, -2)
     t98 = (2/(L*d_V*n_batch)) * t11
-    t96[...] = (np.reshape((np.reshape(t98, (d_H*d_V, 1)) * np.reshape(t97.sum((0,)), (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(2, 0, 3, 1)
+    t96[...] = (np.reshape((np.reshape(t97.sum((0,)), (d_H*d_V, 1)) * np.reshape(t98, (1, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
     t99 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t99[...] = 0
     t100 = np.reshape(t99, (d_H, d_V, d_H, d_V), copy=False)
@@ -302,7 +302,7 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_O, -1, -2)
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = t8 @ t9
@@ -450,7 +450,7 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -486,7 +486,7 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -522,7 +522,7 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -535,9 +535,9 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t17 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
-    t19 = (np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t19, (d_K**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -558,7 +558,7 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_O, -1, -2)
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = t8 @ t9
@@ -601,7 +601,7 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -637,7 +637,7 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_O, -1, -2)
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = t8 @ t9
@@ -680,7 +680,7 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -691,9 +691,9 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_V @ t12
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t15 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t16 = (np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t13), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t16 = (np.reshape((t13.transpose(1, 0) @ np.reshape(t15.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t17 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t16, (d_H*d_K, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -714,7 +714,7 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = np.swapaxes(W_O, -1, -2)
@@ -754,7 +754,7 @@ def mse_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -764,9 +764,9 @@ def mse_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_V @ W_O
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t15 = (np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t12), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t15 = (np.reshape((t12.transpose(1, 0) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t16 = ((np.reshape(t11, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_H*d_V, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -787,7 +787,7 @@ def mse_causal0__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -827,7 +827,7 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -864,7 +864,7 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -901,7 +901,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -916,7 +916,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = ((t18.transpose(1, 2, 0, 3) @ t17.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_K))
     t21 = ((np.reshape(t20, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -938,7 +938,7 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_O, -1, -2)
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t9 @ t10
@@ -982,7 +982,7 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1019,7 +1019,7 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_O, -1, -2)
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t9 @ t10
@@ -1063,7 +1063,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1073,10 +1073,10 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = W_V @ t13
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t16 = (np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t16 = (np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
     t18 = ((np.reshape(t17, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t16, (d_H*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -1098,7 +1098,7 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = np.swapaxes(W_O, -1, -2)
@@ -1139,7 +1139,7 @@ def mse_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1148,10 +1148,10 @@ def mse_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = M_1 @ W_V
     t13 = W_V @ W_O
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t15 = (np.reshape((t13.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t15 = (np.reshape((t13.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_K))
     t17 = ((np.reshape(t16, (n_batch, L, d_K, 1)) * np.reshape(t12, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_H*d_K, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -1173,7 +1173,7 @@ def mse_causal0__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -1271,15 +1271,15 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t17 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t18 = (np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t18 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t17.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_H*d_K, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -1307,7 +1307,7 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_H))
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1349,7 +1349,7 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1385,7 +1385,7 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_H))
     t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1425,7 +1425,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = W_O @ t11
     t13 = (2/(L*d_V*n_batch)) * t12
-    t0[...] = (np.reshape((np.reshape(t13, (d_H**2, 1)) * np.reshape(t10.sum((0,)), (1, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t10.sum((0,)), (d_V**2, 1)) * np.reshape(t13, (1, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -1480,7 +1480,7 @@ def mse_causal0__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = M_1 @ W_V
     t11 = t9 @ t10
     t12 = (2/(L*d_V*n_batch)) * W_O
-    t0[...] = (np.reshape((np.reshape(t12, (d_H*d_V, 1)) * np.reshape(t11.sum((0,)), (1, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t11.sum((0,)), (d_H*d_V, 1)) * np.reshape(t12, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -1592,15 +1592,15 @@ def mse_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12 @ t1
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t17 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t18 = (np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t18 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t17.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_K*d_V, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_K, d_H, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_H*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -1628,7 +1628,7 @@ def mse_causal0__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ t0
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V))
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1670,7 +1670,7 @@ def mse_causal0__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12 @ t1
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1706,7 +1706,7 @@ def mse_causal0__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ t0
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V))
     t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1747,7 +1747,7 @@ def mse_causal0__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ M_1
     t13 = np.swapaxes(W_O, -1, -2)
     t14 = (2/(L*d_V*n_batch)) * t13
-    t0[...] = (np.reshape((np.reshape(t14, (d_H*d_V, 1)) * np.reshape(t12.sum((0,)), (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t12.sum((0,)), (d_H*d_V, 1)) * np.reshape(t14, (1, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -1874,15 +1874,15 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t23 = (1/(d_K*n_batch)) * t2
     t24 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t25 = (np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t25 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t24.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t26 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t25, (d_K**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
     t29 = np.reshape((t23 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -1898,7 +1898,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t37 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t38 = np.reshape(t37, (d_V, d_K, d_V, d_H), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t39 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1910,19 +1910,19 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t44 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t45 = np.reshape(t44, (d_V, d_K, d_H, d_V), copy=False)
     t46 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t41.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t47 = (np.reshape((np.reshape(t46.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t47 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t46.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t48 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t45[...] = (np.reshape((np.reshape(t47, (d_H*d_K, L*n_batch)) @ np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t49 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
     t51 = np.swapaxes(W_Q, -1, -2)
     t52 = (1/(d_K*n_batch)) * t51
-    t53 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t53 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t54 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t52.transpose(1, 0)), (n_batch, L, d_K))
     t55 = ((np.reshape(t54, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t56 = np.einsum('abcb->abc', t50)
     t57 = np.swapaxes(t34, -1, -2)
-    t50[...] = (np.reshape((np.reshape(t53, (d_K*d_V, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t50[...] = (np.reshape((np.reshape(t55, (d_K*d_V, L*n_batch)) @ np.reshape(t53.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t56 += (np.reshape((np.reshape(t36, (d_K, 1)) * np.reshape(t57.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t59 = np.reshape(t58, (d_V, d_K, d_V, d_K), copy=False)
@@ -1938,7 +1938,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t63[...] = (np.reshape((np.reshape(t65, (d_V**2, L*n_batch)) @ np.reshape(t67.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t68 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t69 = np.reshape(t68, (d_V, d_K, d_H, d_V), copy=False)
-    t70 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t70 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t71 = ((np.reshape(t66, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t69[...] = (np.reshape((np.reshape(t70, (d_H*d_V, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
@@ -1946,7 +1946,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t74 = np.swapaxes(t40, -1, -2)
     t75 = (1/(math.sqrt(d_K)*n_batch)) * t74
     t76 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t75.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t77 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t77 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t73[...] = (np.reshape((np.reshape(t76, (d_H*d_V, L*n_batch)) @ np.reshape(t77.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t79 = np.reshape(t78, (d_V, d_H, d_V, d_K), copy=False)
@@ -1969,9 +1969,9 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t92 = np.swapaxes(G, -1, -2)
     t93 = (1/(math.sqrt(d_K)*n_batch)) * t92
     t94 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t95 = (np.reshape((np.reshape(t94.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t95 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t94.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t96 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t93.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t91[...] = (np.reshape((np.reshape(t95, (d_H*d_K, L*n_batch)) @ np.reshape(t96.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t91[...] = (np.reshape((np.reshape(t96, (d_V**2, L*n_batch)) @ np.reshape(t95.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     t97 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t98 = np.reshape(t97, (d_H, d_V, d_V, d_K), copy=False)
     t99 = np.reshape((t15 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
@@ -2097,7 +2097,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2125,7 +2125,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t44 = (n_batch**(-2)) * (t33.sum((0,)) * t33.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t38 * t36).sum() + (1/(d_K**2*n_batch**2)) * (t43 * t40.transpose(0, 2, 3, 1)).sum()
     t45 = np.sqrt(np.maximum(t44, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t46 = G @ t12
     t47 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t48 = np.reshape((np.reshape(t46, (L*n_batch, d_H)) @ np.reshape(t46.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2246,7 +2246,7 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2290,7 +2290,7 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2334,15 +2334,15 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t1
     t23 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t24 = (np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t23.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t24, (d_K**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -2378,7 +2378,7 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2428,7 +2428,7 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2480,7 +2480,7 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = t0 @ t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.sum((0,))), (n_batch, L, d_V))
     t23 = (t22 @ X.transpose(0, 2, 1))
     t24 = np.reshape((np.reshape(t23, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -2519,7 +2519,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2557,7 +2557,7 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -2601,7 +2601,7 @@ def mse_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2615,7 +2615,7 @@ def mse_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t16 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t17 = (np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t18 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t17, (d_H*d_K, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -2638,7 +2638,7 @@ def mse_causal0__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -2697,7 +2697,7 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2743,7 +2743,7 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2788,12 +2788,12 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t23 = (1/(d_K*n_batch)) * t1
-    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t25 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_K))
     t26 = ((np.reshape(t25, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t27 = np.einsum('abcb->abc', t0)
@@ -2802,7 +2802,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t30 = t2 @ t29
     t31 = np.ones((d_K,), dtype=X.dtype)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
-    t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t27 += (np.reshape((np.reshape(t32, (d_K, 1)) * np.reshape(t30.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -2843,7 +2843,7 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = np.swapaxes(W_Q, -1, -2)
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t21.sum((0,))), (n_batch, L, d_V))
     t25 = (t24 @ X.transpose(0, 2, 1))
     t26 = np.reshape((np.reshape(t25.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -2898,7 +2898,7 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2944,7 +2944,7 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t23 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2980,7 +2980,7 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3020,7 +3020,7 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -3065,7 +3065,7 @@ def mse_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3078,7 +3078,7 @@ def mse_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = (2/(L*d_V)) * t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t17 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t17 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_K))
     t19 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t0[...] = (np.reshape((np.reshape(t17, (d_H*d_V, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
@@ -3103,7 +3103,7 @@ def mse_causal0__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -3178,13 +3178,13 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t14
     t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t18, (d_H*d_V, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -3216,7 +3216,7 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t13.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3260,7 +3260,7 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3299,7 +3299,7 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t13.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3452,15 +3452,15 @@ def mse_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t13
     t18 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t19 = (np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t19, (d_H*d_K, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -3491,7 +3491,7 @@ def mse_causal0__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_H))
     t16 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t17 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t12.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3536,7 +3536,7 @@ def mse_causal0__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3575,7 +3575,7 @@ def mse_causal0__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_H))
     t16 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t17 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t12.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3698,7 +3698,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3711,7 +3711,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t18 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t19 = (t18 @ t17)
-    t20 = (np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t20 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t22 = A @ X
     M_1 = t22
@@ -3726,21 +3726,21 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = t28 - (A * t28).sum(-1, keepdims=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t30.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t30.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
     t31 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t31.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t32 = (1/(d_K*n_batch)) * t2
     t33 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t32.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t34 = (np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t34 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t33.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t36 = np.reshape(t20, (d_K**2, L*n_batch))
-    t37 = np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t38 = np.reshape(t34, (d_K**2, L*n_batch))
-    t39 = np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t36 = np.reshape(t21, (d_V**2, L*n_batch))
+    t37 = np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t38 = np.reshape(t35, (d_V**2, L*n_batch))
+    t39 = np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t40 = np.concatenate([t36, t38], axis=-1)
     t41 = np.concatenate([t37, t39], axis=-2)
-    t1[...] = (np.reshape((t40 @ t41), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((t40 @ t41), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t42 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
     t44 = np.reshape((t32 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -3766,30 +3766,30 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t62 = np.swapaxes(t14, -1, -2)
     t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t64 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t63.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t65 = (np.reshape((np.reshape(t64.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t62), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t65 = (np.reshape((t62.transpose(1, 0) @ np.reshape(t64.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t66 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t67 = G @ t11
     t68 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t69 = np.reshape((t68 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t70 = ((np.reshape(t67, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t61[...] = (np.reshape((np.reshape(t65, (d_H*d_K, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t61[...] = (np.reshape((np.reshape(t66, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t61 += (np.reshape((np.reshape(t69, (d_K*d_V, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t71 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t72 = np.reshape(t71, (d_V, d_K, d_H, d_V), copy=False)
     t73 = M_1 @ W_V
     t74 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
-    t75 = (np.reshape((t74 @ np.reshape(t64.transpose(2, 0, 1, 3), (d_V, L*d_K*n_batch))), (d_V, n_batch, L, d_K))).transpose(3, 0, 1, 2)
+    t75 = (np.reshape((t74 @ np.reshape(t64.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t76 = ((np.reshape(t73, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t77 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t68.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t78 = (np.reshape((np.reshape(t77.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t78 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t77.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t79 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t72[...] = (np.reshape((np.reshape(t75, (d_K*d_V, L*n_batch)) @ np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t72[...] = (np.reshape((np.reshape(t76, (d_H*d_V, L*n_batch)) @ np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t72 += (np.reshape((np.reshape(t78, (d_H*d_K, L*n_batch)) @ np.reshape(t79.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t80 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t81 = np.reshape(t80, (d_V, d_K, d_V, d_K), copy=False)
     t82 = np.swapaxes(W_Q, -1, -2)
     t83 = (1/(d_K*n_batch)) * t82
-    t84 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t84 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t85 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t83.transpose(1, 0)), (n_batch, L, d_K))
     t86 = ((np.reshape(t85, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t87 = (2/(L*d_K*d_V*n_batch)) * t82
@@ -3800,13 +3800,13 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t92 = ((np.reshape(t91, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t93 = np.einsum('abcb->abc', t81)
     t94 = np.swapaxes(t51, -1, -2)
-    t95 = np.reshape(t84, (d_K*d_V, L*n_batch))
-    t96 = np.reshape(t86.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t97 = np.reshape(t90, (d_K*d_V, L*n_batch))
-    t98 = np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t95 = np.reshape(t86, (d_K*d_V, L*n_batch))
+    t96 = np.reshape(t84.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t97 = np.reshape(t92, (d_K*d_V, L*n_batch))
+    t98 = np.reshape(t90.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t99 = np.concatenate([t95, t97], axis=-1)
     t100 = np.concatenate([t96, t98], axis=-2)
-    t81[...] = (np.reshape((t99 @ t100), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t81[...] = (np.reshape((t99 @ t100), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t93 += (np.reshape((np.reshape(t53, (d_K, 1)) * np.reshape(t94.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t101 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t102 = np.reshape(t101, (d_V, d_K, d_V, d_K), copy=False)
@@ -3824,35 +3824,35 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t113 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t114 = np.reshape(t113, (d_V, d_K, d_V, d_H), copy=False)
     t115 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t82
-    t116 = (np.reshape((t62.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t116 = (np.reshape((t62.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t117 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t115.transpose(1, 0)), (n_batch, L, d_K))
     t118 = ((np.reshape(t117, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t119 = (1/(math.sqrt(d_K)*n_batch)) * t82
     t120 = M_2.transpose(3, 2, 0, 1)
     t121 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t119.transpose(1, 0)), (n_batch, L, d_K))
     t122 = ((np.reshape(t121, (n_batch, L, d_K, 1)) * np.reshape(t67, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t114[...] = (np.reshape((np.reshape(t116, (d_H*d_V, L*n_batch)) @ np.reshape(t118.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t114[...] = (np.reshape((np.reshape(t118, (d_K*d_V, L*n_batch)) @ np.reshape(t116.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t114 += (np.reshape((np.reshape(t120, (d_V**2, L*n_batch)) @ np.reshape(t122.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t123 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t124 = np.reshape(t123, (d_V, d_K, d_H, d_V), copy=False)
-    t125 = (np.reshape((t74 @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t125 = (np.reshape((t74 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t126 = ((np.reshape(t117, (n_batch, L, d_K, 1)) * np.reshape(t73, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t127 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t127 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t128 = ((np.reshape(t121, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t124[...] = (np.reshape((np.reshape(t125, (d_V**2, L*n_batch)) @ np.reshape(t126.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t124[...] = (np.reshape((np.reshape(t126, (d_H*d_K, L*n_batch)) @ np.reshape(t125.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t124 += (np.reshape((np.reshape(t127, (d_H*d_V, L*n_batch)) @ np.reshape(t128.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t129 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t130 = np.reshape(t129, (d_V, d_H, d_V, d_K), copy=False)
     t131 = np.swapaxes(M_1, -1, -2)
     t132 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t131
     t133 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t134 = (np.reshape((np.reshape(t133.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t134 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t133.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t135 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t132.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t136 = np.swapaxes(t67, -1, -2)
     t137 = (1/(math.sqrt(d_K)*n_batch)) * t136
     t138 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t137.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t139 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t130[...] = (np.reshape((np.reshape(t134, (d_H*d_K, L*n_batch)) @ np.reshape(t135.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t139 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t130[...] = (np.reshape((np.reshape(t135, (d_V**2, L*n_batch)) @ np.reshape(t134.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     t130 += (np.reshape((np.reshape(t138, (d_H*d_V, L*n_batch)) @ np.reshape(t139.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t140 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t141 = np.reshape(t140, (d_V, d_H, d_V, d_K), copy=False)
@@ -3867,7 +3867,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t148 = t131 @ M_1
     t149 = W_O @ t11
     t150 = (2/(L*d_V*n_batch)) * t149
-    t147[...] = (np.reshape((np.reshape(t150, (d_H**2, 1)) * np.reshape(t148.sum((0,)), (1, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t147[...] = (np.reshape((np.reshape(t148.sum((0,)), (d_V**2, 1)) * np.reshape(t150, (1, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(0, 2, 1, 3)
     t151 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t152 = np.reshape(t151, (d_V, d_H, d_H, d_V), copy=False)
     t153 = (2/(L*d_V*n_batch)) * t131
@@ -3876,8 +3876,8 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t156 = np.ones((d_H,), dtype=X.dtype)
     t157 = (1/n_batch) * t156
     t158 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t131.transpose(0, 2, 1), (L*n_batch, d_V)))
-    t152[...] = (np.reshape((np.reshape(t154, (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_H, d_V, d_H, d_V))).transpose(1, 2, 0, 3)
-    t155 += (np.reshape((np.reshape(t158, (d_V**2, 1)) * np.reshape(t157, (1, d_H))), (d_V, d_V, d_H))).transpose(1, 2, 0)
+    t152[...] = (np.reshape((np.reshape(t154.transpose(1, 0), (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
+    t155 += (np.reshape((np.reshape(t157, (d_H, 1)) * np.reshape(t158.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     t159 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t160 = np.reshape(t159, (d_H, d_V, d_V, d_K), copy=False)
     t161 = np.swapaxes(t73, -1, -2)
@@ -3888,10 +3888,10 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t166 = np.swapaxes(G, -1, -2)
     t167 = (1/(math.sqrt(d_K)*n_batch)) * t166
     t168 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t169 = (np.reshape((np.reshape(t168.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t169 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t168.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t170 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t167.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t160[...] = (np.reshape((np.reshape(t164, (d_K*d_V, L*n_batch)) @ np.reshape(t165.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_K, d_H, d_V))).transpose(2, 0, 3, 1)
-    t160 += (np.reshape((np.reshape(t169, (d_H*d_K, L*n_batch)) @ np.reshape(t170.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t160[...] = (np.reshape((np.reshape(t165, (d_H*d_V, L*n_batch)) @ np.reshape(t164.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t160 += (np.reshape((np.reshape(t170, (d_V**2, L*n_batch)) @ np.reshape(t169.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     t171 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t172 = np.reshape(t171, (d_H, d_V, d_V, d_K), copy=False)
     t173 = np.reshape((t163.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
@@ -3906,7 +3906,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t180 = (2/(L*d_V*n_batch)) * t11
     t181 = np.einsum('abca->abc', t178)
     t182 = t166 @ M_1
-    t178[...] = (np.reshape((np.reshape(t180, (d_H*d_V, 1)) * np.reshape(t179.sum((0,)), (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(2, 0, 3, 1)
+    t178[...] = (np.reshape((np.reshape(t179.sum((0,)), (d_H*d_V, 1)) * np.reshape(t180, (1, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
     t181 += np.reshape((np.reshape(t157, (d_H, 1)) * np.reshape(t182.sum((0,)), (1, d_V**2))), (d_H, d_V, d_V))
     t183 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t183[...] = 0
@@ -4026,7 +4026,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_O, -1, -2)
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = t8 @ t9
@@ -4058,7 +4058,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t33 = t32 - (A * t32).sum(-1, keepdims=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t34.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
     t35 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t37 = t17 * t35
@@ -4330,7 +4330,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4358,7 +4358,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = t27 - (A * t27).sum(-1, keepdims=True)
     t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t29.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t29, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t29, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t29.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t29, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t29, (n_batch, L, 1, L)))
     t30 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4388,7 +4388,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4415,7 +4415,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = t25 - (A * t25).sum(-1, keepdims=True)
     t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t27.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t27.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4443,7 +4443,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4456,7 +4456,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t17 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
-    t19 = (np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t21 = A @ X
     M_1 = t21
@@ -4471,21 +4471,21 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = t27 - (A * t27).sum(-1, keepdims=True)
     t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t29.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t29, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t29, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t29.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t29, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t29, (n_batch, L, 1, L)))
     t30 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t31 = (1/(d_K*n_batch)) * t1
     t32 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t31.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t33 = (np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t33 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t32.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t34 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t35 = np.reshape(t19, (d_K**2, L*n_batch))
-    t36 = np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t37 = np.reshape(t33, (d_K**2, L*n_batch))
-    t38 = np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t35 = np.reshape(t20, (d_V**2, L*n_batch))
+    t36 = np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t37 = np.reshape(t34, (d_V**2, L*n_batch))
+    t38 = np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t39 = np.concatenate([t35, t37], axis=-1)
     t40 = np.concatenate([t36, t38], axis=-2)
-    t0[...] = (np.reshape((t39 @ t40), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((t39 @ t40), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -4506,7 +4506,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_O, -1, -2)
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = t8 @ t9
@@ -4538,7 +4538,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t33 = t32 - (A * t32).sum(-1, keepdims=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t34.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t34.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
     t35 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t37 = t17 * t35
@@ -4591,7 +4591,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t19.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4600,7 +4600,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t25 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4662,7 +4662,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = t0 @ t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.sum((0,))), (n_batch, L, d_V))
     t23 = (t22 @ X.transpose(0, 2, 1))
     t24 = np.reshape((np.reshape(t23, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -4670,7 +4670,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t27 = (t26.transpose(1, 2, 0) @ t25.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t28 = t12 @ t13
     t29 = W_O @ t28
     t30 = W_V @ t29
@@ -4727,7 +4727,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4738,7 +4738,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_V @ t12
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t15 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t16 = (np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t13), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t16 = (np.reshape((t13.transpose(1, 0) @ np.reshape(t15.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t17 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t18 = M_1 @ W_V
     t19 = t18 @ W_O
@@ -4750,7 +4750,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t24 = np.reshape((t23 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t25 = ((np.reshape(t22, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t16, (d_H*d_K, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     return out
 
@@ -4772,7 +4772,7 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = np.swapaxes(W_O, -1, -2)
@@ -4831,7 +4831,7 @@ def mse_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4841,7 +4841,7 @@ def mse_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t13 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t14 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
-    t15 = (np.reshape((t14 @ np.reshape(t13.transpose(2, 0, 1, 3), (d_V, L*d_K*n_batch))), (d_V, n_batch, L, d_K))).transpose(3, 0, 1, 2)
+    t15 = (np.reshape((t14 @ np.reshape(t13.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t16 = ((np.reshape(t11, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t17 = t11 @ W_O
     F = t17
@@ -4850,9 +4850,9 @@ def mse_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t19
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t22 = (np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t22 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t23 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_H*d_V, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t22, (d_H*d_K, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -4874,7 +4874,7 @@ def mse_causal0__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -4934,7 +4934,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4962,7 +4962,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = t28 - (A * t28).sum(-1, keepdims=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t30.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t30.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
     t31 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t31.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4993,7 +4993,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5020,7 +5020,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = t26 - (A * t26).sum(-1, keepdims=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t28.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t28.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5065,16 +5065,16 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t23 = (1/(d_K*n_batch)) * t1
-    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t25 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_K))
     t26 = ((np.reshape(t25, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5093,13 +5093,13 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t40 = t2 @ t39
     t41 = np.ones((d_K,), dtype=X.dtype)
     t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
-    t43 = np.reshape(t24, (d_K*d_V, L*n_batch))
-    t44 = np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t45 = np.reshape(t34, (d_K*d_V, L*n_batch))
-    t46 = np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t43 = np.reshape(t26, (d_K*d_V, L*n_batch))
+    t44 = np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t45 = np.reshape(t36, (d_K*d_V, L*n_batch))
+    t46 = np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t47 = np.concatenate([t43, t45], axis=-1)
     t48 = np.concatenate([t44, t46], axis=-2)
-    t0[...] = (np.reshape((t47 @ t48), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((t47 @ t48), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t37 += (np.reshape((np.reshape(t42, (d_K, 1)) * np.reshape(t40.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -5140,7 +5140,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = np.swapaxes(W_Q, -1, -2)
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t18.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t21.sum((0,))), (n_batch, L, d_V))
     t25 = (t24 @ X.transpose(0, 2, 1))
     t26 = np.reshape((np.reshape(t25.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -5148,7 +5148,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t29 = (t28.transpose(1, 2, 0) @ t27.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t30 = t12 @ t13
     t31 = W_O @ t30
     t32 = W_V @ t31
@@ -5207,7 +5207,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5235,7 +5235,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = t28 - (A * t28).sum(-1, keepdims=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t30.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t30.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
     t31 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t31.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5271,7 +5271,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_O, -1, -2)
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t9 @ t10
@@ -5303,7 +5303,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t34 = t33 - (A * t33).sum(-1, keepdims=True)
     t35 = A * t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t35.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t35, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t35, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t35.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t35, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t35, (n_batch, L, 1, L)))
     t36 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t37 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t38 = np.reshape((np.reshape(t36, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5342,7 +5342,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5352,7 +5352,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = W_V @ t13
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t16 = (np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t16 = (np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
     t18 = ((np.reshape(t17, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t19 = M_1 @ W_V
@@ -5366,7 +5366,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = M_2.transpose(3, 2, 0, 1)
     t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_K))
     t27 = ((np.reshape(t26, (n_batch, L, d_K, 1)) * np.reshape(t23, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t16, (d_H*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     return out
 
@@ -5389,7 +5389,7 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = np.swapaxes(W_O, -1, -2)
@@ -5449,7 +5449,7 @@ def mse_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5458,7 +5458,7 @@ def mse_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = M_1 @ W_V
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
-    t15 = (np.reshape((t14 @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t15 = (np.reshape((t14 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_K))
     t17 = ((np.reshape(t16, (n_batch, L, d_K, 1)) * np.reshape(t12, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
     t18 = t12 @ W_O
@@ -5467,10 +5467,10 @@ def mse_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (2/(L*d_V)) * t19
     G = t20
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t22 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t22 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_K))
     t24 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t17, (d_H*d_K, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t22, (d_H*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -5493,7 +5493,7 @@ def mse_causal0__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -5609,13 +5609,13 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t17 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t18 = (np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t18 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t17.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t20 = np.swapaxes(t12, -1, -2)
     t21 = M_1 @ t20
@@ -5627,8 +5627,8 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = W_O @ t24
     t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t26.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t0[...] = (np.reshape((np.reshape(t18, (d_H*d_K, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t27, (d_H*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -5657,7 +5657,7 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_H))
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5719,7 +5719,7 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5767,7 +5767,7 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_H))
     t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5827,7 +5827,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = W_O @ t11
     t13 = (2/(L*d_V*n_batch)) * t12
-    t0[...] = (np.reshape((np.reshape(t13, (d_H**2, 1)) * np.reshape(t10.sum((0,)), (1, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t10.sum((0,)), (d_V**2, 1)) * np.reshape(t13, (1, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -5891,8 +5891,8 @@ def mse_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.ones((d_H,), dtype=X.dtype)
     t18 = (1/n_batch) * t17
     t19 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)))
-    t0[...] = (np.reshape((np.reshape(t12, (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_H, d_V, d_H, d_V))).transpose(1, 2, 0, 3)
-    t13 += (np.reshape((np.reshape(t19, (d_V**2, 1)) * np.reshape(t18, (1, d_H))), (d_V, d_V, d_H))).transpose(1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t12.transpose(1, 0), (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
+    t13 += (np.reshape((np.reshape(t18, (d_H, 1)) * np.reshape(t19.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -6011,7 +6011,7 @@ def mse_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = np.swapaxes(W_O, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6029,10 +6029,10 @@ def mse_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = np.swapaxes(G, -1, -2)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
     t26 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t1.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t27 = (np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t27 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t26.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t28 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t25.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_K*d_V, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_K, d_H, d_V))).transpose(2, 0, 3, 1)
-    t0 += (np.reshape((np.reshape(t27, (d_H*d_K, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_H*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -6059,7 +6059,7 @@ def mse_causal0__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = (t0.transpose(1, 0) @ t11.transpose(1, 0))
     t14 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6122,7 +6122,7 @@ def mse_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = np.swapaxes(W_O, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6169,7 +6169,7 @@ def mse_causal0__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t13 = (t0.transpose(1, 0) @ t11.transpose(1, 0))
     t14 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6241,7 +6241,7 @@ def mse_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = t20 @ M_1
     t22 = np.ones((d_H,), dtype=X.dtype)
     t23 = (1/n_batch) * t22
-    t0[...] = (np.reshape((np.reshape(t14, (d_H*d_V, 1)) * np.reshape(t12.sum((0,)), (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t12.sum((0,)), (d_H*d_V, 1)) * np.reshape(t14, (1, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
     t15 += np.reshape((np.reshape(t23, (d_H, 1)) * np.reshape(t21.sum((0,)), (1, d_V**2))), (d_H, d_V, d_V))
     return out
 
@@ -6360,7 +6360,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_O, -1, -2)
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = t8 @ t9
@@ -6393,7 +6393,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t34 = t33 - (A * t33).sum(-1, keepdims=True)
     t35 = A * t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t35.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t35, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t35, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t35.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t35, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t35, (n_batch, L, 1, L)))
     t36 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t37 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t38 = t17 * t37
@@ -6433,7 +6433,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.swapaxes(W_O, -1, -2)
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = t8 @ t9
@@ -6468,7 +6468,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t36 = t35 @ X
     t37 = t1 @ t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t35.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t35, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t35, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t35.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t35, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t35, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t37.sum((0,))), (n_batch, L, d_V))
     t39 = (t38 @ X.transpose(0, 2, 1))
     t40 = np.reshape((np.reshape(t39, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -6518,7 +6518,7 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = np.swapaxes(W_O, -1, -2)
@@ -6580,7 +6580,7 @@ def mse_causal0__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -6642,7 +6642,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_O, -1, -2)
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t9 @ t10
@@ -6678,7 +6678,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t38 = t37 @ X
     t39 = t1 @ t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t36.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t36.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
     t40 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t39.sum((0,))), (n_batch, L, d_V))
     t41 = (t40 @ X.transpose(0, 2, 1))
     t42 = np.reshape((np.reshape(t41.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -6729,7 +6729,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.swapaxes(W_O, -1, -2)
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = t9 @ t10
@@ -6762,7 +6762,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t35 = t34 - (A * t34).sum(-1, keepdims=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t36.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t36.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
     t37 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t38 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t39 = np.reshape((np.reshape(t37, (L*n_batch, d_K)) @ np.reshape(t37.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6803,7 +6803,7 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = np.swapaxes(W_O, -1, -2)
@@ -6866,7 +6866,7 @@ def mse_causal0__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -6932,7 +6932,7 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_H))
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6997,7 +6997,7 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_H))
     t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7131,7 +7131,7 @@ def mse_causal0__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ t0
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V))
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7197,7 +7197,7 @@ def mse_causal0__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ t0
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t14 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V))
     t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7334,7 +7334,7 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
     t13 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t13.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t4[...] = (np.reshape((np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, L, d_K*d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 2, 4, 3)
+    t4[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
     t18 = (t13.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
@@ -7368,7 +7368,7 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
     t13 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t13.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t4[...] = (np.reshape((np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, L, d_K*d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 2, 4, 3)
+    t4[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
     t18 = (t13.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
@@ -7639,7 +7639,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7652,9 +7652,9 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t21 = (t20 @ t19)
-    t22 = (np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t22 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t22, (d_K**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
     t26 = ((t20 @ t19)).transpose(3, 2, 0, 1)
@@ -7668,16 +7668,16 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t32 = np.swapaxes(t16, -1, -2)
     t33 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t34 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t33.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t35 = (np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t32), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t35 = (np.reshape((t32.transpose(1, 0) @ np.reshape(t34.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t36 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t30[...] = (np.reshape((np.reshape(t35, (d_H*d_K, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t30[...] = (np.reshape((np.reshape(t36, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t37 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t38 = np.reshape(t37, (d_V, d_K, d_H, d_V), copy=False)
     t39 = M_1 @ W_V
     t40 = np.swapaxes(t15, -1, -2)
-    t41 = (np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t40), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t41 = (np.reshape((t40.transpose(1, 0) @ np.reshape(t34.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t42 = ((np.reshape(t39, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t38[...] = (np.reshape((np.reshape(t41, (d_K*d_V, L*n_batch)) @ np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t38[...] = (np.reshape((np.reshape(t42, (d_H*d_V, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
     t45 = np.swapaxes(W_Q, -1, -2)
@@ -7687,7 +7687,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t49 = ((t48.transpose(1, 2, 0, 3) @ t47.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t50 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t46.transpose(1, 0)), (n_batch, L, d_K))
     t51 = ((np.reshape(t50, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t44[...] = (np.reshape((np.reshape(t49, (d_K*d_V, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t44[...] = (np.reshape((np.reshape(t51, (d_K*d_V, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
     t54 = ((t47.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
@@ -7696,23 +7696,23 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t57 = np.reshape(t56, (d_V, d_K, d_V, d_H), copy=False)
     t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
-    t59 = (np.reshape((t32.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t59 = (np.reshape((t32.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t60 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t58.transpose(1, 0)), (n_batch, L, d_K))
     t61 = ((np.reshape(t60, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t57[...] = (np.reshape((np.reshape(t59, (d_H*d_V, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t57[...] = (np.reshape((np.reshape(t61, (d_K*d_V, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t62 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t63 = np.reshape(t62, (d_V, d_K, d_H, d_V), copy=False)
-    t64 = (np.reshape((t40.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t64 = (np.reshape((t40.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t65 = ((np.reshape(t60, (n_batch, L, d_K, 1)) * np.reshape(t39, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t63[...] = (np.reshape((np.reshape(t64, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t63[...] = (np.reshape((np.reshape(t65, (d_H*d_K, L*n_batch)) @ np.reshape(t64.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t66 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t67 = np.reshape(t66, (d_V, d_H, d_V, d_K), copy=False)
     t68 = np.swapaxes(M_1, -1, -2)
     t69 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t68
     t70 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t71 = (np.reshape((np.reshape(t70.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t71 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t70.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t72 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t67[...] = (np.reshape((np.reshape(t71, (d_H*d_K, L*n_batch)) @ np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t67[...] = (np.reshape((np.reshape(t72, (d_V**2, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     t73 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t74 = np.reshape(t73, (d_V, d_H, d_V, d_K), copy=False)
     t75 = np.reshape((t16 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
@@ -7723,20 +7723,20 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t79 = t68 @ M_1
     t80 = W_O @ t13
     t81 = (2/(L*d_V*n_batch)) * t80
-    t78[...] = (np.reshape((np.reshape(t81, (d_H**2, 1)) * np.reshape(t79.sum((0,)), (1, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t78[...] = (np.reshape((np.reshape(t79.sum((0,)), (d_V**2, 1)) * np.reshape(t81, (1, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(0, 2, 1, 3)
     t82 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t83 = np.reshape(t82, (d_V, d_H, d_H, d_V), copy=False)
     t84 = t68 @ t39
     t85 = (2/(L*d_V*n_batch)) * W_O
-    t83[...] = (np.reshape((np.reshape(t85, (d_H*d_V, 1)) * np.reshape(t84.sum((0,)), (1, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t83[...] = (np.reshape((np.reshape(t84.sum((0,)), (d_H*d_V, 1)) * np.reshape(t85, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
     t86 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t87 = np.reshape(t86, (d_H, d_V, d_V, d_K), copy=False)
     t88 = np.swapaxes(t39, -1, -2)
     t89 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t88
     t90 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t91 = (np.reshape((np.reshape(t90.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t91 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t90.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t92 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t89.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t87[...] = (np.reshape((np.reshape(t91, (d_K*d_V, L*n_batch)) @ np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_K, d_H, d_V))).transpose(2, 0, 3, 1)
+    t87[...] = (np.reshape((np.reshape(t92, (d_H*d_V, L*n_batch)) @ np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t93 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t94 = np.reshape(t93, (d_H, d_V, d_V, d_K), copy=False)
     t95 = np.reshape((t15 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
@@ -7746,7 +7746,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t98 = np.reshape(t97, (d_H, d_V, d_V, d_H), copy=False)
     t99 = np.swapaxes(t84, -1, -2)
     t100 = (2/(L*d_V*n_batch)) * t13
-    t98[...] = (np.reshape((np.reshape(t100, (d_H*d_V, 1)) * np.reshape(t99.sum((0,)), (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(2, 0, 3, 1)
+    t98[...] = (np.reshape((np.reshape(t99.sum((0,)), (d_H*d_V, 1)) * np.reshape(t100, (1, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
     t101 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t101[...] = 0
     t102 = np.reshape(t101, (d_H, d_V, d_H, d_V), copy=False)
@@ -7834,7 +7834,7 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_O, -1, -2)
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = t10 @ t11
@@ -7984,7 +7984,7 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8022,7 +8022,7 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8060,7 +8060,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8073,9 +8073,9 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t19 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t20 = (t19 @ t18)
-    t21 = (np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t20.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t21, (d_K**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -8098,7 +8098,7 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_O, -1, -2)
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = t10 @ t11
@@ -8143,7 +8143,7 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8181,7 +8181,7 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_O, -1, -2)
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = t10 @ t11
@@ -8226,7 +8226,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8237,9 +8237,9 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_V @ t14
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t17 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t18 = (np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t15), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t18 = (np.reshape((t15.transpose(1, 0) @ np.reshape(t17.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t19 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_H*d_K, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -8262,7 +8262,7 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = np.swapaxes(W_O, -1, -2)
@@ -8304,7 +8304,7 @@ def mse_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8314,9 +8314,9 @@ def mse_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_V @ W_O
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t16 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t17 = (np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t14), (n_batch, L, d_K, d_V))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape((t14.transpose(1, 0) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t18 = ((np.reshape(t13, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_H*d_V, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -8339,7 +8339,7 @@ def mse_causal1__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -8381,7 +8381,7 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8420,7 +8420,7 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8459,7 +8459,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8474,7 +8474,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t21 = ((t20.transpose(1, 2, 0, 3) @ t19.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_K))
     t23 = ((np.reshape(t22, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t23, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -8498,7 +8498,7 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = t11 @ t12
@@ -8544,7 +8544,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8583,7 +8583,7 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = t11 @ t12
@@ -8629,7 +8629,7 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8639,10 +8639,10 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = W_V @ t15
     t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t18 = (np.reshape((t16.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t18 = (np.reshape((t16.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_K))
     t20 = ((np.reshape(t19, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_H*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -8666,7 +8666,7 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = np.swapaxes(W_O, -1, -2)
@@ -8709,7 +8709,7 @@ def mse_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8718,10 +8718,10 @@ def mse_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = M_1 @ W_V
     t15 = W_V @ W_O
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t17 = (np.reshape((t15.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t17 = (np.reshape((t15.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_K))
     t19 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t14, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_H*d_K, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -8745,7 +8745,7 @@ def mse_causal1__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -8849,15 +8849,15 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t19 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t20 = (np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t20 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t20, (d_H*d_K, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -8887,7 +8887,7 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_H))
     t17 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8931,7 +8931,7 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8969,7 +8969,7 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_H))
     t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9011,7 +9011,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = np.swapaxes(W_O, -1, -2)
     t14 = W_O @ t13
     t15 = (2/(L*d_V*n_batch)) * t14
-    t0[...] = (np.reshape((np.reshape(t15, (d_H**2, 1)) * np.reshape(t12.sum((0,)), (1, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t12.sum((0,)), (d_V**2, 1)) * np.reshape(t15, (1, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -9070,7 +9070,7 @@ def mse_causal1__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = M_1 @ W_V
     t13 = t11 @ t12
     t14 = (2/(L*d_V*n_batch)) * W_O
-    t0[...] = (np.reshape((np.reshape(t14, (d_H*d_V, 1)) * np.reshape(t13.sum((0,)), (1, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t13.sum((0,)), (d_H*d_V, 1)) * np.reshape(t14, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -9190,15 +9190,15 @@ def mse_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ t1
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t13
     t19 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t20 = (np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t20 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_K, d_H, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_H*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -9228,7 +9228,7 @@ def mse_causal1__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ t0
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V))
     t17 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t18 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9272,7 +9272,7 @@ def mse_causal1__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ t1
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9310,7 +9310,7 @@ def mse_causal1__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ t0
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V))
     t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t18 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9353,7 +9353,7 @@ def mse_causal1__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ M_1
     t15 = np.swapaxes(W_O, -1, -2)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t0[...] = (np.reshape((np.reshape(t16, (d_H*d_V, 1)) * np.reshape(t14.sum((0,)), (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t14.sum((0,)), (d_H*d_V, 1)) * np.reshape(t16, (1, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -9488,15 +9488,15 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t2
     t26 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t27 = (np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t27 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t26.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t28 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t27, (d_K**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
     t31 = np.reshape((t25 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -9512,7 +9512,7 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t39 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t40 = np.reshape(t39, (d_V, d_K, d_V, d_H), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t41 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9524,19 +9524,19 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t46 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t47 = np.reshape(t46, (d_V, d_K, d_H, d_V), copy=False)
     t48 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t43.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t49 = (np.reshape((np.reshape(t48.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t49 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t48.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t50 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t47[...] = (np.reshape((np.reshape(t49, (d_H*d_K, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t51 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
     t53 = np.swapaxes(W_Q, -1, -2)
     t54 = (1/(d_K*n_batch)) * t53
-    t55 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t55 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t56 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t54.transpose(1, 0)), (n_batch, L, d_K))
     t57 = ((np.reshape(t56, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t58 = np.einsum('abcb->abc', t52)
     t59 = np.swapaxes(t36, -1, -2)
-    t52[...] = (np.reshape((np.reshape(t55, (d_K*d_V, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t52[...] = (np.reshape((np.reshape(t57, (d_K*d_V, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t58 += (np.reshape((np.reshape(t38, (d_K, 1)) * np.reshape(t59.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t61 = np.reshape(t60, (d_V, d_K, d_V, d_K), copy=False)
@@ -9552,7 +9552,7 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t65[...] = (np.reshape((np.reshape(t67, (d_V**2, L*n_batch)) @ np.reshape(t69.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t70 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t71 = np.reshape(t70, (d_V, d_K, d_H, d_V), copy=False)
-    t72 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t72 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t73 = ((np.reshape(t68, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t71[...] = (np.reshape((np.reshape(t72, (d_H*d_V, L*n_batch)) @ np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
@@ -9560,7 +9560,7 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t76 = np.swapaxes(t42, -1, -2)
     t77 = (1/(math.sqrt(d_K)*n_batch)) * t76
     t78 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t77.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t79 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t79 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t75[...] = (np.reshape((np.reshape(t78, (d_H*d_V, L*n_batch)) @ np.reshape(t79.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t80 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t81 = np.reshape(t80, (d_V, d_H, d_V, d_K), copy=False)
@@ -9583,9 +9583,9 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t94 = np.swapaxes(G, -1, -2)
     t95 = (1/(math.sqrt(d_K)*n_batch)) * t94
     t96 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t97 = (np.reshape((np.reshape(t96.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t97 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t96.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t98 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t95.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t93[...] = (np.reshape((np.reshape(t97, (d_H*d_K, L*n_batch)) @ np.reshape(t98.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t93[...] = (np.reshape((np.reshape(t98, (d_V**2, L*n_batch)) @ np.reshape(t97.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     t99 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t100 = np.reshape(t99, (d_H, d_V, d_V, d_K), copy=False)
     t101 = np.reshape((t17 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
@@ -9715,7 +9715,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t23 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9743,7 +9743,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t46 = (n_batch**(-2)) * (t35.sum((0,)) * t35.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t40 * t38).sum() + (1/(d_K**2*n_batch**2)) * (t45 * t42.transpose(0, 2, 3, 1)).sum()
     t47 = np.sqrt(np.maximum(t46, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t48 = G @ t14
     t49 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t50 = np.reshape((np.reshape(t48, (L*n_batch, d_H)) @ np.reshape(t48.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9866,7 +9866,7 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9912,7 +9912,7 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9958,15 +9958,15 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
     t25 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t26 = (np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t26, (d_K**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -10004,7 +10004,7 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t23 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10056,7 +10056,7 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10110,7 +10110,7 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = t0 @ t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.sum((0,))), (n_batch, L, d_V))
     t25 = (t24 @ X.transpose(0, 2, 1))
     t26 = np.reshape((np.reshape(t25, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -10151,7 +10151,7 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10191,7 +10191,7 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -10237,7 +10237,7 @@ def mse_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10251,7 +10251,7 @@ def mse_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t16
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t18 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t19 = (np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t19 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t20 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t19, (d_H*d_K, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -10276,7 +10276,7 @@ def mse_causal1__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -10337,7 +10337,7 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10385,7 +10385,7 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10432,12 +10432,12 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
-    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_K))
     t28 = ((np.reshape(t27, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t29 = np.einsum('abcb->abc', t0)
@@ -10446,7 +10446,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t32 = t2 @ t31
     t33 = np.ones((d_K,), dtype=X.dtype)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t0[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t29 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t32.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -10489,7 +10489,7 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t24 = np.swapaxes(W_Q, -1, -2)
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t23.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -10546,7 +10546,7 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10594,7 +10594,7 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t25 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10632,7 +10632,7 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10674,7 +10674,7 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -10721,7 +10721,7 @@ def mse_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10734,7 +10734,7 @@ def mse_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (2/(L*d_V)) * t16
     G = t17
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t19 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t19 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_K))
     t21 = ((np.reshape(t20, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t0[...] = (np.reshape((np.reshape(t19, (d_H*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
@@ -10761,7 +10761,7 @@ def mse_causal1__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -10838,13 +10838,13 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t16 = W_O @ t15
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t16
     t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t20, (d_H*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -10878,7 +10878,7 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t18 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t15.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10924,7 +10924,7 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t16 = W_O @ t15
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10965,7 +10965,7 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t18 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t15.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11124,15 +11124,15 @@ def mse_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t15
     t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t21 = (np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t20.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t21, (d_H*d_K, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -11165,7 +11165,7 @@ def mse_causal1__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_H))
     t18 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t14.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t14.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11212,7 +11212,7 @@ def mse_causal1__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t18 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11253,7 +11253,7 @@ def mse_causal1__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_H))
     t18 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t14.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t14.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11382,7 +11382,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11395,7 +11395,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t21 = (t20 @ t19)
-    t22 = (np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t22 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t24 = A @ X
     M_1 = t24
@@ -11410,21 +11410,21 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t32.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
     t33 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t34 = (1/(d_K*n_batch)) * t2
     t35 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t34.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t36 = (np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t36 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t35.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t37 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t38 = np.reshape(t22, (d_K**2, L*n_batch))
-    t39 = np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t40 = np.reshape(t36, (d_K**2, L*n_batch))
-    t41 = np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t38 = np.reshape(t23, (d_V**2, L*n_batch))
+    t39 = np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t40 = np.reshape(t37, (d_V**2, L*n_batch))
+    t41 = np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t42 = np.concatenate([t38, t40], axis=-1)
     t43 = np.concatenate([t39, t41], axis=-2)
-    t1[...] = (np.reshape((t42 @ t43), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((t42 @ t43), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t44 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
     t46 = np.reshape((t34 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -11450,30 +11450,30 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t64 = np.swapaxes(t16, -1, -2)
     t65 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t66 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t65.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t67 = (np.reshape((np.reshape(t66.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t64), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t67 = (np.reshape((t64.transpose(1, 0) @ np.reshape(t66.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t68 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t69 = G @ t13
     t70 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t71 = np.reshape((t70 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t72 = ((np.reshape(t69, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t63[...] = (np.reshape((np.reshape(t67, (d_H*d_K, L*n_batch)) @ np.reshape(t68.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t63[...] = (np.reshape((np.reshape(t68, (d_V**2, L*n_batch)) @ np.reshape(t67.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t63 += (np.reshape((np.reshape(t71, (d_K*d_V, L*n_batch)) @ np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t73 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t74 = np.reshape(t73, (d_V, d_K, d_H, d_V), copy=False)
     t75 = M_1 @ W_V
     t76 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
-    t77 = (np.reshape((t76 @ np.reshape(t66.transpose(2, 0, 1, 3), (d_V, L*d_K*n_batch))), (d_V, n_batch, L, d_K))).transpose(3, 0, 1, 2)
+    t77 = (np.reshape((t76 @ np.reshape(t66.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t78 = ((np.reshape(t75, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t79 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t70.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t80 = (np.reshape((np.reshape(t79.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t80 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t79.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t81 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t74[...] = (np.reshape((np.reshape(t77, (d_K*d_V, L*n_batch)) @ np.reshape(t78.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t74[...] = (np.reshape((np.reshape(t78, (d_H*d_V, L*n_batch)) @ np.reshape(t77.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t74 += (np.reshape((np.reshape(t80, (d_H*d_K, L*n_batch)) @ np.reshape(t81.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t82 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t83 = np.reshape(t82, (d_V, d_K, d_V, d_K), copy=False)
     t84 = np.swapaxes(W_Q, -1, -2)
     t85 = (1/(d_K*n_batch)) * t84
-    t86 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t86 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t87 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t85.transpose(1, 0)), (n_batch, L, d_K))
     t88 = ((np.reshape(t87, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t89 = (2/(L*d_K*d_V*n_batch)) * t84
@@ -11484,13 +11484,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t94 = ((np.reshape(t93, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t95 = np.einsum('abcb->abc', t83)
     t96 = np.swapaxes(t53, -1, -2)
-    t97 = np.reshape(t86, (d_K*d_V, L*n_batch))
-    t98 = np.reshape(t88.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t99 = np.reshape(t92, (d_K*d_V, L*n_batch))
-    t100 = np.reshape(t94.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t97 = np.reshape(t88, (d_K*d_V, L*n_batch))
+    t98 = np.reshape(t86.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t99 = np.reshape(t94, (d_K*d_V, L*n_batch))
+    t100 = np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t101 = np.concatenate([t97, t99], axis=-1)
     t102 = np.concatenate([t98, t100], axis=-2)
-    t83[...] = (np.reshape((t101 @ t102), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t83[...] = (np.reshape((t101 @ t102), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t95 += (np.reshape((np.reshape(t55, (d_K, 1)) * np.reshape(t96.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t103 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t104 = np.reshape(t103, (d_V, d_K, d_V, d_K), copy=False)
@@ -11508,35 +11508,35 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t115 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t116 = np.reshape(t115, (d_V, d_K, d_V, d_H), copy=False)
     t117 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t84
-    t118 = (np.reshape((t64.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t118 = (np.reshape((t64.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t119 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t117.transpose(1, 0)), (n_batch, L, d_K))
     t120 = ((np.reshape(t119, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t121 = (1/(math.sqrt(d_K)*n_batch)) * t84
     t122 = M_2.transpose(3, 2, 0, 1)
     t123 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t121.transpose(1, 0)), (n_batch, L, d_K))
     t124 = ((np.reshape(t123, (n_batch, L, d_K, 1)) * np.reshape(t69, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t116[...] = (np.reshape((np.reshape(t118, (d_H*d_V, L*n_batch)) @ np.reshape(t120.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t116[...] = (np.reshape((np.reshape(t120, (d_K*d_V, L*n_batch)) @ np.reshape(t118.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t116 += (np.reshape((np.reshape(t122, (d_V**2, L*n_batch)) @ np.reshape(t124.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t125 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t126 = np.reshape(t125, (d_V, d_K, d_H, d_V), copy=False)
-    t127 = (np.reshape((t76 @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t127 = (np.reshape((t76 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t128 = ((np.reshape(t119, (n_batch, L, d_K, 1)) * np.reshape(t75, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t129 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t129 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t130 = ((np.reshape(t123, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t126[...] = (np.reshape((np.reshape(t127, (d_V**2, L*n_batch)) @ np.reshape(t128.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t126[...] = (np.reshape((np.reshape(t128, (d_H*d_K, L*n_batch)) @ np.reshape(t127.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t126 += (np.reshape((np.reshape(t129, (d_H*d_V, L*n_batch)) @ np.reshape(t130.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t131 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t132 = np.reshape(t131, (d_V, d_H, d_V, d_K), copy=False)
     t133 = np.swapaxes(M_1, -1, -2)
     t134 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t133
     t135 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t136 = (np.reshape((np.reshape(t135.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t136 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t135.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t137 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t134.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t138 = np.swapaxes(t69, -1, -2)
     t139 = (1/(math.sqrt(d_K)*n_batch)) * t138
     t140 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t139.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t141 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t132[...] = (np.reshape((np.reshape(t136, (d_H*d_K, L*n_batch)) @ np.reshape(t137.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t141 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t132[...] = (np.reshape((np.reshape(t137, (d_V**2, L*n_batch)) @ np.reshape(t136.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     t132 += (np.reshape((np.reshape(t140, (d_H*d_V, L*n_batch)) @ np.reshape(t141.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t142 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t143 = np.reshape(t142, (d_V, d_H, d_V, d_K), copy=False)
@@ -11551,7 +11551,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t150 = t133 @ M_1
     t151 = W_O @ t13
     t152 = (2/(L*d_V*n_batch)) * t151
-    t149[...] = (np.reshape((np.reshape(t152, (d_H**2, 1)) * np.reshape(t150.sum((0,)), (1, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t149[...] = (np.reshape((np.reshape(t150.sum((0,)), (d_V**2, 1)) * np.reshape(t152, (1, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(0, 2, 1, 3)
     t153 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t154 = np.reshape(t153, (d_V, d_H, d_H, d_V), copy=False)
     t155 = (2/(L*d_V*n_batch)) * t133
@@ -11560,8 +11560,8 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t158 = np.ones((d_H,), dtype=X.dtype)
     t159 = (1/n_batch) * t158
     t160 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t133.transpose(0, 2, 1), (L*n_batch, d_V)))
-    t154[...] = (np.reshape((np.reshape(t156, (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_H, d_V, d_H, d_V))).transpose(1, 2, 0, 3)
-    t157 += (np.reshape((np.reshape(t160, (d_V**2, 1)) * np.reshape(t159, (1, d_H))), (d_V, d_V, d_H))).transpose(1, 2, 0)
+    t154[...] = (np.reshape((np.reshape(t156.transpose(1, 0), (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
+    t157 += (np.reshape((np.reshape(t159, (d_H, 1)) * np.reshape(t160.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     t161 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t162 = np.reshape(t161, (d_H, d_V, d_V, d_K), copy=False)
     t163 = np.swapaxes(t75, -1, -2)
@@ -11572,10 +11572,10 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t168 = np.swapaxes(G, -1, -2)
     t169 = (1/(math.sqrt(d_K)*n_batch)) * t168
     t170 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t171 = (np.reshape((np.reshape(t170.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t171 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t170.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t172 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t169.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t162[...] = (np.reshape((np.reshape(t166, (d_K*d_V, L*n_batch)) @ np.reshape(t167.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_K, d_H, d_V))).transpose(2, 0, 3, 1)
-    t162 += (np.reshape((np.reshape(t171, (d_H*d_K, L*n_batch)) @ np.reshape(t172.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t162[...] = (np.reshape((np.reshape(t167, (d_H*d_V, L*n_batch)) @ np.reshape(t166.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t162 += (np.reshape((np.reshape(t172, (d_V**2, L*n_batch)) @ np.reshape(t171.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     t173 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t174 = np.reshape(t173, (d_H, d_V, d_V, d_K), copy=False)
     t175 = np.reshape((t165.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
@@ -11590,7 +11590,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t182 = (2/(L*d_V*n_batch)) * t13
     t183 = np.einsum('abca->abc', t180)
     t184 = t168 @ M_1
-    t180[...] = (np.reshape((np.reshape(t182, (d_H*d_V, 1)) * np.reshape(t181.sum((0,)), (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(2, 0, 3, 1)
+    t180[...] = (np.reshape((np.reshape(t181.sum((0,)), (d_H*d_V, 1)) * np.reshape(t182, (1, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
     t183 += np.reshape((np.reshape(t159, (d_H, 1)) * np.reshape(t184.sum((0,)), (1, d_V**2))), (d_H, d_V, d_V))
     t185 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t185[...] = 0
@@ -11714,7 +11714,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_O, -1, -2)
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = t10 @ t11
@@ -11746,7 +11746,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t35 = t34 - (A * t34).sum(-1, keepdims=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t36.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t36.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
     t37 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t38 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t39 = t19 * t37
@@ -12020,7 +12020,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12048,7 +12048,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t31.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12080,7 +12080,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12107,7 +12107,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = t27 - (A * t27).sum(-1, keepdims=True)
     t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t29.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t29, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t29, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t29.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t29, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t29, (n_batch, L, 1, L)))
     t30 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12137,7 +12137,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12150,7 +12150,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t19 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t20 = (t19 @ t18)
-    t21 = (np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t20.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t23 = A @ X
     M_1 = t23
@@ -12165,21 +12165,21 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t31.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t31.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t33 = (1/(d_K*n_batch)) * t1
     t34 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t33.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t35 = (np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t35 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t34.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t36 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t37 = np.reshape(t21, (d_K**2, L*n_batch))
-    t38 = np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t39 = np.reshape(t35, (d_K**2, L*n_batch))
-    t40 = np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t37 = np.reshape(t22, (d_V**2, L*n_batch))
+    t38 = np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t39 = np.reshape(t36, (d_V**2, L*n_batch))
+    t40 = np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t41 = np.concatenate([t37, t39], axis=-1)
     t42 = np.concatenate([t38, t40], axis=-2)
-    t0[...] = (np.reshape((t41 @ t42), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((t41 @ t42), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -12202,7 +12202,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_O, -1, -2)
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = t10 @ t11
@@ -12234,7 +12234,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t35 = t34 - (A * t34).sum(-1, keepdims=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t36.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t36.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
     t37 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t38 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t39 = t19 * t37
@@ -12289,7 +12289,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(t21.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12298,7 +12298,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t27 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12362,7 +12362,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = t0 @ t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.sum((0,))), (n_batch, L, d_V))
     t25 = (t24 @ X.transpose(0, 2, 1))
     t26 = np.reshape((np.reshape(t25, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -12370,7 +12370,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t29 = (t28.transpose(1, 2, 0) @ t27.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t30 = t14 @ t15
     t31 = W_O @ t30
     t32 = W_V @ t31
@@ -12429,7 +12429,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12440,7 +12440,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_V @ t14
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t17 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t18 = (np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t15), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t18 = (np.reshape((t15.transpose(1, 0) @ np.reshape(t17.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t19 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t20 = M_1 @ W_V
     t21 = t20 @ W_O
@@ -12452,7 +12452,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t26 = np.reshape((t25 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t27 = ((np.reshape(t24, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_H*d_K, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     return out
 
@@ -12476,7 +12476,7 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = np.swapaxes(W_O, -1, -2)
@@ -12537,7 +12537,7 @@ def mse_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12547,7 +12547,7 @@ def mse_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t15 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t16 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
-    t17 = (np.reshape((t16 @ np.reshape(t15.transpose(2, 0, 1, 3), (d_V, L*d_K*n_batch))), (d_V, n_batch, L, d_K))).transpose(3, 0, 1, 2)
+    t17 = (np.reshape((t16 @ np.reshape(t15.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t18 = ((np.reshape(t13, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t19 = t13 @ W_O
     F = t19
@@ -12556,9 +12556,9 @@ def mse_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t21
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t24 = (np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t24 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t23.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t25 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t18, (d_H*d_V, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t24, (d_H*d_K, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -12582,7 +12582,7 @@ def mse_causal1__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -12644,7 +12644,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12672,7 +12672,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t32.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
     t33 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12705,7 +12705,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12732,7 +12732,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = t28 - (A * t28).sum(-1, keepdims=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t30.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t30.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
     t31 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t31.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12779,16 +12779,16 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(t22.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
-    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_K))
     t28 = ((np.reshape(t27, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12807,13 +12807,13 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t42 = t2 @ t41
     t43 = np.ones((d_K,), dtype=X.dtype)
     t44 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t45 = np.reshape(t26, (d_K*d_V, L*n_batch))
-    t46 = np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t47 = np.reshape(t36, (d_K*d_V, L*n_batch))
-    t48 = np.reshape(t38.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t45 = np.reshape(t28, (d_K*d_V, L*n_batch))
+    t46 = np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t47 = np.reshape(t38, (d_K*d_V, L*n_batch))
+    t48 = np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t49 = np.concatenate([t45, t47], axis=-1)
     t50 = np.concatenate([t46, t48], axis=-2)
-    t0[...] = (np.reshape((t49 @ t50), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((t49 @ t50), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t39 += (np.reshape((np.reshape(t44, (d_K, 1)) * np.reshape(t42.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -12856,7 +12856,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = np.swapaxes(W_Q, -1, -2)
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t20.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t23.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -12864,7 +12864,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t30 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t31 = (t30.transpose(1, 2, 0) @ t29.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t32 = t14 @ t15
     t33 = W_O @ t32
     t34 = W_V @ t33
@@ -12925,7 +12925,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12953,7 +12953,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t32.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t32.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
     t33 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12991,7 +12991,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = t11 @ t12
@@ -13023,7 +13023,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t39 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t40 = np.reshape((np.reshape(t38, (L*n_batch, d_K)) @ np.reshape(t16.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13064,7 +13064,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13074,7 +13074,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = W_V @ t15
     t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t18 = (np.reshape((t16.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t18 = (np.reshape((t16.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_K))
     t20 = ((np.reshape(t19, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t21 = M_1 @ W_V
@@ -13088,7 +13088,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = M_2.transpose(3, 2, 0, 1)
     t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t26.transpose(1, 0)), (n_batch, L, d_K))
     t29 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t25, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t18, (d_H*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     return out
 
@@ -13113,7 +13113,7 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = np.swapaxes(W_O, -1, -2)
@@ -13175,7 +13175,7 @@ def mse_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13184,7 +13184,7 @@ def mse_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = M_1 @ W_V
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t16 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
-    t17 = (np.reshape((t16 @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t17 = (np.reshape((t16 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
     t19 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t14, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
     t20 = t14 @ W_O
@@ -13193,10 +13193,10 @@ def mse_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = (2/(L*d_V)) * t21
     G = t22
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t24 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t24 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t25 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_K))
     t26 = ((np.reshape(t25, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t19, (d_H*d_K, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t24, (d_H*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -13221,7 +13221,7 @@ def mse_causal1__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -13343,13 +13343,13 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t19 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t20 = (np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t20 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t22 = np.swapaxes(t14, -1, -2)
     t23 = M_1 @ t22
@@ -13361,8 +13361,8 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = W_O @ t26
     t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
     t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t30 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
-    t0[...] = (np.reshape((np.reshape(t20, (d_H*d_K, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t30 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t29, (d_H*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -13393,7 +13393,7 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_H))
     t17 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13457,7 +13457,7 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13507,7 +13507,7 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_H))
     t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13569,7 +13569,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = np.swapaxes(W_O, -1, -2)
     t14 = W_O @ t13
     t15 = (2/(L*d_V*n_batch)) * t14
-    t0[...] = (np.reshape((np.reshape(t15, (d_H**2, 1)) * np.reshape(t12.sum((0,)), (1, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t12.sum((0,)), (d_V**2, 1)) * np.reshape(t15, (1, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -13637,8 +13637,8 @@ def mse_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.ones((d_H,), dtype=X.dtype)
     t20 = (1/n_batch) * t19
     t21 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)))
-    t0[...] = (np.reshape((np.reshape(t14, (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_H, d_V, d_H, d_V))).transpose(1, 2, 0, 3)
-    t15 += (np.reshape((np.reshape(t21, (d_V**2, 1)) * np.reshape(t20, (1, d_H))), (d_V, d_V, d_H))).transpose(1, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t14.transpose(1, 0), (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
+    t15 += (np.reshape((np.reshape(t20, (d_H, 1)) * np.reshape(t21.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -13765,7 +13765,7 @@ def mse_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = np.swapaxes(W_O, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13783,10 +13783,10 @@ def mse_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = np.swapaxes(G, -1, -2)
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
     t28 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t1.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t29 = (np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_K, d_H, d_V))).transpose(2, 0, 3, 1)
-    t0 += (np.reshape((np.reshape(t29, (d_H*d_K, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_H*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -13815,7 +13815,7 @@ def mse_causal1__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = np.swapaxes(W_O, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = (t0.transpose(1, 0) @ t13.transpose(1, 0))
     t16 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t17 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13880,7 +13880,7 @@ def mse_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = np.swapaxes(W_O, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13929,7 +13929,7 @@ def mse_causal1__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = np.swapaxes(W_O, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t15 = (t0.transpose(1, 0) @ t13.transpose(1, 0))
     t16 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t17 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14003,7 +14003,7 @@ def mse_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = t22 @ M_1
     t24 = np.ones((d_H,), dtype=X.dtype)
     t25 = (1/n_batch) * t24
-    t0[...] = (np.reshape((np.reshape(t16, (d_H*d_V, 1)) * np.reshape(t14.sum((0,)), (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t14.sum((0,)), (d_H*d_V, 1)) * np.reshape(t16, (1, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
     t17 += np.reshape((np.reshape(t25, (d_H, 1)) * np.reshape(t23.sum((0,)), (1, d_V**2))), (d_H, d_V, d_V))
     return out
 
@@ -14130,7 +14130,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_O, -1, -2)
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = t10 @ t11
@@ -14163,7 +14163,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t39 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t40 = t19 * t39
@@ -14205,7 +14205,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.swapaxes(W_O, -1, -2)
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = t10 @ t11
@@ -14240,7 +14240,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t38 = t37 @ X
     t39 = t1 @ t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t40 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t39.sum((0,))), (n_batch, L, d_V))
     t41 = (t40 @ X.transpose(0, 2, 1))
     t42 = np.reshape((np.reshape(t41, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -14292,7 +14292,7 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = np.swapaxes(W_O, -1, -2)
@@ -14356,7 +14356,7 @@ def mse_causal1__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -14420,7 +14420,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = t11 @ t12
@@ -14456,7 +14456,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t40 = t39 @ X
     t41 = t1 @ t40
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t38.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
     t42 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t41.sum((0,))), (n_batch, L, d_V))
     t43 = (t42 @ X.transpose(0, 2, 1))
     t44 = np.reshape((np.reshape(t43.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -14509,7 +14509,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = t11 @ t12
@@ -14542,7 +14542,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t38.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
     t39 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t40 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t41 = np.reshape((np.reshape(t39, (L*n_batch, d_K)) @ np.reshape(t39.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14585,7 +14585,7 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = np.swapaxes(W_O, -1, -2)
@@ -14650,7 +14650,7 @@ def mse_causal1__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -14718,7 +14718,7 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_H))
     t17 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14785,7 +14785,7 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_H))
     t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14925,7 +14925,7 @@ def mse_causal1__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ t0
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V))
     t17 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t18 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14993,7 +14993,7 @@ def mse_causal1__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ t0
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t16 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V))
     t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t18 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -15136,7 +15136,7 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = (np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t15.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t4[...] = (np.reshape((np.reshape(t17.transpose(0, 2, 1, 3), (n_batch, L, d_K*d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 2, 4, 3)
+    t4[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t18 = (-1/math.sqrt(d_K)) * A
     t19 = (t14.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))
     t20 = (t15.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
@@ -15172,7 +15172,7 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = (np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t17 = np.reshape((np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t15.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t4[...] = (np.reshape((np.reshape(t17.transpose(0, 2, 1, 3), (n_batch, L, d_K*d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 2, 4, 3)
+    t4[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t18 = (-1/math.sqrt(d_K)) * A
     t19 = (t14.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))
     t20 = (t15.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
@@ -15455,7 +15455,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15469,7 +15469,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t2
     t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -15478,9 +15478,9 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t25 = (t24 @ M_2)
     t26 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t11), (n_batch, L, d_K, d_V))
     t27 = (t26 @ t25)
-    t28 = (np.reshape((np.reshape(t27, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t27.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t28, (d_K**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t29, (d_V**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t30 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t31 = np.reshape(t30, (d_V, d_K, d_V, d_K), copy=False)
     t32 = ((t26 @ t25)).transpose(2, 3, 0, 1)
@@ -15496,13 +15496,13 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t41 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t11), (n_batch, L, d_K, d_V))
     t42 = ((t41 @ t40)).transpose(2, 3, 0, 1)
     t43 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t36[...] = (np.reshape((np.reshape(t42, (d_H*d_K, L*n_batch)) @ np.reshape(t43.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t36[...] = (np.reshape((np.reshape(t43, (d_V**2, L*n_batch)) @ np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t44 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t45 = np.reshape(t44, (d_V, d_K, d_H, d_V), copy=False)
     t46 = M_1 @ W_V
     t47 = ((t41 @ t23)).transpose(2, 3, 0, 1)
     t48 = ((np.reshape(t46, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t45[...] = (np.reshape((np.reshape(t47, (d_K*d_V, L*n_batch)) @ np.reshape(t48.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t45[...] = (np.reshape((np.reshape(t48, (d_H*d_V, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t49 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
     t51 = np.swapaxes(W_Q, -1, -2)
@@ -15511,10 +15511,10 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t54 = (t23.transpose(0, 1, 3, 2) @ t53.transpose(1, 2, 0, 3))
     t55 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t56 = (t55 @ t54)
-    t57 = (np.reshape((np.reshape(t56.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t57 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t56.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t58 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t52.transpose(1, 0)), (n_batch, L, d_K))
     t59 = ((np.reshape(t58, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t50[...] = (np.reshape((np.reshape(t57, (d_K*d_V, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t50[...] = (np.reshape((np.reshape(t59, (d_K*d_V, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t61 = np.reshape(t60, (d_V, d_K, d_V, d_K), copy=False)
     t62 = ((t55 @ t54)).transpose(3, 2, 0, 1)
@@ -15523,22 +15523,22 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t65 = np.reshape(t64, (d_V, d_K, d_V, d_H), copy=False)
     t66 = (1/(L*math.sqrt(d_K)*n_batch)) * t51
-    t67 = (np.reshape((np.reshape(t54.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t37), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t67 = (np.reshape((t37.transpose(1, 0) @ np.reshape(t54.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t68 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t66.transpose(1, 0)), (n_batch, L, d_K))
     t69 = ((np.reshape(t68, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t65[...] = (np.reshape((np.reshape(t67, (d_H*d_V, L*n_batch)) @ np.reshape(t69.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t65[...] = (np.reshape((np.reshape(t69, (d_K*d_V, L*n_batch)) @ np.reshape(t67.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t70 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t71 = np.reshape(t70, (d_V, d_K, d_H, d_V), copy=False)
     t72 = ((t23.transpose(0, 1, 3, 2) @ t53.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t73 = ((np.reshape(t68, (n_batch, L, d_K, 1)) * np.reshape(t46, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t71[...] = (np.reshape((np.reshape(t72, (d_V**2, L*n_batch)) @ np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t71[...] = (np.reshape((np.reshape(t73, (d_H*d_K, L*n_batch)) @ np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t75 = np.reshape(t74, (d_V, d_H, d_V, d_K), copy=False)
     t76 = np.swapaxes(M_1, -1, -2)
     t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t76
     t78 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t77.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t79 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_O.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t80 = (np.reshape((np.reshape(t79.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t80 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t79.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t75[...] = (np.reshape((np.reshape(t78, (d_V**2, L*n_batch)) @ np.reshape(t80.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     t81 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t82 = np.reshape(t81, (d_V, d_H, d_V, d_K), copy=False)
@@ -15566,7 +15566,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t101 = np.reshape((t20.transpose(1, 0) @ np.reshape(dA19.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t102 = (t101.transpose(1, 2, 3, 0) @ M_2)
     t103 = np.reshape((np.reshape(t102, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t104 = (np.reshape((np.reshape(t103, (n_batch, L, d_V, d_K, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t104 = (np.reshape((np.reshape(t103.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
     t97[...] = (np.reshape((np.reshape(t100, (d_H*d_V, L*n_batch)) @ np.reshape(t104.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t105 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t106 = np.reshape(t105, (d_H, d_V, d_V, d_K), copy=False)
@@ -15577,13 +15577,13 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t110 = np.reshape(t109, (d_H, d_V, d_V, d_H), copy=False)
     t111 = (1/(L*n_batch)) * t98
     t112 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t111.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t113 = (np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t37), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t113 = (np.reshape((t37.transpose(1, 0) @ np.reshape(t23.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t110[...] = (np.reshape((np.reshape(t112, (d_H*d_V, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
     t114 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t115 = np.reshape(t114, (d_H, d_V, d_H, d_V), copy=False)
-    t116 = (np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t116 = (np.reshape((np.reshape(dA19.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t117 = ((np.reshape(t46, (n_batch, L, d_H, 1)) * np.reshape(t111.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t115[...] = (np.reshape((np.reshape(t116, (d_V**2, L*n_batch)) @ np.reshape(t117.transpose(2, 3, 0, 1), (L*n_batch, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(2, 0, 3, 1)
+    t115[...] = (np.reshape((np.reshape(t117, (d_H**2, L*n_batch)) @ np.reshape(t116.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -15668,7 +15668,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
@@ -15679,7 +15679,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t8, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -15821,7 +15821,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15835,7 +15835,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (X * X).transpose(2, 0, 1)
@@ -15867,7 +15867,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15881,7 +15881,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t9, -1, -2)
     t19 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -15913,7 +15913,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15927,7 +15927,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -15936,9 +15936,9 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t24 = (t23 @ M_2)
     t25 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t10), (n_batch, L, d_K, d_V))
     t26 = (t25 @ t24)
-    t27 = (np.reshape((np.reshape(t26, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t27 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t26.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t28 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t27, (d_K**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -15959,7 +15959,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
@@ -15970,7 +15970,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t8, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -16015,7 +16015,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16029,7 +16029,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -16061,7 +16061,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
@@ -16072,7 +16072,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t8, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -16117,7 +16117,7 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16131,7 +16131,7 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -16140,7 +16140,7 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t24 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t10), (n_batch, L, d_K, d_V))
     t25 = ((t24 @ t23)).transpose(2, 3, 0, 1)
     t26 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t25, (d_H*d_K, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -16161,7 +16161,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
@@ -16172,7 +16172,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((t8.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -16211,7 +16211,7 @@ def ce_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16225,7 +16225,7 @@ def ce_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = M_1 @ W_V
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -16233,7 +16233,7 @@ def ce_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t23 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t10), (n_batch, L, d_K, d_V))
     t24 = ((t23 @ t22)).transpose(2, 3, 0, 1)
     t25 = ((np.reshape(t19, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t25, (d_H*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -16254,7 +16254,7 @@ def ce_causal0__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
@@ -16265,7 +16265,7 @@ def ce_causal0__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = M_1 @ W_V
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((t8.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -16303,7 +16303,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16317,7 +16317,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -16350,7 +16350,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16364,7 +16364,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
     t20 = (M_2 @ M_2.transpose(0, 1, 3, 2))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -16397,7 +16397,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16411,7 +16411,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -16419,10 +16419,10 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t24 = (t23.transpose(0, 1, 3, 2) @ t22.transpose(1, 2, 0, 3))
     t25 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t26 = (t25 @ t24)
-    t27 = (np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t27 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t26.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_K))
     t29 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t27, (d_K*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t29, (d_K*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -16444,7 +16444,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
@@ -16455,7 +16455,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t9, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -16501,7 +16501,7 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16515,7 +16515,7 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -16548,7 +16548,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
@@ -16559,7 +16559,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t9, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -16605,7 +16605,7 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16619,16 +16619,16 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_O, -1, -2)
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t23 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t24 = (t23.transpose(0, 1, 3, 2) @ t22.transpose(1, 2, 0, 3))
-    t25 = (np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t25 = (np.reshape((t20.transpose(1, 0) @ np.reshape(t24.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_K))
     t27 = ((np.reshape(t26, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t25, (d_H*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t27, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -16650,7 +16650,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
@@ -16661,7 +16661,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((t9.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -16701,7 +16701,7 @@ def ce_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16715,7 +16715,7 @@ def ce_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = M_1 @ W_V
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -16723,7 +16723,7 @@ def ce_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t24 = ((t23.transpose(0, 1, 3, 2) @ t22.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t25 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_K))
     t26 = ((np.reshape(t25, (n_batch, L, d_K, 1)) * np.reshape(t20, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t26, (d_H*d_K, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -16745,7 +16745,7 @@ def ce_causal0__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
@@ -16756,7 +16756,7 @@ def ce_causal0__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = M_1 @ W_V
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((t9.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -16802,7 +16802,7 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = (1/(L*n_batch)) * t9
     t19 = (M_1 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -16839,7 +16839,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -16876,13 +16876,13 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = t17 @ t18
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA21 = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA21 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(dA21.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16892,7 +16892,7 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t26 = np.reshape((np.reshape(t25, (L*d_V*n_batch, d_V)) @ t19), (n_batch, L, d_V, d_V))
     t27 = (t26 @ M_2)
     t28 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_O.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t29 = (np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -16923,13 +16923,13 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t16 @ t17
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA20 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = (W_O.transpose(1, 0) @ W_O)
@@ -16976,13 +16976,13 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = t17 @ t18
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA21 = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA21 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(dA21.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17023,13 +17023,13 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t16 @ t17
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA20 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = (W_O.transpose(1, 0) @ W_O)
@@ -17076,7 +17076,7 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = (1/(L*n_batch)) * t9
     t19 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
@@ -17113,7 +17113,7 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17157,7 +17157,7 @@ def ce_causal0__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t9
     t18 = ((np.reshape(t12, (n_batch, L, d_H, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t19 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -17192,7 +17192,7 @@ def ce_causal0__frobenius__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = (W_O.transpose(1, 0) @ W_O)
@@ -17235,7 +17235,7 @@ def ce_causal0__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = (1/(L*n_batch)) * t11
     t20 = (t14 * t19.transpose(0, 2, 1)).transpose(2, 0, 1)
     t21 = (oe.contract('abcc,abc->abc', dA, t13)).transpose(2, 0, 1)
@@ -17271,7 +17271,7 @@ def ce_causal0__trace__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(t13, (n_batch, L, 1, d_H)) @ np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_H, 1))), (n_batch, L))
     t19 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t19 * t18).sum()
@@ -17307,12 +17307,12 @@ def ce_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = t19 @ t1
     t21 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA22 = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA22 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA22.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17321,7 +17321,7 @@ def ce_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t26 = np.reshape((t20.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t27 = (t26.transpose(1, 2, 3, 0) @ M_2)
     t28 = np.reshape((np.reshape(t27, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t29 = (np.reshape((np.reshape(t28, (n_batch, L, d_V, d_K, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t29 = (np.reshape((np.reshape(t28.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
     t0[...] = (np.reshape((np.reshape(t25, (d_H*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -17354,12 +17354,12 @@ def ce_causal0__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = t18 @ t0
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA21 = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA21 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t23 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V))
@@ -17406,12 +17406,12 @@ def ce_causal0__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = t19 @ t1
     t21 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA22 = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA22 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA22.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17453,12 +17453,12 @@ def ce_causal0__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = t18 @ t0
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA21 = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA21 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t23 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V))
@@ -17505,12 +17505,12 @@ def ce_causal0__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = (1/(L*n_batch)) * t11
     t21 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
     t22 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t23 = (np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ t19), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t23 = (np.reshape((t19.transpose(1, 0) @ np.reshape(t22.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t21, (d_H*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
     return out
 
@@ -17543,7 +17543,7 @@ def ce_causal0__frobenius__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17587,11 +17587,11 @@ def ce_causal0__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = (1/(L*n_batch)) * t11
-    t20 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t20 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t21 = ((np.reshape(t14, (n_batch, L, d_H, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_H**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -17623,7 +17623,7 @@ def ce_causal0__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t13, (L*n_batch, d_H)) @ np.reshape(t13.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17674,15 +17674,15 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t26, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t2
     t29 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t30 = (np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t30 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t29.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t30, (d_K**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t31, (d_V**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t32 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
     t34 = np.reshape((t28 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -17698,7 +17698,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t42 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_K, d_V, d_H), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t26, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t26, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t44 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t44.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17710,19 +17710,19 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t49 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t50 = np.reshape(t49, (d_V, d_K, d_H, d_V), copy=False)
     t51 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t46.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t52 = (np.reshape((np.reshape(t51.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t52 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t51.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t53 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t50[...] = (np.reshape((np.reshape(t52, (d_H*d_K, L*n_batch)) @ np.reshape(t53.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t54 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t55 = np.reshape(t54, (d_V, d_K, d_V, d_K), copy=False)
     t56 = np.swapaxes(W_Q, -1, -2)
     t57 = (1/(d_K*n_batch)) * t56
-    t58 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t58 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t59 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t57.transpose(1, 0)), (n_batch, L, d_K))
     t60 = ((np.reshape(t59, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t61 = np.einsum('abcb->abc', t55)
     t62 = np.swapaxes(t39, -1, -2)
-    t55[...] = (np.reshape((np.reshape(t58, (d_K*d_V, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t55[...] = (np.reshape((np.reshape(t60, (d_K*d_V, L*n_batch)) @ np.reshape(t58.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t61 += (np.reshape((np.reshape(t41, (d_K, 1)) * np.reshape(t62.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t63 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t64 = np.reshape(t63, (d_V, d_K, d_V, d_K), copy=False)
@@ -17738,7 +17738,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t68[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t73 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t74 = np.reshape(t73, (d_V, d_K, d_H, d_V), copy=False)
-    t75 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t75 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t76 = ((np.reshape(t71, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t74[...] = (np.reshape((np.reshape(t75, (d_H*d_V, L*n_batch)) @ np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t77 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
@@ -17746,7 +17746,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t79 = np.swapaxes(t45, -1, -2)
     t80 = (1/(math.sqrt(d_K)*n_batch)) * t79
     t81 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t80.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t82 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t82 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t78[...] = (np.reshape((np.reshape(t81, (d_H*d_V, L*n_batch)) @ np.reshape(t82.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t84 = np.reshape(t83, (d_V, d_H, d_V, d_K), copy=False)
@@ -17769,9 +17769,9 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t97 = np.swapaxes(G, -1, -2)
     t98 = (1/(math.sqrt(d_K)*n_batch)) * t97
     t99 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t100 = (np.reshape((np.reshape(t99.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t100 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t99.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t101 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t98.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t96[...] = (np.reshape((np.reshape(t100, (d_H*d_K, L*n_batch)) @ np.reshape(t101.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t96[...] = (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t100.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     t102 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t103 = np.reshape(t102, (d_H, d_V, d_V, d_K), copy=False)
     t104 = np.reshape((t20 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
@@ -17907,7 +17907,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t26 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t27 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17935,7 +17935,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t49 = (n_batch**(-2)) * (t38.sum((0,)) * t38.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t43 * t41).sum() + (1/(d_K**2*n_batch**2)) * (t48 * t45.transpose(0, 2, 3, 1)).sum()
     t50 = np.sqrt(np.maximum(t49, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t51 = G @ t17
     t52 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t53 = np.reshape((np.reshape(t51, (L*n_batch, d_H)) @ np.reshape(t51.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -18061,7 +18061,7 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18110,7 +18110,7 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18159,15 +18159,15 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
     t28 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t29 = (np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t29, (d_K**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -18208,7 +18208,7 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t26 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t27 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -18263,7 +18263,7 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18320,7 +18320,7 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = t0 @ t24
     t26 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t26, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.sum((0,))), (n_batch, L, d_V))
     t28 = (t27 @ X.transpose(0, 2, 1))
     t29 = np.reshape((np.reshape(t28, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -18359,7 +18359,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18402,7 +18402,7 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -18451,7 +18451,7 @@ def ce_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18470,7 +18470,7 @@ def ce_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t19
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t22 = (np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t22 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t23 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t22, (d_H*d_K, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -18493,7 +18493,7 @@ def ce_causal0__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -18562,7 +18562,7 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t26, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18613,7 +18613,7 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18663,12 +18663,12 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t26, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t1
-    t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t30 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_K))
     t31 = ((np.reshape(t30, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t32 = np.einsum('abcb->abc', t0)
@@ -18677,7 +18677,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t35 = t2 @ t34
     t36 = np.ones((d_K,), dtype=X.dtype)
     t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t0[...] = (np.reshape((np.reshape(t29, (d_K*d_V, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t32 += (np.reshape((np.reshape(t37, (d_K, 1)) * np.reshape(t35.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -18723,7 +18723,7 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = np.swapaxes(W_Q, -1, -2)
     t28 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t28, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t26.sum((0,))), (n_batch, L, d_V))
     t30 = (t29 @ X.transpose(0, 2, 1))
     t31 = np.reshape((np.reshape(t30.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -18783,7 +18783,7 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t26, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18834,7 +18834,7 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t28 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -18870,7 +18870,7 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18915,7 +18915,7 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -18965,7 +18965,7 @@ def ce_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18983,7 +18983,7 @@ def ce_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (1/L) * t19
     G = t20
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t22 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t22 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_K))
     t24 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t0[...] = (np.reshape((np.reshape(t22, (d_H*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
@@ -19008,7 +19008,7 @@ def ce_causal0__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -19093,13 +19093,13 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_O @ t18
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t23, (d_H*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -19136,7 +19136,7 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_O @ t17
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t18.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19185,7 +19185,7 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_O @ t18
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -19229,7 +19229,7 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_O @ t17
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t18.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19397,15 +19397,15 @@ def ce_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t18
     t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t24 = (np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t23.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t24, (d_H*d_K, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -19441,7 +19441,7 @@ def ce_causal0__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_H))
     t21 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t22 = np.reshape((np.reshape(t17.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t17.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19491,7 +19491,7 @@ def ce_causal0__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -19535,7 +19535,7 @@ def ce_causal0__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_H))
     t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t22 = np.reshape((np.reshape(t17.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t17.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19668,7 +19668,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -19682,7 +19682,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t2
     t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -19691,7 +19691,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = (t24 @ M_2)
     t26 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t11), (n_batch, L, d_K, d_V))
     t27 = (t26 @ t25)
-    t28 = (np.reshape((np.reshape(t27, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t27.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     F = t15
     t30 = np.exp(F - F.max(-1, keepdims=True))
@@ -19705,21 +19705,21 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t38.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
     t39 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t40 = (1/(d_K*n_batch)) * t2
     t41 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t40.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t42 = (np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t42 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t41.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t43 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t44 = np.reshape(t28, (d_K**2, L*n_batch))
-    t45 = np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t46 = np.reshape(t42, (d_K**2, L*n_batch))
-    t47 = np.reshape(t43.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t44 = np.reshape(t29, (d_V**2, L*n_batch))
+    t45 = np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t46 = np.reshape(t43, (d_V**2, L*n_batch))
+    t47 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t48 = np.concatenate([t44, t46], axis=-1)
     t49 = np.concatenate([t45, t47], axis=-2)
-    t1[...] = (np.reshape((t48 @ t49), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((t48 @ t49), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t50 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t51 = np.reshape(t50, (d_V, d_K, d_V, d_K), copy=False)
     t52 = np.reshape((t40 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -19753,7 +19753,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t78 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t79 = np.reshape((t78 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t80 = ((np.reshape(t77, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t69[...] = (np.reshape((np.reshape(t75, (d_H*d_K, L*n_batch)) @ np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t69[...] = (np.reshape((np.reshape(t76, (d_V**2, L*n_batch)) @ np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t69 += (np.reshape((np.reshape(t79, (d_K*d_V, L*n_batch)) @ np.reshape(t80.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t81 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t82 = np.reshape(t81, (d_V, d_K, d_H, d_V), copy=False)
@@ -19763,15 +19763,15 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t86 = ((t85.transpose(1, 2, 3, 0) @ t23)).transpose(2, 3, 0, 1)
     t87 = ((np.reshape(t83, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t88 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t78.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t89 = (np.reshape((np.reshape(t88.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t89 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t88.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t90 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t82[...] = (np.reshape((np.reshape(t86, (d_K*d_V, L*n_batch)) @ np.reshape(t87.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t82[...] = (np.reshape((np.reshape(t87, (d_H*d_V, L*n_batch)) @ np.reshape(t86.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t82 += (np.reshape((np.reshape(t89, (d_H*d_K, L*n_batch)) @ np.reshape(t90.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t91 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t92 = np.reshape(t91, (d_V, d_K, d_V, d_K), copy=False)
     t93 = np.swapaxes(W_Q, -1, -2)
     t94 = (1/(d_K*n_batch)) * t93
-    t95 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t95 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t96 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t94.transpose(1, 0)), (n_batch, L, d_K))
     t97 = ((np.reshape(t96, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t98 = (1/(L*d_K*n_batch)) * t93
@@ -19779,18 +19779,18 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t100 = (t23.transpose(0, 1, 3, 2) @ t99.transpose(1, 2, 0, 3))
     t101 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t102 = (t101 @ t100)
-    t103 = (np.reshape((np.reshape(t102.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t103 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t102.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t104 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t98.transpose(1, 0)), (n_batch, L, d_K))
     t105 = ((np.reshape(t104, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t106 = np.einsum('abcb->abc', t92)
     t107 = np.swapaxes(t59, -1, -2)
-    t108 = np.reshape(t95, (d_K*d_V, L*n_batch))
-    t109 = np.reshape(t97.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t110 = np.reshape(t103, (d_K*d_V, L*n_batch))
-    t111 = np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t108 = np.reshape(t97, (d_K*d_V, L*n_batch))
+    t109 = np.reshape(t95.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t110 = np.reshape(t105, (d_K*d_V, L*n_batch))
+    t111 = np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t112 = np.concatenate([t108, t110], axis=-1)
     t113 = np.concatenate([t109, t111], axis=-2)
-    t92[...] = (np.reshape((t112 @ t113), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t92[...] = (np.reshape((t112 @ t113), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t106 += (np.reshape((np.reshape(t61, (d_K, 1)) * np.reshape(t107.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t114 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t115 = np.reshape(t114, (d_V, d_K, d_V, d_K), copy=False)
@@ -19808,35 +19808,35 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t126 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t127 = np.reshape(t126, (d_V, d_K, d_V, d_H), copy=False)
     t128 = (1/(L*math.sqrt(d_K)*n_batch)) * t93
-    t129 = (np.reshape((np.reshape(t100.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t70), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t129 = (np.reshape((t70.transpose(1, 0) @ np.reshape(t100.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t130 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t128.transpose(1, 0)), (n_batch, L, d_K))
     t131 = ((np.reshape(t130, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t132 = (1/(math.sqrt(d_K)*n_batch)) * t93
     t133 = M_2.transpose(3, 2, 0, 1)
     t134 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t132.transpose(1, 0)), (n_batch, L, d_K))
     t135 = ((np.reshape(t134, (n_batch, L, d_K, 1)) * np.reshape(t77, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t127[...] = (np.reshape((np.reshape(t129, (d_H*d_V, L*n_batch)) @ np.reshape(t131.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t127[...] = (np.reshape((np.reshape(t131, (d_K*d_V, L*n_batch)) @ np.reshape(t129.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t127 += (np.reshape((np.reshape(t133, (d_V**2, L*n_batch)) @ np.reshape(t135.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t136 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t137 = np.reshape(t136, (d_V, d_K, d_H, d_V), copy=False)
     t138 = np.reshape((t84 @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t139 = ((t138.transpose(1, 2, 3, 0) @ t23)).transpose(2, 3, 0, 1)
     t140 = ((np.reshape(t130, (n_batch, L, d_K, 1)) * np.reshape(t83, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t141 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t141 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t142 = ((np.reshape(t134, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t137[...] = (np.reshape((np.reshape(t139, (d_V**2, L*n_batch)) @ np.reshape(t140.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t137[...] = (np.reshape((np.reshape(t140, (d_H*d_K, L*n_batch)) @ np.reshape(t139.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t137 += (np.reshape((np.reshape(t141, (d_H*d_V, L*n_batch)) @ np.reshape(t142.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t143 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t144 = np.reshape(t143, (d_V, d_H, d_V, d_K), copy=False)
     t145 = np.swapaxes(t77, -1, -2)
     t146 = (1/(math.sqrt(d_K)*n_batch)) * t145
     t147 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t146.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t148 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t148 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t149 = np.swapaxes(M_1, -1, -2)
     t150 = (1/(L*math.sqrt(d_K)*n_batch)) * t149
     t151 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t150.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t152 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_O.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t153 = (np.reshape((np.reshape(t152.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t153 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t152.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t144[...] = (np.reshape((np.reshape(t147, (d_H*d_V, L*n_batch)) @ np.reshape(t148.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t144 += (np.reshape((np.reshape(t151, (d_V**2, L*n_batch)) @ np.reshape(t153.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     t154 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -19864,14 +19864,14 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t173 = (1/n_batch) * t172
     t174 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t149.transpose(0, 2, 1), (L*n_batch, d_V)))
     t168[...] = (np.reshape((np.reshape(t169, (d_H*d_V, L*n_batch)) @ np.reshape(t170.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
-    t171 += (np.reshape((np.reshape(t174, (d_V**2, 1)) * np.reshape(t173, (1, d_H))), (d_V, d_V, d_H))).transpose(1, 2, 0)
+    t171 += (np.reshape((np.reshape(t173, (d_H, 1)) * np.reshape(t174.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     t175 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t176 = np.reshape(t175, (d_H, d_V, d_V, d_K), copy=False)
     t177 = np.swapaxes(G, -1, -2)
     t178 = np.swapaxes(W_V, -1, -2)
     t179 = (1/(math.sqrt(d_K)*n_batch)) * t177
     t180 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t178.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t181 = (np.reshape((np.reshape(t180.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t181 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t180.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t182 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t179.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t183 = np.swapaxes(t83, -1, -2)
     t184 = (1/(L*math.sqrt(d_K)*n_batch)) * t183
@@ -19880,7 +19880,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t187 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t188 = np.reshape((t186 @ np.reshape(t23.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t189 = ((t188.transpose(1, 2, 3, 0) @ t187.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
-    t176[...] = (np.reshape((np.reshape(t181, (d_H*d_K, L*n_batch)) @ np.reshape(t182.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t176[...] = (np.reshape((np.reshape(t182, (d_V**2, L*n_batch)) @ np.reshape(t181.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     t176 += (np.reshape((np.reshape(t185, (d_H*d_V, L*n_batch)) @ np.reshape(t189.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t190 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t191 = np.reshape(t190, (d_H, d_V, d_V, d_K), copy=False)
@@ -19890,21 +19890,21 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t195 = np.reshape((t186.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t196 = ((t195.transpose(1, 2, 3, 0) @ t23.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t191[...] = (np.reshape((np.reshape(t192, (d_H*d_V, L*n_batch)) @ np.reshape(t193.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t191 += (np.reshape((np.reshape(t194, (d_H*d_K, L*n_batch)) @ np.reshape(t196.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t191 += (np.reshape((np.reshape(t196, (d_V**2, L*n_batch)) @ np.reshape(t194.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     t197 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t198 = np.reshape(t197, (d_H, d_V, d_V, d_H), copy=False)
     t199 = (1/(L*n_batch)) * t183
     t200 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t199.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t201 = (np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t70), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t201 = (np.reshape((t70.transpose(1, 0) @ np.reshape(t23.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t202 = np.einsum('abca->abc', t198)
     t203 = t177 @ M_1
     t198[...] = (np.reshape((np.reshape(t200, (d_H*d_V, L*n_batch)) @ np.reshape(t201.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
     t202 += np.reshape((np.reshape(t173, (d_H, 1)) * np.reshape(t203.sum((0,)), (1, d_V**2))), (d_H, d_V, d_V))
     t204 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t205 = np.reshape(t204, (d_H, d_V, d_H, d_V), copy=False)
-    t206 = (np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t206 = (np.reshape((np.reshape(dA19.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t207 = ((np.reshape(t83, (n_batch, L, d_H, 1)) * np.reshape(t199.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t205[...] = (np.reshape((np.reshape(t206, (d_V**2, L*n_batch)) @ np.reshape(t207.transpose(2, 3, 0, 1), (L*n_batch, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(2, 0, 3, 1)
+    t205[...] = (np.reshape((np.reshape(t207, (d_H**2, L*n_batch)) @ np.reshape(t206.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -20024,7 +20024,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
@@ -20035,7 +20035,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t8, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -20068,7 +20068,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t44 = t43 - (A * t43).sum(-1, keepdims=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t45.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t45.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
     t46 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t47 = t21 * t46
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -20352,7 +20352,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -20366,7 +20366,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (X * X).transpose(2, 0, 1)
@@ -20389,7 +20389,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -20419,7 +20419,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -20433,7 +20433,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t9, -1, -2)
     t19 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -20455,7 +20455,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t34 = t33 - (A * t33).sum(-1, keepdims=True)
     t35 = A * t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t35.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t35, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t35, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t35.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t35, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t35, (n_batch, L, 1, L)))
     t36 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t36.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -20483,7 +20483,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -20497,7 +20497,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -20506,7 +20506,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = (t23 @ M_2)
     t25 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t10), (n_batch, L, d_K, d_V))
     t26 = (t25 @ t24)
-    t27 = (np.reshape((np.reshape(t26, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t27 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t26.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t28 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     F = t14
     t29 = np.exp(F - F.max(-1, keepdims=True))
@@ -20520,21 +20520,21 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t39 = (1/(d_K*n_batch)) * t1
     t40 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t39.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t41 = (np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t41 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t40.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t42 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t43 = np.reshape(t27, (d_K**2, L*n_batch))
-    t44 = np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t45 = np.reshape(t41, (d_K**2, L*n_batch))
-    t46 = np.reshape(t42.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t43 = np.reshape(t28, (d_V**2, L*n_batch))
+    t44 = np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t45 = np.reshape(t42, (d_V**2, L*n_batch))
+    t46 = np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t47 = np.concatenate([t43, t45], axis=-1)
     t48 = np.concatenate([t44, t46], axis=-2)
-    t0[...] = (np.reshape((t47 @ t48), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((t47 @ t48), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -20555,7 +20555,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
@@ -20566,7 +20566,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t8, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -20599,7 +20599,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t44 = t43 - (A * t43).sum(-1, keepdims=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t45.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t45.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
     t46 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t47 = t21 * t46
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -20657,7 +20657,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(t24.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -20666,7 +20666,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t30 = ((np.reshape(t29.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t25, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t31 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t31.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -20675,7 +20675,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A34 = t33 / t33.sum(-1, keepdims=True)
     t35 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = (np.reshape((np.reshape(t35, (d_V, d_V, 1)) * np.reshape(A34.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))
+    dA36 = (np.reshape((np.reshape(A34.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t35, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))
     t37 = np.swapaxes(t32, -1, -2)
     t38 = (1/(L*d_K*n_batch)) * t1
     t39 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t38.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -20740,7 +20740,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = t0 @ t24
     t26 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t26, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.sum((0,))), (n_batch, L, d_V))
     t28 = (t27 @ X.transpose(0, 2, 1))
     t29 = np.reshape((np.reshape(t28, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -20748,7 +20748,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t32 = (t31.transpose(1, 2, 0) @ t30.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t26, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t26, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t33 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -20757,7 +20757,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A36 = t35 / t35.sum(-1, keepdims=True)
     t37 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = (np.reshape((np.reshape(t37, (d_V, d_V, 1)) * np.reshape(A36.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A36, (n_batch, L, d_V, 1)) * np.reshape(A36, (n_batch, L, 1, d_V)))
+    dA38 = (np.reshape((np.reshape(A36.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t37, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A36, (n_batch, L, d_V, 1)) * np.reshape(A36, (n_batch, L, 1, d_V)))
     t39 = np.swapaxes(t34, -1, -2)
     t40 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t25.sum((0,))), (n_batch, L, d_V))
     t41 = np.reshape((np.reshape(t40, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
@@ -20824,7 +20824,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -20838,7 +20838,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -20858,7 +20858,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t34 = np.reshape((t33 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t35 = ((np.reshape(t32, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t25, (d_H*d_K, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t34, (d_K*d_V, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     return out
 
@@ -20880,7 +20880,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
@@ -20891,7 +20891,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((t8.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -20950,7 +20950,7 @@ def ce_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -20964,7 +20964,7 @@ def ce_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t20 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t21 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
@@ -20981,9 +20981,9 @@ def ce_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t30
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t32 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t31.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t33 = (np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t33 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t32.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t34 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t25, (d_H*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t33, (d_H*d_K, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -21005,7 +21005,7 @@ def ce_causal0__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -21016,7 +21016,7 @@ def ce_causal0__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_H, n_batch, L))
     t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -21073,7 +21073,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -21087,7 +21087,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -21110,7 +21110,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t38.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
     t39 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -21141,7 +21141,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -21155,7 +21155,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
     t20 = (M_2 @ M_2.transpose(0, 1, 3, 2))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -21177,7 +21177,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t35 = t34 - (A * t34).sum(-1, keepdims=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t36.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t36.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
     t37 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -21227,16 +21227,16 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t26, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t1
-    t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t30 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_K))
     t31 = ((np.reshape(t30, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t26, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t26, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t32 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -21245,7 +21245,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A35 = t34 / t34.sum(-1, keepdims=True)
     t36 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA37 = (np.reshape((np.reshape(t36, (d_V, d_V, 1)) * np.reshape(A35.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A35, (n_batch, L, d_V, 1)) * np.reshape(A35, (n_batch, L, 1, d_V)))
+    dA37 = (np.reshape((np.reshape(A35.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t36, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A35, (n_batch, L, d_V, 1)) * np.reshape(A35, (n_batch, L, 1, d_V)))
     t38 = np.swapaxes(t33, -1, -2)
     t39 = (1/(L*d_K*n_batch)) * t1
     t40 = np.reshape((t33.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -21253,7 +21253,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t42 = (t41.transpose(0, 1, 3, 2) @ t40.transpose(1, 2, 0, 3))
     t43 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t38.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t44 = (t43 @ t42)
-    t45 = (np.reshape((np.reshape(t44.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t45 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t44.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t46 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t39.transpose(1, 0)), (n_batch, L, d_K))
     t47 = ((np.reshape(t46, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t48 = np.einsum('abcb->abc', t0)
@@ -21262,13 +21262,13 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t51 = t2 @ t50
     t52 = np.ones((d_K,), dtype=X.dtype)
     t53 = (1/(math.sqrt(d_K)*n_batch)) * t52
-    t54 = np.reshape(t29, (d_K*d_V, L*n_batch))
-    t55 = np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t56 = np.reshape(t45, (d_K*d_V, L*n_batch))
-    t57 = np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t54 = np.reshape(t31, (d_K*d_V, L*n_batch))
+    t55 = np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t56 = np.reshape(t47, (d_K*d_V, L*n_batch))
+    t57 = np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t58 = np.concatenate([t54, t56], axis=-1)
     t59 = np.concatenate([t55, t57], axis=-2)
-    t0[...] = (np.reshape((t58 @ t59), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((t58 @ t59), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t48 += (np.reshape((np.reshape(t53, (d_K, 1)) * np.reshape(t51.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -21314,7 +21314,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = np.swapaxes(W_Q, -1, -2)
     t28 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t23.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t28, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t26.sum((0,))), (n_batch, L, d_V))
     t30 = (t29 @ X.transpose(0, 2, 1))
     t31 = np.reshape((np.reshape(t30.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -21322,7 +21322,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t33 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t34 = (t33.transpose(1, 2, 0) @ t32.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t28, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t35 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -21331,7 +21331,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A38 = t37 / t37.sum(-1, keepdims=True)
     t39 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA40 = (np.reshape((np.reshape(t39, (d_V, d_V, 1)) * np.reshape(A38.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A38, (n_batch, L, d_V, 1)) * np.reshape(A38, (n_batch, L, 1, d_V)))
+    dA40 = (np.reshape((np.reshape(A38.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t39, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A38, (n_batch, L, d_V, 1)) * np.reshape(A38, (n_batch, L, 1, d_V)))
     t41 = np.swapaxes(t36, -1, -2)
     t42 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t26.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
     t43 = np.reshape((np.reshape(t42, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
@@ -21399,7 +21399,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -21413,7 +21413,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -21436,7 +21436,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t38.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
     t39 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -21472,7 +21472,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
@@ -21483,7 +21483,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t9, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -21516,7 +21516,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t45 = t44 - (A * t44).sum(-1, keepdims=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t46.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t49 = np.reshape((np.reshape(t48, (L*n_batch, d_K)) @ np.reshape(t20.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -21555,7 +21555,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -21569,13 +21569,13 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_O, -1, -2)
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t23 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t24 = (t23.transpose(0, 1, 3, 2) @ t22.transpose(1, 2, 0, 3))
-    t25 = (np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t25 = (np.reshape((t20.transpose(1, 0) @ np.reshape(t24.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_K))
     t27 = ((np.reshape(t26, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     F = t15
@@ -21590,7 +21590,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t35 = M_2.transpose(3, 2, 0, 1)
     t36 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t34.transpose(1, 0)), (n_batch, L, d_K))
     t37 = ((np.reshape(t36, (n_batch, L, d_K, 1)) * np.reshape(t33, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t25, (d_H*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t27, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t35, (d_V**2, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     return out
 
@@ -21613,7 +21613,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
@@ -21624,7 +21624,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((t9.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -21686,7 +21686,7 @@ def ce_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -21700,7 +21700,7 @@ def ce_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
@@ -21716,10 +21716,10 @@ def ce_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = (1/L) * t30
     G = t31
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t33 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t33 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t34 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t32.transpose(1, 0)), (n_batch, L, d_K))
     t35 = ((np.reshape(t34, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t26, (d_H*d_K, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t33, (d_H*d_V, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -21742,7 +21742,7 @@ def ce_causal0__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -21753,7 +21753,7 @@ def ce_causal0__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_H, n_batch, L))
     t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -21818,7 +21818,7 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = (1/(L*n_batch)) * t9
     t19 = (M_1 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -21855,7 +21855,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -21898,19 +21898,19 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_O @ t18
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t25 = np.swapaxes(M_1, -1, -2)
     t26 = np.exp(t12 - t12.max(-1, keepdims=True))
     A27 = t26 / t26.sum(-1, keepdims=True)
     t28 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA29 = (np.reshape((np.reshape(t28, (d_V, d_V, 1)) * np.reshape(A27.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A27, (n_batch, L, d_V, 1)) * np.reshape(A27, (n_batch, L, 1, d_V)))
+    dA29 = (np.reshape((np.reshape(A27.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t28, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A27, (n_batch, L, d_V, 1)) * np.reshape(A27, (n_batch, L, 1, d_V)))
     t30 = np.swapaxes(W_O, -1, -2)
     t31 = np.swapaxes(W_V, -1, -2)
     t32 = t30 @ t31
@@ -21920,7 +21920,7 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t36 = np.reshape((np.reshape(t35, (L*d_V*n_batch, d_V)) @ t32), (n_batch, L, d_V, d_V))
     t37 = (t36 @ M_2)
     t38 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_O.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t39 = (np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t39 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t38.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t23, (d_H*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t34, (d_V**2, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -21958,7 +21958,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_O @ t17
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t18.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -21973,7 +21973,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A31 = t30 / t30.sum(-1, keepdims=True)
     t32 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = (np.reshape((np.reshape(t32, (d_V, d_V, 1)) * np.reshape(A31.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
+    dA33 = (np.reshape((np.reshape(A31.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t32, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
     t34 = np.swapaxes(W_O, -1, -2)
     t35 = np.swapaxes(W_V, -1, -2)
     t36 = t34 @ t35
@@ -22032,7 +22032,7 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_O @ t18
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -22045,7 +22045,7 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A28 = t27 / t27.sum(-1, keepdims=True)
     t29 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA30 = (np.reshape((np.reshape(t29, (d_V, d_V, 1)) * np.reshape(A28.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A28, (n_batch, L, d_V, 1)) * np.reshape(A28, (n_batch, L, 1, d_V)))
+    dA30 = (np.reshape((np.reshape(A28.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t29, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A28, (n_batch, L, d_V, 1)) * np.reshape(A28, (n_batch, L, 1, d_V)))
     t31 = np.swapaxes(W_O, -1, -2)
     t32 = np.swapaxes(W_V, -1, -2)
     t33 = t31 @ t32
@@ -22092,7 +22092,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_O @ t17
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t18.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -22107,7 +22107,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A31 = t30 / t30.sum(-1, keepdims=True)
     t32 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = (np.reshape((np.reshape(t32, (d_V, d_V, 1)) * np.reshape(A31.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
+    dA33 = (np.reshape((np.reshape(A31.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t32, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
     t34 = np.swapaxes(W_O, -1, -2)
     t35 = np.swapaxes(W_V, -1, -2)
     t36 = t34 @ t35
@@ -22160,7 +22160,7 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = (1/(L*n_batch)) * t9
     t19 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
@@ -22197,7 +22197,7 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -22241,7 +22241,7 @@ def ce_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t9
     t18 = ((np.reshape(t12, (n_batch, L, d_H, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t19 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -22258,7 +22258,7 @@ def ce_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = (1/n_batch) * t27
     t29 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t18, (d_H*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
-    t21 += (np.reshape((np.reshape(t29, (d_V**2, 1)) * np.reshape(t28, (1, d_H))), (d_V, d_V, d_H))).transpose(1, 2, 0)
+    t21 += (np.reshape((np.reshape(t28, (d_H, 1)) * np.reshape(t29.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -22288,7 +22288,7 @@ def ce_causal0__frobenius__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = (W_O.transpose(1, 0) @ W_O)
@@ -22342,7 +22342,7 @@ def ce_causal0__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = (1/(L*n_batch)) * t11
     t20 = (t14 * t19.transpose(0, 2, 1)).transpose(2, 0, 1)
     t21 = (oe.contract('abcc,abc->abc', dA, t13)).transpose(2, 0, 1)
@@ -22378,7 +22378,7 @@ def ce_causal0__trace__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(t13, (n_batch, L, 1, d_H)) @ np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_H, 1))), (n_batch, L))
     t19 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t19 * t18).sum()
@@ -22418,20 +22418,20 @@ def ce_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t18
     t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t24 = (np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t23.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t26 = np.swapaxes(t11, -1, -2)
     t27 = np.exp(t12 - t12.max(-1, keepdims=True))
     A28 = t27 / t27.sum(-1, keepdims=True)
     t29 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA30 = (np.reshape((np.reshape(t29, (d_V, d_V, 1)) * np.reshape(A28.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A28, (n_batch, L, d_V, 1)) * np.reshape(A28, (n_batch, L, 1, d_V)))
+    dA30 = (np.reshape((np.reshape(A28.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t29, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A28, (n_batch, L, d_V, 1)) * np.reshape(A28, (n_batch, L, 1, d_V)))
     t31 = np.swapaxes(W_O, -1, -2)
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
     t33 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
@@ -22440,7 +22440,7 @@ def ce_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t36 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t37 = np.reshape((t35 @ np.reshape(t34.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t38 = ((t37.transpose(1, 2, 3, 0) @ t36.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t24, (d_H*d_K, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t33, (d_H*d_V, L*n_batch)) @ np.reshape(t38.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -22477,7 +22477,7 @@ def ce_causal0__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_H))
     t21 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t22 = np.reshape((np.reshape(t17.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t17.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -22493,7 +22493,7 @@ def ce_causal0__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A32 = t31 / t31.sum(-1, keepdims=True)
     t33 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = (np.reshape((np.reshape(t33, (d_V, d_V, 1)) * np.reshape(A32.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A32, (n_batch, L, d_V, 1)) * np.reshape(A32, (n_batch, L, 1, d_V)))
+    dA34 = (np.reshape((np.reshape(A32.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t33, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A32, (n_batch, L, d_V, 1)) * np.reshape(A32, (n_batch, L, 1, d_V)))
     t35 = np.swapaxes(W_O, -1, -2)
     t36 = np.reshape((np.reshape(dA34, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t37 = np.reshape((np.reshape(t20, (L*n_batch, d_H)) @ np.reshape(t30.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -22548,7 +22548,7 @@ def ce_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -22561,7 +22561,7 @@ def ce_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A28 = t27 / t27.sum(-1, keepdims=True)
     t29 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA30 = (np.reshape((np.reshape(t29, (d_V, d_V, 1)) * np.reshape(A28.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A28, (n_batch, L, d_V, 1)) * np.reshape(A28, (n_batch, L, 1, d_V)))
+    dA30 = (np.reshape((np.reshape(A28.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t29, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A28, (n_batch, L, d_V, 1)) * np.reshape(A28, (n_batch, L, 1, d_V)))
     t31 = np.swapaxes(W_O, -1, -2)
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
     t33 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
@@ -22570,7 +22570,7 @@ def ce_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t36 = np.reshape((t35.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t37 = ((t36.transpose(1, 2, 3, 0) @ t34.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t23, (d_H*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t0 += (np.reshape((np.reshape(t33, (d_H*d_K, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t37, (d_V**2, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -22606,7 +22606,7 @@ def ce_causal0__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_H))
     t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t22 = np.reshape((np.reshape(t17.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t17.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -22622,7 +22622,7 @@ def ce_causal0__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A32 = t31 / t31.sum(-1, keepdims=True)
     t33 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = (np.reshape((np.reshape(t33, (d_V, d_V, 1)) * np.reshape(A32.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A32, (n_batch, L, d_V, 1)) * np.reshape(A32, (n_batch, L, 1, d_V)))
+    dA34 = (np.reshape((np.reshape(A32.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t33, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A32, (n_batch, L, d_V, 1)) * np.reshape(A32, (n_batch, L, 1, d_V)))
     t35 = np.swapaxes(W_O, -1, -2)
     t36 = np.reshape((np.reshape(dA34, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t37 = np.reshape((np.reshape(t20, (L*n_batch, d_H)) @ np.reshape(t30.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -22673,12 +22673,12 @@ def ce_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = (1/(L*n_batch)) * t11
     t21 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
     t22 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t23 = (np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ t19), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t23 = (np.reshape((t19.transpose(1, 0) @ np.reshape(t22.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t24 = np.einsum('abca->abc', t0)
     F = t15
     t25 = np.exp(F - F.max(-1, keepdims=True))
@@ -22731,7 +22731,7 @@ def ce_causal0__frobenius__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A21 = t20 / t20.sum(-1, keepdims=True)
     t22 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t22, (d_V, d_V, 1)) * np.reshape(A21.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A21, (n_batch, L, d_V, 1)) * np.reshape(A21, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A21.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t22, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A21, (n_batch, L, d_V, 1)) * np.reshape(A21, (n_batch, L, 1, d_V)))
     t23 = np.swapaxes(W_O, -1, -2)
     t24 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ t18.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
     t25 = t24 * t1
@@ -22779,11 +22779,11 @@ def ce_causal0__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = (1/(L*n_batch)) * t11
-    t20 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t20 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t21 = ((np.reshape(t14, (n_batch, L, d_H, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t21, (d_H**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -22815,7 +22815,7 @@ def ce_causal0__frobenius__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t13, (L*n_batch, d_H)) @ np.reshape(t13.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -22843,7 +22843,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
@@ -22854,7 +22854,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t8, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -22888,7 +22888,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t45 = t44 - (A * t44).sum(-1, keepdims=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t46.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t49 = t21 * t48
@@ -22928,7 +22928,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
@@ -22939,7 +22939,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t8, -1, -2)
     t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -22975,7 +22975,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t47 = t46 @ X
     t48 = t1 @ t47
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(t46.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t46.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t48.sum((0,))), (n_batch, L, d_V))
     t50 = (t49 @ X.transpose(0, 2, 1))
     t51 = np.reshape((np.reshape(t50, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -23030,7 +23030,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
@@ -23041,7 +23041,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((t8.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -23103,7 +23103,7 @@ def ce_causal0__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t7, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
@@ -23114,7 +23114,7 @@ def ce_causal0__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = M_1 @ W_V
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((t8.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -23175,7 +23175,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
@@ -23186,7 +23186,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t9, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -23223,7 +23223,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t49 = t48 @ X
     t50 = t1 @ t49
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t47.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t47.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
     t51 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t50.sum((0,))), (n_batch, L, d_V))
     t52 = (t51 @ X.transpose(0, 2, 1))
     t53 = np.reshape((np.reshape(t52.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -23278,7 +23278,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
@@ -23289,7 +23289,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t9, -1, -2)
     t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -23323,7 +23323,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t46 = t45 - (A * t45).sum(-1, keepdims=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(t47.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t47.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t50 = np.reshape((np.reshape(t48, (L*n_batch, d_K)) @ np.reshape(t48.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -23364,7 +23364,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
@@ -23375,7 +23375,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((t9.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -23440,7 +23440,7 @@ def ce_causal0__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t8, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
@@ -23451,7 +23451,7 @@ def ce_causal0__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(t16, (d_V, d_V, 1)) * np.reshape(A15.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = M_1 @ W_V
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((t9.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -23522,13 +23522,13 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t16 @ t17
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA20 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = (W_O.transpose(1, 0) @ W_O)
@@ -23599,13 +23599,13 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t16 @ t17
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = (np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA20 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = (W_O.transpose(1, 0) @ W_O)
@@ -23676,7 +23676,7 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -23720,7 +23720,7 @@ def ce_causal0__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t15, (d_V, d_V, 1)) * np.reshape(A14.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t17 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = (W_O.transpose(1, 0) @ W_O)
@@ -23778,12 +23778,12 @@ def ce_causal0__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = t18 @ t0
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA21 = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA21 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t23 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V))
@@ -23854,12 +23854,12 @@ def ce_causal0__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = t18 @ t0
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA21 = (np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA21 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t23 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V))
@@ -23930,7 +23930,7 @@ def ce_causal0__frobenius_split__W_O__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -23990,7 +23990,7 @@ def ce_causal0__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t10.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t13, (L*n_batch, d_H)) @ np.reshape(t13.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -24106,7 +24106,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -24120,7 +24120,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA21 = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t22 = np.swapaxes(t13, -1, -2)
     t23 = (1/(L*d_K*n_batch)) * t2
     t24 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -24129,9 +24129,9 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t27 = (t26 @ M_2)
     t28 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t13), (n_batch, L, d_K, d_V))
     t29 = (t28 @ t27)
-    t30 = (np.reshape((np.reshape(t29, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t30 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t29.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t30, (d_K**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t31, (d_V**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t32 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
     t34 = ((t28 @ t27)).transpose(2, 3, 0, 1)
@@ -24147,13 +24147,13 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t43 = np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t13), (n_batch, L, d_K, d_V))
     t44 = ((t43 @ t42)).transpose(2, 3, 0, 1)
     t45 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t38[...] = (np.reshape((np.reshape(t44, (d_H*d_K, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t38[...] = (np.reshape((np.reshape(t45, (d_V**2, L*n_batch)) @ np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t46 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t47 = np.reshape(t46, (d_V, d_K, d_H, d_V), copy=False)
     t48 = M_1 @ W_V
     t49 = ((t43 @ t25)).transpose(2, 3, 0, 1)
     t50 = ((np.reshape(t48, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t47[...] = (np.reshape((np.reshape(t49, (d_K*d_V, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t47[...] = (np.reshape((np.reshape(t50, (d_H*d_V, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t51 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
     t53 = np.swapaxes(W_Q, -1, -2)
@@ -24162,10 +24162,10 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t56 = (t25.transpose(0, 1, 3, 2) @ t55.transpose(1, 2, 0, 3))
     t57 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t58 = (t57 @ t56)
-    t59 = (np.reshape((np.reshape(t58.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t59 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t58.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t60 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t54.transpose(1, 0)), (n_batch, L, d_K))
     t61 = ((np.reshape(t60, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t52[...] = (np.reshape((np.reshape(t59, (d_K*d_V, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t52[...] = (np.reshape((np.reshape(t61, (d_K*d_V, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t62 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t63 = np.reshape(t62, (d_V, d_K, d_V, d_K), copy=False)
     t64 = ((t57 @ t56)).transpose(3, 2, 0, 1)
@@ -24174,22 +24174,22 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t66 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t67 = np.reshape(t66, (d_V, d_K, d_V, d_H), copy=False)
     t68 = (1/(L*math.sqrt(d_K)*n_batch)) * t53
-    t69 = (np.reshape((np.reshape(t56.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t39), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t69 = (np.reshape((t39.transpose(1, 0) @ np.reshape(t56.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t70 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t68.transpose(1, 0)), (n_batch, L, d_K))
     t71 = ((np.reshape(t70, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t67[...] = (np.reshape((np.reshape(t69, (d_H*d_V, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t67[...] = (np.reshape((np.reshape(t71, (d_K*d_V, L*n_batch)) @ np.reshape(t69.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t72 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t73 = np.reshape(t72, (d_V, d_K, d_H, d_V), copy=False)
     t74 = ((t25.transpose(0, 1, 3, 2) @ t55.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t75 = ((np.reshape(t70, (n_batch, L, d_K, 1)) * np.reshape(t48, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t73[...] = (np.reshape((np.reshape(t74, (d_V**2, L*n_batch)) @ np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t73[...] = (np.reshape((np.reshape(t75, (d_H*d_K, L*n_batch)) @ np.reshape(t74.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t76 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t77 = np.reshape(t76, (d_V, d_H, d_V, d_K), copy=False)
     t78 = np.swapaxes(M_1, -1, -2)
     t79 = (1/(L*math.sqrt(d_K)*n_batch)) * t78
     t80 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t79.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t81 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_O.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t82 = (np.reshape((np.reshape(t81.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t82 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t81.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t77[...] = (np.reshape((np.reshape(t80, (d_V**2, L*n_batch)) @ np.reshape(t82.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t84 = np.reshape(t83, (d_V, d_H, d_V, d_K), copy=False)
@@ -24217,7 +24217,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t103 = np.reshape((t22.transpose(1, 0) @ np.reshape(dA21.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t104 = (t103.transpose(1, 2, 3, 0) @ M_2)
     t105 = np.reshape((np.reshape(t104, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t106 = (np.reshape((np.reshape(t105, (n_batch, L, d_V, d_K, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t106 = (np.reshape((np.reshape(t105.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
     t99[...] = (np.reshape((np.reshape(t102, (d_H*d_V, L*n_batch)) @ np.reshape(t106.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t107 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t108 = np.reshape(t107, (d_H, d_V, d_V, d_K), copy=False)
@@ -24228,13 +24228,13 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t112 = np.reshape(t111, (d_H, d_V, d_V, d_H), copy=False)
     t113 = (1/(L*n_batch)) * t100
     t114 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t113.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t115 = (np.reshape((np.reshape(t25, (L*d_V*n_batch, d_V)) @ t39), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t115 = (np.reshape((t39.transpose(1, 0) @ np.reshape(t25.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t112[...] = (np.reshape((np.reshape(t114, (d_H*d_V, L*n_batch)) @ np.reshape(t115.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
     t116 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t117 = np.reshape(t116, (d_H, d_V, d_H, d_V), copy=False)
-    t118 = (np.reshape((np.reshape(dA21, (n_batch, L, d_V, d_V, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t118 = (np.reshape((np.reshape(dA21.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t119 = ((np.reshape(t48, (n_batch, L, d_H, 1)) * np.reshape(t113.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t117[...] = (np.reshape((np.reshape(t118, (d_V**2, L*n_batch)) @ np.reshape(t119.transpose(2, 3, 0, 1), (L*n_batch, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(2, 0, 3, 1)
+    t117[...] = (np.reshape((np.reshape(t119, (d_H**2, L*n_batch)) @ np.reshape(t118.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -24323,7 +24323,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
@@ -24334,7 +24334,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -24478,7 +24478,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -24492,7 +24492,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(t12, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (X * X).transpose(2, 0, 1)
@@ -24526,7 +24526,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -24540,7 +24540,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t22 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -24574,7 +24574,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -24588,7 +24588,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(t12, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -24597,9 +24597,9 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (t25 @ M_2)
     t27 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t12), (n_batch, L, d_K, d_V))
     t28 = (t27 @ t26)
-    t29 = (np.reshape((np.reshape(t28, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t29, (d_K**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -24622,7 +24622,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
@@ -24633,7 +24633,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -24680,7 +24680,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -24694,7 +24694,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(t12, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -24728,7 +24728,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
@@ -24739,7 +24739,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -24786,7 +24786,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -24800,7 +24800,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_O, -1, -2)
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -24809,7 +24809,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t26 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t12), (n_batch, L, d_K, d_V))
     t27 = ((t26 @ t25)).transpose(2, 3, 0, 1)
     t28 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t27, (d_H*d_K, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -24832,7 +24832,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
@@ -24843,7 +24843,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((t10.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -24884,7 +24884,7 @@ def ce_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -24898,7 +24898,7 @@ def ce_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = M_1 @ W_V
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -24906,7 +24906,7 @@ def ce_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t25 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t12), (n_batch, L, d_K, d_V))
     t26 = ((t25 @ t24)).transpose(2, 3, 0, 1)
     t27 = ((np.reshape(t21, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t27, (d_H*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -24929,7 +24929,7 @@ def ce_causal1__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
@@ -24940,7 +24940,7 @@ def ce_causal1__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = M_1 @ W_V
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((t10.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -24980,7 +24980,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -24994,7 +24994,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA21 = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t22 = np.swapaxes(t13, -1, -2)
     t23 = (1/(L*d_K*n_batch)) * t1
     t24 = np.reshape((t13.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -25029,7 +25029,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -25043,7 +25043,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(t12, -1, -2)
     t22 = (M_2 @ M_2.transpose(0, 1, 3, 2))
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -25078,7 +25078,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -25092,7 +25092,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA21 = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t22 = np.swapaxes(t13, -1, -2)
     t23 = (1/(L*d_K*n_batch)) * t1
     t24 = np.reshape((t13.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -25100,10 +25100,10 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (t25.transpose(0, 1, 3, 2) @ t24.transpose(1, 2, 0, 3))
     t27 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t28 = (t27 @ t26)
-    t29 = (np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t30 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_K))
     t31 = ((np.reshape(t30, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t29, (d_K*d_V, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -25127,7 +25127,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdims=True)
     t13 = np.broadcast_to(t12, t12.shape[:-1] + (d_V,))
@@ -25138,7 +25138,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -25186,7 +25186,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -25200,7 +25200,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA21 = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t22 = np.swapaxes(t13, -1, -2)
     t23 = (1/(L*d_K*n_batch)) * t1
     t24 = np.reshape((t13.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -25235,7 +25235,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdims=True)
     t13 = np.broadcast_to(t12, t12.shape[:-1] + (d_V,))
@@ -25246,7 +25246,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -25294,7 +25294,7 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -25308,16 +25308,16 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA21 = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t22 = np.swapaxes(W_O, -1, -2)
     t23 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t24 = np.reshape((t13.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t25 = np.reshape((np.reshape(dA21, (n_batch, L, d_V, d_V, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t26 = (t25.transpose(0, 1, 3, 2) @ t24.transpose(1, 2, 0, 3))
-    t27 = (np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t27 = (np.reshape((t22.transpose(1, 0) @ np.reshape(t26.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_K))
     t29 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t27, (d_H*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t29, (d_K*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -25341,7 +25341,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdims=True)
     t13 = np.broadcast_to(t12, t12.shape[:-1] + (d_V,))
@@ -25352,7 +25352,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_O, -1, -2)
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t22 = np.reshape((t11.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -25394,7 +25394,7 @@ def ce_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -25408,7 +25408,7 @@ def ce_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA21 = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t22 = M_1 @ W_V
     t23 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t24 = np.reshape((t13.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -25416,7 +25416,7 @@ def ce_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t26 = ((t25.transpose(0, 1, 3, 2) @ t24.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t27 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_K))
     t28 = ((np.reshape(t27, (n_batch, L, d_K, 1)) * np.reshape(t22, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t28, (d_H*d_K, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -25440,7 +25440,7 @@ def ce_causal1__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdims=True)
     t13 = np.broadcast_to(t12, t12.shape[:-1] + (d_V,))
@@ -25451,7 +25451,7 @@ def ce_causal1__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = M_1 @ W_V
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t22 = np.reshape((t11.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -25499,7 +25499,7 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = (1/(L*n_batch)) * t11
     t21 = (M_1 * t20.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -25538,7 +25538,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -25577,13 +25577,13 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = t19 @ t20
     t22 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA23 = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA23 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(dA23.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -25593,7 +25593,7 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t28 = np.reshape((np.reshape(t27, (L*d_V*n_batch, d_V)) @ t21), (n_batch, L, d_V, d_V))
     t29 = (t28 @ M_2)
     t30 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_O.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t31 = (np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t31 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t30.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -25626,13 +25626,13 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = t18 @ t19
     t21 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA22 = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA22 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t24 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = (W_O.transpose(1, 0) @ W_O)
@@ -25681,13 +25681,13 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = t19 @ t20
     t22 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA23 = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA23 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(dA23.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -25730,13 +25730,13 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = t18 @ t19
     t21 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA22 = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA22 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t24 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = (W_O.transpose(1, 0) @ W_O)
@@ -25785,7 +25785,7 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = (1/(L*n_batch)) * t11
     t21 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
@@ -25824,7 +25824,7 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -25870,7 +25870,7 @@ def ce_causal1__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = (1/(L*n_batch)) * t11
     t20 = ((np.reshape(t14, (n_batch, L, d_H, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -25907,7 +25907,7 @@ def ce_causal1__frobenius__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = (W_O.transpose(1, 0) @ W_O)
@@ -25952,7 +25952,7 @@ def ce_causal1__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t21 = (1/(L*n_batch)) * t13
     t22 = (t16 * t21.transpose(0, 2, 1)).transpose(2, 0, 1)
     t23 = (oe.contract('abcc,abc->abc', dA, t15)).transpose(2, 0, 1)
@@ -25990,7 +25990,7 @@ def ce_causal1__trace__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t20 = np.reshape((np.reshape(t15, (n_batch, L, 1, d_H)) @ np.reshape(t12.transpose(0, 2, 1), (n_batch, L, d_H, 1))), (n_batch, L))
     t21 = oe.contract('abcc,abc->ab', dA, t14)
     return (1/(L*n_batch)) * (t21 * t20).sum()
@@ -26028,12 +26028,12 @@ def ce_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_O, -1, -2)
     t22 = t21 @ t1
     t23 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA24 = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA24 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(dA24.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -26042,7 +26042,7 @@ def ce_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t28 = np.reshape((t22.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t29 = (t28.transpose(1, 2, 3, 0) @ M_2)
     t30 = np.reshape((np.reshape(t29, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t31 = (np.reshape((np.reshape(t30, (n_batch, L, d_V, d_K, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t31 = (np.reshape((np.reshape(t30.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
     t0[...] = (np.reshape((np.reshape(t27, (d_H*d_V, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -26077,12 +26077,12 @@ def ce_causal1__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_O, -1, -2)
     t21 = t20 @ t0
     t22 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA23 = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA23 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t25 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t26 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V))
@@ -26131,12 +26131,12 @@ def ce_causal1__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_O, -1, -2)
     t22 = t21 @ t1
     t23 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA24 = (np.reshape((np.reshape(t23, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA24 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t25 = np.reshape((np.reshape(dA24.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -26180,12 +26180,12 @@ def ce_causal1__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_O, -1, -2)
     t21 = t20 @ t0
     t22 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA23 = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA23 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t25 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t26 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V))
@@ -26234,12 +26234,12 @@ def ce_causal1__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_O, -1, -2)
     t22 = (1/(L*n_batch)) * t13
     t23 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
     t24 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t25 = (np.reshape((np.reshape(t24, (L*d_V*n_batch, d_V)) @ t21), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t25 = (np.reshape((t21.transpose(1, 0) @ np.reshape(t24.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t23, (d_H*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
     return out
 
@@ -26274,7 +26274,7 @@ def ce_causal1__frobenius__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_O, -1, -2)
     t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -26320,11 +26320,11 @@ def ce_causal1__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t21 = (1/(L*n_batch)) * t13
-    t22 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t22 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t23 = ((np.reshape(t16, (n_batch, L, d_H, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t23, (d_H**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -26358,7 +26358,7 @@ def ce_causal1__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t15, (L*n_batch, d_H)) @ np.reshape(t15.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -26411,15 +26411,15 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     t28 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t27.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t27.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t28, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t2
     t31 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t32 = (np.reshape((np.reshape(t31.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t32 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t31.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t33 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t32, (d_K**2, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((np.reshape(t33, (d_V**2, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t34 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t35 = np.reshape(t34, (d_V, d_K, d_V, d_K), copy=False)
     t36 = np.reshape((t30 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -26435,7 +26435,7 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t44 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t45 = np.reshape(t44, (d_V, d_K, d_V, d_H), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t28, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t46 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t46.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -26447,19 +26447,19 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t51 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t52 = np.reshape(t51, (d_V, d_K, d_H, d_V), copy=False)
     t53 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t48.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t54 = (np.reshape((np.reshape(t53.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t54 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t53.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t55 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t52[...] = (np.reshape((np.reshape(t54, (d_H*d_K, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t56 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t57 = np.reshape(t56, (d_V, d_K, d_V, d_K), copy=False)
     t58 = np.swapaxes(W_Q, -1, -2)
     t59 = (1/(d_K*n_batch)) * t58
-    t60 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t60 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t61 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t59.transpose(1, 0)), (n_batch, L, d_K))
     t62 = ((np.reshape(t61, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t63 = np.einsum('abcb->abc', t57)
     t64 = np.swapaxes(t41, -1, -2)
-    t57[...] = (np.reshape((np.reshape(t60, (d_K*d_V, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t57[...] = (np.reshape((np.reshape(t62, (d_K*d_V, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t63 += (np.reshape((np.reshape(t43, (d_K, 1)) * np.reshape(t64.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t65 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t66 = np.reshape(t65, (d_V, d_K, d_V, d_K), copy=False)
@@ -26475,7 +26475,7 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t70[...] = (np.reshape((np.reshape(t72, (d_V**2, L*n_batch)) @ np.reshape(t74.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t75 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t76 = np.reshape(t75, (d_V, d_K, d_H, d_V), copy=False)
-    t77 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t77 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t78 = ((np.reshape(t73, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t76[...] = (np.reshape((np.reshape(t77, (d_H*d_V, L*n_batch)) @ np.reshape(t78.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t79 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
@@ -26483,7 +26483,7 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t81 = np.swapaxes(t47, -1, -2)
     t82 = (1/(math.sqrt(d_K)*n_batch)) * t81
     t83 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t82.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t84 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t84 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t80[...] = (np.reshape((np.reshape(t83, (d_H*d_V, L*n_batch)) @ np.reshape(t84.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t85 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t86 = np.reshape(t85, (d_V, d_H, d_V, d_K), copy=False)
@@ -26506,9 +26506,9 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t99 = np.swapaxes(G, -1, -2)
     t100 = (1/(math.sqrt(d_K)*n_batch)) * t99
     t101 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t102 = (np.reshape((np.reshape(t101.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t102 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t101.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t103 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t100.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t98[...] = (np.reshape((np.reshape(t102, (d_H*d_K, L*n_batch)) @ np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t98[...] = (np.reshape((np.reshape(t103, (d_V**2, L*n_batch)) @ np.reshape(t102.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     t104 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t105 = np.reshape(t104, (d_H, d_V, d_V, d_K), copy=False)
     t106 = np.reshape((t22 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))
@@ -26648,7 +26648,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t26, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t28 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t29 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -26676,7 +26676,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t51 = (n_batch**(-2)) * (t40.sum((0,)) * t40.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t45 * t43).sum() + (1/(d_K**2*n_batch**2)) * (t50 * t47.transpose(0, 2, 3, 1)).sum()
     t52 = np.sqrt(np.maximum(t51, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t26, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t26, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t53 = G @ t19
     t54 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t55 = np.reshape((np.reshape(t53, (L*n_batch, d_H)) @ np.reshape(t53.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -26804,7 +26804,7 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     t27 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t27, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -26855,7 +26855,7 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t26, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -26906,15 +26906,15 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     t27 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t27, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t29 = (1/(d_K*n_batch)) * t1
     t30 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t29.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t31 = (np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t31 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t30.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t32 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t31, (d_K**2, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t32, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -26957,7 +26957,7 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t26, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t28 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t29 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -27014,7 +27014,7 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     t27 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t27, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -27073,7 +27073,7 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = t0 @ t26
     t28 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t28, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t27.sum((0,))), (n_batch, L, d_V))
     t30 = (t29 @ X.transpose(0, 2, 1))
     t31 = np.reshape((np.reshape(t30, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -27114,7 +27114,7 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -27159,7 +27159,7 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -27210,7 +27210,7 @@ def ce_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -27229,7 +27229,7 @@ def ce_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t21
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t24 = (np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t24 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t23.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t25 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t24, (d_H*d_K, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -27254,7 +27254,7 @@ def ce_causal1__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -27325,7 +27325,7 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     t28 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t27.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t27.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t28, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -27378,7 +27378,7 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     t27 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t27, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -27430,12 +27430,12 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     t28 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t27.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t27.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t28, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t1
-    t31 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t31 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t32 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_K))
     t33 = ((np.reshape(t32, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t34 = np.einsum('abcb->abc', t0)
@@ -27444,7 +27444,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t37 = t2 @ t36
     t38 = np.ones((d_K,), dtype=X.dtype)
     t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t0[...] = (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t33, (d_K*d_V, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t34 += (np.reshape((np.reshape(t39, (d_K, 1)) * np.reshape(t37.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -27492,7 +27492,7 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t29 = np.swapaxes(W_Q, -1, -2)
     t30 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t30, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t30, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t31 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t28.sum((0,))), (n_batch, L, d_V))
     t32 = (t31 @ X.transpose(0, 2, 1))
     t33 = np.reshape((np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -27554,7 +27554,7 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     t28 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t27.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t27.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t28, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -27607,7 +27607,7 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     t27 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t27, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t29 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t30 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -27645,7 +27645,7 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -27692,7 +27692,7 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -27744,7 +27744,7 @@ def ce_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -27762,7 +27762,7 @@ def ce_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = (1/L) * t21
     G = t22
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t24 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t24 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t25 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_K))
     t26 = ((np.reshape(t25, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t0[...] = (np.reshape((np.reshape(t24, (d_H*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
@@ -27789,7 +27789,7 @@ def ce_causal1__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -27876,13 +27876,13 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = W_O @ t20
     t22 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t21
     t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t25, (d_H*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -27921,7 +27921,7 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     t21 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t23 = np.reshape((np.reshape(t20.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t20.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -27972,7 +27972,7 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = W_O @ t20
     t22 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -28018,7 +28018,7 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     t21 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t23 = np.reshape((np.reshape(t20.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t20.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -28192,15 +28192,15 @@ def ce_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t20
     t25 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t26 = (np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t26, (d_H*d_K, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -28238,7 +28238,7 @@ def ce_causal1__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_H))
     t23 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t19.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -28290,7 +28290,7 @@ def ce_causal1__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -28336,7 +28336,7 @@ def ce_causal1__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_H))
     t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t19.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -28475,7 +28475,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -28489,7 +28489,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA21 = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t22 = np.swapaxes(t13, -1, -2)
     t23 = (1/(L*d_K*n_batch)) * t2
     t24 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -28498,7 +28498,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = (t26 @ M_2)
     t28 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t13), (n_batch, L, d_K, d_V))
     t29 = (t28 @ t27)
-    t30 = (np.reshape((np.reshape(t29, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t30 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t29.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     F = t17
     t32 = np.exp(F - F.max(-1, keepdims=True))
@@ -28512,21 +28512,21 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t39 = t38 - (A * t38).sum(-1, keepdims=True)
     t40 = A * t39
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t40.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t40, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t40, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t40.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t40, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t40, (n_batch, L, 1, L)))
     t41 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t42 = (1/(d_K*n_batch)) * t2
     t43 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t42.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t44 = (np.reshape((np.reshape(t43.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t44 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t43.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t45 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t46 = np.reshape(t30, (d_K**2, L*n_batch))
-    t47 = np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t48 = np.reshape(t44, (d_K**2, L*n_batch))
-    t49 = np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t46 = np.reshape(t31, (d_V**2, L*n_batch))
+    t47 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t48 = np.reshape(t45, (d_V**2, L*n_batch))
+    t49 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t50 = np.concatenate([t46, t48], axis=-1)
     t51 = np.concatenate([t47, t49], axis=-2)
-    t1[...] = (np.reshape((t50 @ t51), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t1[...] = (np.reshape((t50 @ t51), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t52 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
     t54 = np.reshape((t42 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
@@ -28560,7 +28560,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t80 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t81 = np.reshape((t80 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t82 = ((np.reshape(t79, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t71[...] = (np.reshape((np.reshape(t77, (d_H*d_K, L*n_batch)) @ np.reshape(t78.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t71[...] = (np.reshape((np.reshape(t78, (d_V**2, L*n_batch)) @ np.reshape(t77.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t71 += (np.reshape((np.reshape(t81, (d_K*d_V, L*n_batch)) @ np.reshape(t82.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t83 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t84 = np.reshape(t83, (d_V, d_K, d_H, d_V), copy=False)
@@ -28570,15 +28570,15 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t88 = ((t87.transpose(1, 2, 3, 0) @ t25)).transpose(2, 3, 0, 1)
     t89 = ((np.reshape(t85, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t90 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t80.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t91 = (np.reshape((np.reshape(t90.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t91 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t90.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t92 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t84[...] = (np.reshape((np.reshape(t88, (d_K*d_V, L*n_batch)) @ np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t84[...] = (np.reshape((np.reshape(t89, (d_H*d_V, L*n_batch)) @ np.reshape(t88.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t84 += (np.reshape((np.reshape(t91, (d_H*d_K, L*n_batch)) @ np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t93 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t94 = np.reshape(t93, (d_V, d_K, d_V, d_K), copy=False)
     t95 = np.swapaxes(W_Q, -1, -2)
     t96 = (1/(d_K*n_batch)) * t95
-    t97 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t97 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t98 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t96.transpose(1, 0)), (n_batch, L, d_K))
     t99 = ((np.reshape(t98, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t100 = (1/(L*d_K*n_batch)) * t95
@@ -28586,18 +28586,18 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t102 = (t25.transpose(0, 1, 3, 2) @ t101.transpose(1, 2, 0, 3))
     t103 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t104 = (t103 @ t102)
-    t105 = (np.reshape((np.reshape(t104.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t105 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t104.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t106 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t100.transpose(1, 0)), (n_batch, L, d_K))
     t107 = ((np.reshape(t106, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t108 = np.einsum('abcb->abc', t94)
     t109 = np.swapaxes(t61, -1, -2)
-    t110 = np.reshape(t97, (d_K*d_V, L*n_batch))
-    t111 = np.reshape(t99.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t112 = np.reshape(t105, (d_K*d_V, L*n_batch))
-    t113 = np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t110 = np.reshape(t99, (d_K*d_V, L*n_batch))
+    t111 = np.reshape(t97.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t112 = np.reshape(t107, (d_K*d_V, L*n_batch))
+    t113 = np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t114 = np.concatenate([t110, t112], axis=-1)
     t115 = np.concatenate([t111, t113], axis=-2)
-    t94[...] = (np.reshape((t114 @ t115), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t94[...] = (np.reshape((t114 @ t115), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t108 += (np.reshape((np.reshape(t63, (d_K, 1)) * np.reshape(t109.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t116 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t117 = np.reshape(t116, (d_V, d_K, d_V, d_K), copy=False)
@@ -28615,35 +28615,35 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t128 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t129 = np.reshape(t128, (d_V, d_K, d_V, d_H), copy=False)
     t130 = (1/(L*math.sqrt(d_K)*n_batch)) * t95
-    t131 = (np.reshape((np.reshape(t102.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t72), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t131 = (np.reshape((t72.transpose(1, 0) @ np.reshape(t102.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t132 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t130.transpose(1, 0)), (n_batch, L, d_K))
     t133 = ((np.reshape(t132, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t134 = (1/(math.sqrt(d_K)*n_batch)) * t95
     t135 = M_2.transpose(3, 2, 0, 1)
     t136 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t134.transpose(1, 0)), (n_batch, L, d_K))
     t137 = ((np.reshape(t136, (n_batch, L, d_K, 1)) * np.reshape(t79, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t129[...] = (np.reshape((np.reshape(t131, (d_H*d_V, L*n_batch)) @ np.reshape(t133.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t129[...] = (np.reshape((np.reshape(t133, (d_K*d_V, L*n_batch)) @ np.reshape(t131.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t129 += (np.reshape((np.reshape(t135, (d_V**2, L*n_batch)) @ np.reshape(t137.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t138 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t139 = np.reshape(t138, (d_V, d_K, d_H, d_V), copy=False)
     t140 = np.reshape((t86 @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t141 = ((t140.transpose(1, 2, 3, 0) @ t25)).transpose(2, 3, 0, 1)
     t142 = ((np.reshape(t132, (n_batch, L, d_K, 1)) * np.reshape(t85, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t143 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t143 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t144 = ((np.reshape(t136, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t139[...] = (np.reshape((np.reshape(t141, (d_V**2, L*n_batch)) @ np.reshape(t142.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t139[...] = (np.reshape((np.reshape(t142, (d_H*d_K, L*n_batch)) @ np.reshape(t141.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t139 += (np.reshape((np.reshape(t143, (d_H*d_V, L*n_batch)) @ np.reshape(t144.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t145 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t146 = np.reshape(t145, (d_V, d_H, d_V, d_K), copy=False)
     t147 = np.swapaxes(t79, -1, -2)
     t148 = (1/(math.sqrt(d_K)*n_batch)) * t147
     t149 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t148.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t150 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t150 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t151 = np.swapaxes(M_1, -1, -2)
     t152 = (1/(L*math.sqrt(d_K)*n_batch)) * t151
     t153 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t152.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t154 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_O.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t155 = (np.reshape((np.reshape(t154.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t155 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t154.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t146[...] = (np.reshape((np.reshape(t149, (d_H*d_V, L*n_batch)) @ np.reshape(t150.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t146 += (np.reshape((np.reshape(t153, (d_V**2, L*n_batch)) @ np.reshape(t155.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     t156 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -28671,14 +28671,14 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t175 = (1/n_batch) * t174
     t176 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t151.transpose(0, 2, 1), (L*n_batch, d_V)))
     t170[...] = (np.reshape((np.reshape(t171, (d_H*d_V, L*n_batch)) @ np.reshape(t172.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
-    t173 += (np.reshape((np.reshape(t176, (d_V**2, 1)) * np.reshape(t175, (1, d_H))), (d_V, d_V, d_H))).transpose(1, 2, 0)
+    t173 += (np.reshape((np.reshape(t175, (d_H, 1)) * np.reshape(t176.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t178 = np.reshape(t177, (d_H, d_V, d_V, d_K), copy=False)
     t179 = np.swapaxes(G, -1, -2)
     t180 = np.swapaxes(W_V, -1, -2)
     t181 = (1/(math.sqrt(d_K)*n_batch)) * t179
     t182 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t180.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t183 = (np.reshape((np.reshape(t182.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t183 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t182.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t184 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t181.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t185 = np.swapaxes(t85, -1, -2)
     t186 = (1/(L*math.sqrt(d_K)*n_batch)) * t185
@@ -28687,7 +28687,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t189 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t190 = np.reshape((t188 @ np.reshape(t25.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t191 = ((t190.transpose(1, 2, 3, 0) @ t189.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
-    t178[...] = (np.reshape((np.reshape(t183, (d_H*d_K, L*n_batch)) @ np.reshape(t184.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t178[...] = (np.reshape((np.reshape(t184, (d_V**2, L*n_batch)) @ np.reshape(t183.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     t178 += (np.reshape((np.reshape(t187, (d_H*d_V, L*n_batch)) @ np.reshape(t191.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t192 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t193 = np.reshape(t192, (d_H, d_V, d_V, d_K), copy=False)
@@ -28697,21 +28697,21 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t197 = np.reshape((t188.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t198 = ((t197.transpose(1, 2, 3, 0) @ t25.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t193[...] = (np.reshape((np.reshape(t194, (d_H*d_V, L*n_batch)) @ np.reshape(t195.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t193 += (np.reshape((np.reshape(t196, (d_H*d_K, L*n_batch)) @ np.reshape(t198.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t193 += (np.reshape((np.reshape(t198, (d_V**2, L*n_batch)) @ np.reshape(t196.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     t199 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t200 = np.reshape(t199, (d_H, d_V, d_V, d_H), copy=False)
     t201 = (1/(L*n_batch)) * t185
     t202 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t201.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t203 = (np.reshape((np.reshape(t25, (L*d_V*n_batch, d_V)) @ t72), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t203 = (np.reshape((t72.transpose(1, 0) @ np.reshape(t25.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t204 = np.einsum('abca->abc', t200)
     t205 = t179 @ M_1
     t200[...] = (np.reshape((np.reshape(t202, (d_H*d_V, L*n_batch)) @ np.reshape(t203.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_H, d_V, d_V, d_H))).transpose(0, 2, 1, 3)
     t204 += np.reshape((np.reshape(t175, (d_H, 1)) * np.reshape(t205.sum((0,)), (1, d_V**2))), (d_H, d_V, d_V))
     t206 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t207 = np.reshape(t206, (d_H, d_V, d_H, d_V), copy=False)
-    t208 = (np.reshape((np.reshape(dA21, (n_batch, L, d_V, d_V, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t208 = (np.reshape((np.reshape(dA21.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t209 = ((np.reshape(t85, (n_batch, L, d_H, 1)) * np.reshape(t201.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t207[...] = (np.reshape((np.reshape(t208, (d_V**2, L*n_batch)) @ np.reshape(t209.transpose(2, 3, 0, 1), (L*n_batch, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(2, 0, 3, 1)
+    t207[...] = (np.reshape((np.reshape(t209, (d_H**2, L*n_batch)) @ np.reshape(t208.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -28835,7 +28835,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
@@ -28846,7 +28846,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -28879,7 +28879,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t46 = t45 - (A * t45).sum(-1, keepdims=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t47.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t47.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t49 = t23 * t48
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -29165,7 +29165,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -29179,7 +29179,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(t12, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (X * X).transpose(2, 0, 1)
@@ -29202,7 +29202,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t39.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
     t40 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -29234,7 +29234,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -29248,7 +29248,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t22 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -29270,7 +29270,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t37.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -29300,7 +29300,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -29314,7 +29314,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(t12, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -29323,7 +29323,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (t25 @ M_2)
     t27 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ t12), (n_batch, L, d_K, d_V))
     t28 = (t27 @ t26)
-    t29 = (np.reshape((np.reshape(t28, (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     F = t16
     t31 = np.exp(F - F.max(-1, keepdims=True))
@@ -29337,21 +29337,21 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t39.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t39.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
     t40 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t41 = (1/(d_K*n_batch)) * t1
     t42 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t41.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t43 = (np.reshape((np.reshape(t42.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_K), (n_batch, L, d_K, d_K))).transpose(2, 3, 0, 1)
+    t43 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t42.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t44 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t45 = np.reshape(t29, (d_K**2, L*n_batch))
-    t46 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
-    t47 = np.reshape(t43, (d_K**2, L*n_batch))
-    t48 = np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
+    t45 = np.reshape(t30, (d_V**2, L*n_batch))
+    t46 = np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
+    t47 = np.reshape(t44, (d_V**2, L*n_batch))
+    t48 = np.reshape(t43.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
     t49 = np.concatenate([t45, t47], axis=-1)
     t50 = np.concatenate([t46, t48], axis=-2)
-    t0[...] = (np.reshape((t49 @ t50), (d_K, d_K, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((t49 @ t50), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -29374,7 +29374,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
@@ -29385,7 +29385,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -29418,7 +29418,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t46 = t45 - (A * t45).sum(-1, keepdims=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t47.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t47.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t49 = t23 * t48
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -29478,7 +29478,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     t27 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(t26.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t27, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
     t28 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -29487,7 +29487,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t32 = ((np.reshape(t31.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t27, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t33 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -29496,7 +29496,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A36 = t35 / t35.sum(-1, keepdims=True)
     t37 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = (np.reshape((np.reshape(t37, (d_V, d_V, 1)) * np.reshape(A36.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A36, (n_batch, L, d_V, 1)) * np.reshape(A36, (n_batch, L, 1, d_V)))
+    dA38 = (np.reshape((np.reshape(A36.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t37, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A36, (n_batch, L, d_V, 1)) * np.reshape(A36, (n_batch, L, 1, d_V)))
     t39 = np.swapaxes(t34, -1, -2)
     t40 = (1/(L*d_K*n_batch)) * t1
     t41 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t40.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -29563,7 +29563,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = t0 @ t26
     t28 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t28, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t27.sum((0,))), (n_batch, L, d_V))
     t30 = (t29 @ X.transpose(0, 2, 1))
     t31 = np.reshape((np.reshape(t30, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -29571,7 +29571,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t33 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t34 = (t33.transpose(1, 2, 0) @ t32.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t28, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t35 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -29580,7 +29580,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A38 = t37 / t37.sum(-1, keepdims=True)
     t39 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA40 = (np.reshape((np.reshape(t39, (d_V, d_V, 1)) * np.reshape(A38.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A38, (n_batch, L, d_V, 1)) * np.reshape(A38, (n_batch, L, 1, d_V)))
+    dA40 = (np.reshape((np.reshape(A38.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t39, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A38, (n_batch, L, d_V, 1)) * np.reshape(A38, (n_batch, L, 1, d_V)))
     t41 = np.swapaxes(t36, -1, -2)
     t42 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t27.sum((0,))), (n_batch, L, d_V))
     t43 = np.reshape((np.reshape(t42, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
@@ -29649,7 +29649,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -29663,7 +29663,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_O, -1, -2)
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
@@ -29683,7 +29683,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t35 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t36 = np.reshape((t35 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t37 = ((np.reshape(t34, (n_batch, L, d_H, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t27, (d_H*d_K, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t36, (d_K*d_V, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     return out
 
@@ -29707,7 +29707,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
@@ -29718,7 +29718,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((t10.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -29779,7 +29779,7 @@ def ce_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -29793,7 +29793,7 @@ def ce_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t23 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
@@ -29810,9 +29810,9 @@ def ce_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t32
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t34 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t33.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t35 = (np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_H))).transpose(2, 3, 0, 1)
+    t35 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t34.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_H, d_K, n_batch, L))).transpose(1, 0, 2, 3)
     t36 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t27, (d_H*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t35, (d_H*d_K, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -29836,7 +29836,7 @@ def ce_causal1__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -29847,7 +29847,7 @@ def ce_causal1__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_H, n_batch, L))
     t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -29906,7 +29906,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -29920,7 +29920,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA21 = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t22 = np.swapaxes(t13, -1, -2)
     t23 = (1/(L*d_K*n_batch)) * t1
     t24 = np.reshape((t13.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -29943,7 +29943,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t39 = t38 - (A * t38).sum(-1, keepdims=True)
     t40 = A * t39
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t40.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t40, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t40, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t40.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t40, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t40, (n_batch, L, 1, L)))
     t41 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -29976,7 +29976,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -29990,7 +29990,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(t12, -1, -2)
     t22 = (M_2 @ M_2.transpose(0, 1, 3, 2))
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -30012,7 +30012,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t38.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t38.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
     t39 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -30064,16 +30064,16 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     t28 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t27.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t27.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t28, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t1
-    t31 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t31 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t32 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_K))
     t33 = ((np.reshape(t32, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t28, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t34 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -30082,7 +30082,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A37 = t36 / t36.sum(-1, keepdims=True)
     t38 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA39 = (np.reshape((np.reshape(t38, (d_V, d_V, 1)) * np.reshape(A37.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A37, (n_batch, L, d_V, 1)) * np.reshape(A37, (n_batch, L, 1, d_V)))
+    dA39 = (np.reshape((np.reshape(A37.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t38, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A37, (n_batch, L, d_V, 1)) * np.reshape(A37, (n_batch, L, 1, d_V)))
     t40 = np.swapaxes(t35, -1, -2)
     t41 = (1/(L*d_K*n_batch)) * t1
     t42 = np.reshape((t35.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -30090,7 +30090,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t44 = (t43.transpose(0, 1, 3, 2) @ t42.transpose(1, 2, 0, 3))
     t45 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t40.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t46 = (t45 @ t44)
-    t47 = (np.reshape((np.reshape(t46.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))).transpose(2, 3, 0, 1)
+    t47 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t46.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t48 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t41.transpose(1, 0)), (n_batch, L, d_K))
     t49 = ((np.reshape(t48, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     t50 = np.einsum('abcb->abc', t0)
@@ -30099,13 +30099,13 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t53 = t2 @ t52
     t54 = np.ones((d_K,), dtype=X.dtype)
     t55 = (1/(math.sqrt(d_K)*n_batch)) * t54
-    t56 = np.reshape(t31, (d_K*d_V, L*n_batch))
-    t57 = np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
-    t58 = np.reshape(t47, (d_K*d_V, L*n_batch))
-    t59 = np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t56 = np.reshape(t33, (d_K*d_V, L*n_batch))
+    t57 = np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
+    t58 = np.reshape(t49, (d_K*d_V, L*n_batch))
+    t59 = np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))
     t60 = np.concatenate([t56, t58], axis=-1)
     t61 = np.concatenate([t57, t59], axis=-2)
-    t0[...] = (np.reshape((t60 @ t61), (d_V, d_K, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((t60 @ t61), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t50 += (np.reshape((np.reshape(t55, (d_K, 1)) * np.reshape(t53.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -30153,7 +30153,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = np.swapaxes(W_Q, -1, -2)
     t30 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t30, (L, L, 1)) * np.reshape(t25.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t30, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
     t31 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t28.sum((0,))), (n_batch, L, d_V))
     t32 = (t31 @ X.transpose(0, 2, 1))
     t33 = np.reshape((np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -30161,7 +30161,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t35 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t36 = (t35.transpose(1, 2, 0) @ t34.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t30, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t30, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t37 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -30170,7 +30170,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A40 = t39 / t39.sum(-1, keepdims=True)
     t41 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA42 = (np.reshape((np.reshape(t41, (d_V, d_V, 1)) * np.reshape(A40.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A40, (n_batch, L, d_V, 1)) * np.reshape(A40, (n_batch, L, 1, d_V)))
+    dA42 = (np.reshape((np.reshape(A40.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t41, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A40, (n_batch, L, d_V, 1)) * np.reshape(A40, (n_batch, L, 1, d_V)))
     t43 = np.swapaxes(t38, -1, -2)
     t44 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t28.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
     t45 = np.reshape((np.reshape(t44, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
@@ -30240,7 +30240,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -30254,7 +30254,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA21 = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t22 = np.swapaxes(t13, -1, -2)
     t23 = (1/(L*d_K*n_batch)) * t1
     t24 = np.reshape((t13.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
@@ -30277,7 +30277,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t39 = t38 - (A * t38).sum(-1, keepdims=True)
     t40 = A * t39
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(t40.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t40, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t40, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t40.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t40, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t40, (n_batch, L, 1, L)))
     t41 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -30315,7 +30315,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdims=True)
     t13 = np.broadcast_to(t12, t12.shape[:-1] + (d_V,))
@@ -30326,7 +30326,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -30359,7 +30359,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t47 = t46 - (A * t46).sum(-1, keepdims=True)
     t48 = A * t47
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t48.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t48.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t51 = np.reshape((np.reshape(t50, (L*n_batch, d_K)) @ np.reshape(t22.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -30400,7 +30400,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -30414,13 +30414,13 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA21 = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t22 = np.swapaxes(W_O, -1, -2)
     t23 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t24 = np.reshape((t13.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t25 = np.reshape((np.reshape(dA21, (n_batch, L, d_V, d_V, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t26 = (t25.transpose(0, 1, 3, 2) @ t24.transpose(1, 2, 0, 3))
-    t27 = (np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t27 = (np.reshape((t22.transpose(1, 0) @ np.reshape(t26.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t23.transpose(1, 0)), (n_batch, L, d_K))
     t29 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
     F = t17
@@ -30435,7 +30435,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t37 = M_2.transpose(3, 2, 0, 1)
     t38 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t36.transpose(1, 0)), (n_batch, L, d_K))
     t39 = ((np.reshape(t38, (n_batch, L, d_K, 1)) * np.reshape(t35, (n_batch, L, 1, d_H)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t27, (d_H*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t29, (d_K*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_K, d_V, d_V, d_H))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t37, (d_V**2, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 1, 3)
     return out
 
@@ -30460,7 +30460,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdims=True)
     t13 = np.broadcast_to(t12, t12.shape[:-1] + (d_V,))
@@ -30471,7 +30471,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_O, -1, -2)
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t22 = np.reshape((t11.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -30535,7 +30535,7 @@ def ce_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t11, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -30549,7 +30549,7 @@ def ce_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA21 = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t23 = np.reshape((np.reshape(dA21, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t24 = (W_O.transpose(1, 0) @ W_V.transpose(1, 0))
@@ -30565,10 +30565,10 @@ def ce_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t33 = (1/L) * t32
     G = t33
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t35 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_H, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t35 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t36 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t34.transpose(1, 0)), (n_batch, L, d_K))
     t37 = ((np.reshape(t36, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_K, d_H))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t28, (d_H*d_K, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_H, d_V, d_V))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t35, (d_H*d_V, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_H, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -30593,7 +30593,7 @@ def ce_causal1__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -30604,7 +30604,7 @@ def ce_causal1__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_H, n_batch, L))
     t22 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -30671,7 +30671,7 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = (1/(L*n_batch)) * t11
     t21 = (M_1 * t20.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -30710,7 +30710,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -30755,19 +30755,19 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = W_O @ t20
     t22 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t21
     t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(3, 0, 1, 2)
+    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = np.swapaxes(M_1, -1, -2)
     t28 = np.exp(t14 - t14.max(-1, keepdims=True))
     A29 = t28 / t28.sum(-1, keepdims=True)
     t30 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA31 = (np.reshape((np.reshape(t30, (d_V, d_V, 1)) * np.reshape(A29.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A29, (n_batch, L, d_V, 1)) * np.reshape(A29, (n_batch, L, 1, d_V)))
+    dA31 = (np.reshape((np.reshape(A29.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t30, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A29, (n_batch, L, d_V, 1)) * np.reshape(A29, (n_batch, L, 1, d_V)))
     t32 = np.swapaxes(W_O, -1, -2)
     t33 = np.swapaxes(W_V, -1, -2)
     t34 = t32 @ t33
@@ -30777,7 +30777,7 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t38 = np.reshape((np.reshape(t37, (L*d_V*n_batch, d_V)) @ t34), (n_batch, L, d_V, d_V))
     t39 = (t38 @ M_2)
     t40 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_O.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t41 = (np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t41 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t40.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t25, (d_H*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t36, (d_V**2, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -30817,7 +30817,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     t21 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t23 = np.reshape((np.reshape(t20.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t20.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -30832,7 +30832,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A33 = t32 / t32.sum(-1, keepdims=True)
     t34 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA35 = (np.reshape((np.reshape(t34, (d_V, d_V, 1)) * np.reshape(A33.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A33, (n_batch, L, d_V, 1)) * np.reshape(A33, (n_batch, L, 1, d_V)))
+    dA35 = (np.reshape((np.reshape(A33.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t34, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A33, (n_batch, L, d_V, 1)) * np.reshape(A33, (n_batch, L, 1, d_V)))
     t36 = np.swapaxes(W_O, -1, -2)
     t37 = np.swapaxes(W_V, -1, -2)
     t38 = t36 @ t37
@@ -30893,7 +30893,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = W_O @ t20
     t22 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -30906,7 +30906,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A30 = t29 / t29.sum(-1, keepdims=True)
     t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA32 = (np.reshape((np.reshape(t31, (d_V, d_V, 1)) * np.reshape(A30.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
+    dA32 = (np.reshape((np.reshape(A30.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t31, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
     t33 = np.swapaxes(W_O, -1, -2)
     t34 = np.swapaxes(W_V, -1, -2)
     t35 = t33 @ t34
@@ -30955,7 +30955,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     t21 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t23 = np.reshape((np.reshape(t20.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t20.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -30970,7 +30970,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A33 = t32 / t32.sum(-1, keepdims=True)
     t34 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA35 = (np.reshape((np.reshape(t34, (d_V, d_V, 1)) * np.reshape(A33.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A33, (n_batch, L, d_V, 1)) * np.reshape(A33, (n_batch, L, 1, d_V)))
+    dA35 = (np.reshape((np.reshape(A33.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t34, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A33, (n_batch, L, d_V, 1)) * np.reshape(A33, (n_batch, L, 1, d_V)))
     t36 = np.swapaxes(W_O, -1, -2)
     t37 = np.swapaxes(W_V, -1, -2)
     t38 = t36 @ t37
@@ -31025,7 +31025,7 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = (1/(L*n_batch)) * t11
     t21 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
@@ -31064,7 +31064,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -31110,7 +31110,7 @@ def ce_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t19 = (1/(L*n_batch)) * t11
     t20 = ((np.reshape(t14, (n_batch, L, d_H, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
@@ -31127,7 +31127,7 @@ def ce_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t30 = (1/n_batch) * t29
     t31 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t20, (d_H*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
-    t23 += (np.reshape((np.reshape(t31, (d_V**2, 1)) * np.reshape(t30, (1, d_H))), (d_V, d_V, d_H))).transpose(1, 2, 0)
+    t23 += (np.reshape((np.reshape(t30, (d_H, 1)) * np.reshape(t31.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -31159,7 +31159,7 @@ def ce_causal1__frobenius__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = (W_O.transpose(1, 0) @ W_O)
@@ -31215,7 +31215,7 @@ def ce_causal1__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t21 = (1/(L*n_batch)) * t13
     t22 = (t16 * t21.transpose(0, 2, 1)).transpose(2, 0, 1)
     t23 = (oe.contract('abcc,abc->abc', dA, t15)).transpose(2, 0, 1)
@@ -31253,7 +31253,7 @@ def ce_causal1__trace__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t20 = np.reshape((np.reshape(t15, (n_batch, L, 1, d_H)) @ np.reshape(t12.transpose(0, 2, 1), (n_batch, L, d_H, 1))), (n_batch, L))
     t21 = oe.contract('abcc,abc->ab', dA, t14)
     return (1/(L*n_batch)) * (t21 * t20).sum()
@@ -31295,20 +31295,20 @@ def ce_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t20
     t25 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_H))
-    t26 = (np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (L*d_H*n_batch, d_V)) @ W_K), (n_batch, L, d_H, d_K))).transpose(2, 3, 0, 1)
+    t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V, L*d_H*n_batch))), (d_K, d_H, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t28 = np.swapaxes(t13, -1, -2)
     t29 = np.exp(t14 - t14.max(-1, keepdims=True))
     A30 = t29 / t29.sum(-1, keepdims=True)
     t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA32 = (np.reshape((np.reshape(t31, (d_V, d_V, 1)) * np.reshape(A30.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
+    dA32 = (np.reshape((np.reshape(A30.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t31, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
     t33 = np.swapaxes(W_O, -1, -2)
     t34 = (1/(L*math.sqrt(d_K)*n_batch)) * t28
     t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
@@ -31317,7 +31317,7 @@ def ce_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t38 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t39 = np.reshape((t37 @ np.reshape(t36.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t40 = ((t39.transpose(1, 2, 3, 0) @ t38.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t26, (d_H*d_K, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t35, (d_H*d_V, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -31356,7 +31356,7 @@ def ce_causal1__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_H))
     t23 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t19.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -31372,7 +31372,7 @@ def ce_causal1__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A34 = t33 / t33.sum(-1, keepdims=True)
     t35 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = (np.reshape((np.reshape(t35, (d_V, d_V, 1)) * np.reshape(A34.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))
+    dA36 = (np.reshape((np.reshape(A34.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t35, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))
     t37 = np.swapaxes(W_O, -1, -2)
     t38 = np.reshape((np.reshape(dA36, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t39 = np.reshape((np.reshape(t22, (L*n_batch, d_H)) @ np.reshape(t32.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -31429,7 +31429,7 @@ def ce_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -31442,7 +31442,7 @@ def ce_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A30 = t29 / t29.sum(-1, keepdims=True)
     t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA32 = (np.reshape((np.reshape(t31, (d_V, d_V, 1)) * np.reshape(A30.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
+    dA32 = (np.reshape((np.reshape(A30.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t31, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
     t33 = np.swapaxes(W_O, -1, -2)
     t34 = (1/(L*math.sqrt(d_K)*n_batch)) * t28
     t35 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
@@ -31451,7 +31451,7 @@ def ce_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t38 = np.reshape((t37.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t39 = ((t38.transpose(1, 2, 3, 0) @ t36.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t25, (d_H*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_H, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t0 += (np.reshape((np.reshape(t35, (d_H*d_K, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_K, d_V, d_V))).transpose(0, 2, 3, 1)
+    t0 += (np.reshape((np.reshape(t39, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_K))), (d_V, d_V, d_H, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -31489,7 +31489,7 @@ def ce_causal1__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_H))
     t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t19.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -31505,7 +31505,7 @@ def ce_causal1__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A34 = t33 / t33.sum(-1, keepdims=True)
     t35 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = (np.reshape((np.reshape(t35, (d_V, d_V, 1)) * np.reshape(A34.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))
+    dA36 = (np.reshape((np.reshape(A34.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t35, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))
     t37 = np.swapaxes(W_O, -1, -2)
     t38 = np.reshape((np.reshape(dA36, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t39 = np.reshape((np.reshape(t22, (L*n_batch, d_H)) @ np.reshape(t32.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -31558,12 +31558,12 @@ def ce_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(W_O, -1, -2)
     t22 = (1/(L*n_batch)) * t13
     t23 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
     t24 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t25 = (np.reshape((np.reshape(t24, (L*d_V*n_batch, d_V)) @ t21), (n_batch, L, d_V, d_H))).transpose(2, 3, 0, 1)
+    t25 = (np.reshape((t21.transpose(1, 0) @ np.reshape(t24.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_H, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t26 = np.einsum('abca->abc', t0)
     F = t17
     t27 = np.exp(F - F.max(-1, keepdims=True))
@@ -31618,7 +31618,7 @@ def ce_causal1__frobenius__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A23 = t22 / t22.sum(-1, keepdims=True)
     t24 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t24, (d_V, d_V, 1)) * np.reshape(A23.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A23, (n_batch, L, d_V, 1)) * np.reshape(A23, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A23.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t24, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A23, (n_batch, L, d_V, 1)) * np.reshape(A23, (n_batch, L, 1, d_V)))
     t25 = np.swapaxes(W_O, -1, -2)
     t26 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ t20.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
     t27 = t26 * t1
@@ -31668,11 +31668,11 @@ def ce_causal1__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t20, (d_V, d_V, 1)) * np.reshape(A19.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A19.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t20, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A19, (n_batch, L, d_V, 1)) * np.reshape(A19, (n_batch, L, 1, d_V)))
     t21 = (1/(L*n_batch)) * t13
-    t22 = (np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))).transpose(2, 3, 0, 1)
+    t22 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t15.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
     t23 = ((np.reshape(t16, (n_batch, L, d_H, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_H)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_H**2))), (d_V, d_V, d_H, d_H))).transpose(2, 0, 3, 1)
+    t0[...] = (np.reshape((np.reshape(t23, (d_H**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_H, d_H, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -31706,7 +31706,7 @@ def ce_causal1__frobenius__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t15, (L*n_batch, d_H)) @ np.reshape(t15.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -31736,7 +31736,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
@@ -31747,7 +31747,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -31781,7 +31781,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t47 = t46 - (A * t46).sum(-1, keepdims=True)
     t48 = A * t47
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t48.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t48.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t51 = t23 * t50
@@ -31823,7 +31823,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
@@ -31834,7 +31834,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
     t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -31870,7 +31870,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t49 = t48 @ X
     t50 = t1 @ t49
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t48.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t48.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))
     t51 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t50.sum((0,))), (n_batch, L, d_V))
     t52 = (t51 @ X.transpose(0, 2, 1))
     t53 = np.reshape((np.reshape(t52, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -31927,7 +31927,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
@@ -31938,7 +31938,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((t10.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -32002,7 +32002,7 @@ def ce_causal1__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
@@ -32013,7 +32013,7 @@ def ce_causal1__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = M_1 @ W_V
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((t10.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -32076,7 +32076,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdims=True)
     t13 = np.broadcast_to(t12, t12.shape[:-1] + (d_V,))
@@ -32087,7 +32087,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -32124,7 +32124,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t51 = t50 @ X
     t52 = t1 @ t51
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t49.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t49, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t49, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t49.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t49, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t49, (n_batch, L, 1, L)))
     t53 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t52.sum((0,))), (n_batch, L, d_V))
     t54 = (t53 @ X.transpose(0, 2, 1))
     t55 = np.reshape((np.reshape(t54.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -32181,7 +32181,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdims=True)
     t13 = np.broadcast_to(t12, t12.shape[:-1] + (d_V,))
@@ -32192,7 +32192,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -32226,7 +32226,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t48 = t47 - (A * t47).sum(-1, keepdims=True)
     t49 = A * t48
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t49.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(t49, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t49, (n_batch, L, 1, L)))
+    d2A = (np.reshape((np.reshape(t49.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t49, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t49, (n_batch, L, 1, L)))
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t51 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t52 = np.reshape((np.reshape(t50, (L*n_batch, d_K)) @ np.reshape(t50.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -32269,7 +32269,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdims=True)
     t13 = np.broadcast_to(t12, t12.shape[:-1] + (d_V,))
@@ -32280,7 +32280,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_O, -1, -2)
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t22 = np.reshape((t11.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -32347,7 +32347,7 @@ def ce_causal1__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdims=True)
     t13 = np.broadcast_to(t12, t12.shape[:-1] + (d_V,))
@@ -32358,7 +32358,7 @@ def ce_causal1__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(t18, (d_V, d_V, 1)) * np.reshape(A17.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = M_1 @ W_V
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t22 = np.reshape((t11.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -32431,13 +32431,13 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = t18 @ t19
     t21 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA22 = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA22 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t24 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = (W_O.transpose(1, 0) @ W_O)
@@ -32510,13 +32510,13 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = t18 @ t19
     t21 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA22 = (np.reshape((np.reshape(t21, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA22 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t24 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = (W_O.transpose(1, 0) @ W_O)
@@ -32589,7 +32589,7 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -32635,7 +32635,7 @@ def ce_causal1__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t17, (d_V, d_V, 1)) * np.reshape(A16.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = (W_O.transpose(1, 0) @ W_O)
@@ -32695,12 +32695,12 @@ def ce_causal1__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_O, -1, -2)
     t21 = t20 @ t0
     t22 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA23 = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA23 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t25 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t26 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V))
@@ -32773,12 +32773,12 @@ def ce_causal1__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_O, -1, -2)
     t21 = t20 @ t0
     t22 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA23 = (np.reshape((np.reshape(t22, (L, L, 1)) * np.reshape(A.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA23 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
     t24 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t25 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t26 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V))
@@ -32851,7 +32851,7 @@ def ce_causal1__frobenius_split__W_O__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_O, -1, -2)
     t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t22 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
@@ -32913,7 +32913,7 @@ def ce_causal1__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(t19, (d_V, d_V, 1)) * np.reshape(A18.transpose(2, 0, 1), (d_V, 1, L*n_batch))), (d_V, d_V, n_batch, L))).transpose(2, 3, 0, 1) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_H)) @ np.reshape(t12.transpose(1, 0, 2), (d_H, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t15, (L*n_batch, d_H)) @ np.reshape(t15.transpose(2, 0, 1), (d_H, L*n_batch))), (n_batch, L, n_batch, L))

@@ -100,7 +100,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -110,9 +110,9 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t14 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t15 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t16 = (t15 @ t14)
-    t17 = ((t16.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t17 = ((W_K.permute(1, 0) @ t16.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t18 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t17.reshape((d_K**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t20 = t19.view((d_V, d_K, d_V, d_K))
     t21 = ((t15 @ t14)).permute(3, 2, 0, 1)
@@ -125,9 +125,9 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t26
     t27 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t28 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t29 = ((t28.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t29 = ((W_V.permute(1, 0) @ t28.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t30 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t25[...] = ((t29.reshape((d_K*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t25[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t32 = t31.view((d_V, d_K, d_V, d_K))
     t33 = W_Q.transpose(-1, -2)
@@ -137,7 +137,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t37 = ((t36.permute(1, 2, 0, 3) @ t35.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t38 = (X.reshape((L*n_batch, d_V)) @ t34.permute(1, 0)).reshape((n_batch, L, d_K))
     t39 = ((t38.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t32[...] = ((t37.reshape((d_K*d_V, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t32[...] = ((t39.reshape((d_K*d_V, L*n_batch)) @ t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = t40.view((d_V, d_K, d_V, d_K))
     t42 = ((t35.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
@@ -146,18 +146,18 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t44 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t45 = t44.view((d_V, d_K, d_V, d_V))
     t46 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t33
-    t47 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t47 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t48 = (X.reshape((L*n_batch, d_V)) @ t46.permute(1, 0)).reshape((n_batch, L, d_K))
     t49 = ((t48.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t45[...] = ((t47.reshape((d_V**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t45[...] = ((t49.reshape((d_K*d_V, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t51 = t50.view((d_V, d_V, d_V, d_K))
     t52 = M_1.transpose(-1, -2)
     t53 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t52
     t54 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t55 = ((t54.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t55 = ((W_K.permute(1, 0) @ t54.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t56 = ((X.reshape((n_batch, L, d_V, 1)) * t53.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t51[...] = ((t55.reshape((d_K*d_V, L*n_batch)) @ t56.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t51[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t58 = t57.view((d_V, d_V, d_V, d_K))
     t59 = (t11 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
@@ -236,7 +236,7 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -332,7 +332,7 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -364,7 +364,7 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -396,7 +396,7 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -406,9 +406,9 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t14 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t15 = (t14 @ t13)
-    t16 = ((t15.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t16 = ((W_K.permute(1, 0) @ t15.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t17 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t16.reshape((d_K**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -428,7 +428,7 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -467,7 +467,7 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -499,7 +499,7 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -538,7 +538,7 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -546,9 +546,9 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t12 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t13 = ((t12.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t13 = ((W_V.permute(1, 0) @ t12.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t14 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t13.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -568,7 +568,7 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -605,7 +605,7 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -638,7 +638,7 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -671,7 +671,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -683,7 +683,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = ((t15.permute(1, 2, 0, 3) @ t14.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t17 = (X.reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = ((t17.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t16.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t18.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -704,7 +704,7 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -744,7 +744,7 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -777,7 +777,7 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -817,17 +817,17 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t11 = A @ X
     M_1 = t11
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t13 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t13 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t14 = (X.reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_K))
     t15 = ((t14.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -848,7 +848,7 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -935,15 +935,15 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t14 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t10.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t15 = ((t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t15 = ((W_K.permute(1, 0) @ t14.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t16 = ((X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -967,7 +967,7 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1005,7 +1005,7 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1037,7 +1037,7 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1135,15 +1135,15 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t2
     t21 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t22 = ((t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t22 = ((W_K.permute(1, 0) @ t21.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t23 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t22.reshape((d_K**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t25 = t24.view((d_V, d_K, d_V, d_K))
     t26 = (t20 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -1159,7 +1159,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t35 = t34.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t36 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t36.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1171,12 +1171,12 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t41 = t40.view((d_V, d_K, d_V, d_K))
     t42 = W_Q.transpose(-1, -2)
     t43 = (1/(d_K*n_batch)) * t42
-    t44 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t44 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t45 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t43.permute(1, 0)).reshape((n_batch, L, d_K))
     t46 = ((t45.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t47 = t41.diagonal(0, 1, 3)
     t48 = t31.transpose(-1, -2)
-    t41[...] = ((t44.reshape((d_K*d_V, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t41[...] = ((t46.reshape((d_K*d_V, L*n_batch)) @ t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t47 += (t48.sum((0,)).reshape((d_V**2, 1)) * t33.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t50 = t49.view((d_V, d_K, d_V, d_K))
@@ -1195,7 +1195,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t61 = G.transpose(-1, -2)
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
     t63 = ((X.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t64 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t64 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t60[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t64.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t66 = t65.view((d_V, d_V, d_V, d_K))
@@ -1296,7 +1296,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1324,7 +1324,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t41 = (n_batch**(-2)) * (t30.sum((0,)) * t30.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t35 * t33).sum() + (1/(d_K**2*n_batch**2)) * (t40 * t37.permute(0, 2, 3, 1)).sum()
     t42 = torch.sqrt(torch.clamp(t41, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t43 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t44 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t45 = t44 * t20
@@ -1403,7 +1403,7 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
+    d2A = ((t16.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1443,7 +1443,7 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t17 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1483,15 +1483,15 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
+    d2A = ((t16.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/(d_K*n_batch)) * t1
     t20 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t21 = ((t20.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t21 = ((W_K.permute(1, 0) @ t20.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t22 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t21.reshape((d_K**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -1523,7 +1523,7 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1569,7 +1569,7 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
+    d2A = ((t16.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1617,7 +1617,7 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t0 @ t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.sum((0,))).reshape((n_batch, L, d_V))
     t20 = (t19 @ X.permute(0, 2, 1))
     t21 = (t20.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -1655,7 +1655,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1689,7 +1689,7 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -1742,7 +1742,7 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1784,7 +1784,7 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
+    d2A = ((t16.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1825,12 +1825,12 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t1
-    t21 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t21 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t22 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
     t23 = ((t22.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t24 = t0.diagonal(0, 1, 3)
@@ -1839,7 +1839,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t27 = t2 @ t26
     t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t23.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t24 += (t27.sum((0,)).reshape((d_V**2, 1)) * t29.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -1876,7 +1876,7 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = W_Q.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.sum((0,))).reshape((n_batch, L, d_V))
     t22 = (t21 @ X.permute(0, 2, 1))
     t23 = (t22.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -1927,7 +1927,7 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1969,7 +1969,7 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
+    d2A = ((t16.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
     t18 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2004,7 +2004,7 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2040,7 +2040,7 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -2108,13 +2108,13 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = G.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t12
     t16 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t17 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t17 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -2143,7 +2143,7 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = G.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t11.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2184,7 +2184,7 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = G.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2220,7 +2220,7 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = G.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t11.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2274,7 +2274,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2284,7 +2284,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t14 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t15 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t16 = (t15 @ t14)
-    t17 = ((t16.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t17 = ((W_K.permute(1, 0) @ t16.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t18 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t19 = A @ X
     M_1 = t19
@@ -2298,21 +2298,21 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t2
     t29 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t30 = ((t29.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t30 = ((W_K.permute(1, 0) @ t29.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t31 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t32 = t17.reshape((d_K**2, L*n_batch))
-    t33 = t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t34 = t30.reshape((d_K**2, L*n_batch))
-    t35 = t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t32 = t18.reshape((d_V**2, L*n_batch))
+    t33 = t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t34 = t31.reshape((d_V**2, L*n_batch))
+    t35 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t36 = torch.cat([t32, t34], dim=-1)
     t37 = torch.cat([t33, t35], dim=-2)
-    t1[...] = ((t36 @ t37).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t36 @ t37).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t38 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t39 = t38.view((d_V, d_K, d_V, d_K))
     t40 = (t28 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -2337,18 +2337,18 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t57 = t56.view((d_V, d_K, d_V, d_V))
     t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t59 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t58.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t60 = ((t59.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t60 = ((W_V.permute(1, 0) @ t59.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t61 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t63 = (t62 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t64 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t57[...] = ((t60.reshape((d_K*d_V, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t57[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t57 += ((t63.reshape((d_K*d_V, L*n_batch)) @ t64.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t66 = t65.view((d_V, d_K, d_V, d_K))
     t67 = W_Q.transpose(-1, -2)
     t68 = (1/(d_K*n_batch)) * t67
-    t69 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t69 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t70 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t68.permute(1, 0)).reshape((n_batch, L, d_K))
     t71 = ((t70.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t72 = (2/(L*d_K*d_V*n_batch)) * t67
@@ -2359,13 +2359,13 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t77 = ((t76.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t78 = t66.diagonal(0, 1, 3)
     t79 = t47.transpose(-1, -2)
-    t80 = t69.reshape((d_K*d_V, L*n_batch))
-    t81 = t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t82 = t75.reshape((d_K*d_V, L*n_batch))
-    t83 = t77.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t80 = t71.reshape((d_K*d_V, L*n_batch))
+    t81 = t69.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t82 = t77.reshape((d_K*d_V, L*n_batch))
+    t83 = t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t84 = torch.cat([t80, t82], dim=-1)
     t85 = torch.cat([t81, t83], dim=-2)
-    t66[...] = ((t84 @ t85).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t66[...] = ((t84 @ t85).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t78 += (t79.sum((0,)).reshape((d_V**2, 1)) * t49.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t86 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t87 = t86.view((d_V, d_K, d_V, d_K))
@@ -2383,27 +2383,27 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t98 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t99 = t98.view((d_V, d_K, d_V, d_V))
     t100 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
-    t101 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t101 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t102 = (X.reshape((L*n_batch, d_V)) @ t100.permute(1, 0)).reshape((n_batch, L, d_K))
     t103 = ((t102.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t104 = (1/(math.sqrt(d_K)*n_batch)) * t67
     t105 = M_2.permute(3, 2, 0, 1)
     t106 = (X.reshape((L*n_batch, d_V)) @ t104.permute(1, 0)).reshape((n_batch, L, d_K))
     t107 = ((t106.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t99[...] = ((t101.reshape((d_V**2, L*n_batch)) @ t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t99[...] = ((t103.reshape((d_K*d_V, L*n_batch)) @ t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t99 += ((t105.reshape((d_V**2, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t109 = t108.view((d_V, d_V, d_V, d_K))
     t110 = M_1.transpose(-1, -2)
     t111 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t110
     t112 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t113 = ((t112.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t113 = ((W_K.permute(1, 0) @ t112.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t114 = ((X.reshape((n_batch, L, d_V, 1)) * t111.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t115 = G.transpose(-1, -2)
     t116 = (1/(math.sqrt(d_K)*n_batch)) * t115
     t117 = ((X.reshape((n_batch, L, d_V, 1)) * t116.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t118 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t109[...] = ((t113.reshape((d_K*d_V, L*n_batch)) @ t114.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t118 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t109[...] = ((t114.reshape((d_V**2, L*n_batch)) @ t113.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t109 += ((t117.reshape((d_V**2, L*n_batch)) @ t118.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t119 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t120 = t119.view((d_V, d_V, d_V, d_K))
@@ -2509,7 +2509,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -2537,7 +2537,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 - (A * t28).sum(-1, keepdim=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t30.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
+    d2A = ((t30.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
     t31 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = t14 * t31
@@ -2712,7 +2712,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2736,7 +2736,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2765,7 +2765,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2788,7 +2788,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2815,7 +2815,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2825,7 +2825,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t14 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t15 = (t14 @ t13)
-    t16 = ((t15.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t16 = ((W_K.permute(1, 0) @ t15.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t17 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t18 = A @ X
     M_1 = t18
@@ -2839,21 +2839,21 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
     t28 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t29 = ((t28.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t29 = ((W_K.permute(1, 0) @ t28.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t30 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t31 = t16.reshape((d_K**2, L*n_batch))
-    t32 = t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t33 = t29.reshape((d_K**2, L*n_batch))
-    t34 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t31 = t17.reshape((d_V**2, L*n_batch))
+    t32 = t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t33 = t30.reshape((d_V**2, L*n_batch))
+    t34 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t35 = torch.cat([t31, t33], dim=-1)
     t36 = torch.cat([t32, t34], dim=-2)
-    t0[...] = ((t35 @ t36).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t35 @ t36).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -2873,7 +2873,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -2901,7 +2901,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 - (A * t28).sum(-1, keepdim=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t30.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
+    d2A = ((t30.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
     t31 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = t14 * t31
@@ -2950,7 +2950,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
+    d2A = ((t16.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2959,7 +2959,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t22 = ((t21.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3015,7 +3015,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = t0 @ t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.sum((0,))).reshape((n_batch, L, d_V))
     t20 = (t19 @ X.permute(0, 2, 1))
     t21 = (t20.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -3023,7 +3023,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t23.permute(1, 2, 0) @ t22.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t25 = W_V @ t11
     t26 = (X.reshape((L*n_batch, d_V)) @ t17.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
@@ -3077,7 +3077,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3085,7 +3085,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t12 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t13 = ((t12.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t13 = ((W_V.permute(1, 0) @ t12.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t14 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t15 = M_1 @ W_V
     F = t15
@@ -3095,7 +3095,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t19 = (t18 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t20 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t13.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t19.reshape((d_K*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -3116,7 +3116,7 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -3170,7 +3170,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3194,7 +3194,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3224,7 +3224,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3247,7 +3247,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = t22 - (A * t22).sum(-1, keepdim=True)
     t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3288,16 +3288,16 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t1
-    t21 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t21 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t22 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
     t23 = ((t22.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t24 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3314,13 +3314,13 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t2 @ t34
     t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t38 = t21.reshape((d_K*d_V, L*n_batch))
-    t39 = t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t40 = t29.reshape((d_K*d_V, L*n_batch))
-    t41 = t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t38 = t23.reshape((d_K*d_V, L*n_batch))
+    t39 = t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t40 = t31.reshape((d_K*d_V, L*n_batch))
+    t41 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t42 = torch.cat([t38, t40], dim=-1)
     t43 = torch.cat([t39, t41], dim=-2)
-    t0[...] = ((t42 @ t43).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t42 @ t43).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t32 += (t35.sum((0,)).reshape((d_V**2, 1)) * t37.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -3357,7 +3357,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = W_Q.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.sum((0,))).reshape((n_batch, L, d_V))
     t22 = (t21 @ X.permute(0, 2, 1))
     t23 = (t22.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -3365,7 +3365,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t26 = (t25.permute(1, 2, 0) @ t24.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t27 = W_V @ t11
     t28 = (X.reshape((L*n_batch, d_V)) @ t18.sum((0,))).reshape((n_batch, L, d_V))
     t29 = (t28 @ X.permute(0, 2, 1))
@@ -3421,7 +3421,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3445,7 +3445,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3480,7 +3480,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -3508,7 +3508,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
+    d2A = ((t31.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = (t32.reshape((L*n_batch, d_K)) @ t11.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3546,14 +3546,14 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t11 = A @ X
     M_1 = t11
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t13 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t13 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t14 = (X.reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_K))
     t15 = ((t14.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t16 = M_1 @ W_V
@@ -3565,7 +3565,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t20 = M_2.permute(3, 2, 0, 1)
     t21 = (X.reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_K))
     t22 = ((t21.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t20.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -3587,7 +3587,7 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -3691,13 +3691,13 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t14 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t10.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t15 = ((t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t15 = ((W_K.permute(1, 0) @ t14.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t16 = ((X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t17 = M_1 @ W_V
     F = t17
@@ -3707,8 +3707,8 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = G.transpose(-1, -2)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
     t22 = ((X.reshape((n_batch, L, d_V, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t23 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t23 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t0 += ((t22.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -3733,7 +3733,7 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3789,7 +3789,7 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3831,7 +3831,7 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3932,7 +3932,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -3961,7 +3961,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
+    d2A = ((t31.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = t14 * t33
@@ -4000,7 +4000,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4031,7 +4031,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t32 = t31 @ X
     t33 = t1 @ t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
+    d2A = ((t31.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t33.sum((0,))).reshape((n_batch, L, d_V))
     t35 = (t34 @ X.permute(0, 2, 1))
     t36 = (t35.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -4080,7 +4080,7 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4137,7 +4137,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4169,7 +4169,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t34 = t33 @ X
     t35 = t1 @ t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
+    d2A = ((t32.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
     t36 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t35.sum((0,))).reshape((n_batch, L, d_V))
     t37 = (t36 @ X.permute(0, 2, 1))
     t38 = (t37.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -4219,7 +4219,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4248,7 +4248,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
+    d2A = ((t32.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t35 = (t33.reshape((L*n_batch, d_K)) @ t33.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -4288,7 +4288,7 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4348,7 +4348,7 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -4407,7 +4407,7 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -4493,7 +4493,7 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
     t11 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t12 = (t10.reshape((n_batch, L, d_V, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t13 = (t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t11.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t2[...] = ((t13.permute(0, 2, 1, 3).reshape((n_batch, L, d_K*d_V, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 2, 4, 3)
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (t10.permute(0, 2, 1) @ t14.permute(0, 2, 1))
     t16 = (t11.permute(1, 0, 2) @ A.permute(0, 2, 1))
@@ -4524,7 +4524,7 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t11 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t12 = (t10.reshape((n_batch, L, d_V, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t13 = (t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t11.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t2[...] = ((t13.permute(0, 2, 1, 3).reshape((n_batch, L, d_K*d_V, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 2, 4, 3)
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (t10.permute(0, 2, 1) @ t14.permute(0, 2, 1))
     t16 = (t11.permute(1, 0, 2) @ A.permute(0, 2, 1))
@@ -4726,7 +4726,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4736,9 +4736,9 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t16 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t17 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
-    t19 = ((t18.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t19 = ((W_K.permute(1, 0) @ t18.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t20 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t19.reshape((d_K**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t22 = t21.view((d_V, d_K, d_V, d_K))
     t23 = ((t17 @ t16)).permute(3, 2, 0, 1)
@@ -4751,9 +4751,9 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t28
     t29 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t30 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t31 = ((t30.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t31 = ((W_V.permute(1, 0) @ t30.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t32 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t27[...] = ((t31.reshape((d_K*d_V, L*n_batch)) @ t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t27[...] = ((t32.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t34 = t33.view((d_V, d_K, d_V, d_K))
     t35 = W_Q.transpose(-1, -2)
@@ -4763,7 +4763,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t39 = ((t38.permute(1, 2, 0, 3) @ t37.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t40 = (X.reshape((L*n_batch, d_V)) @ t36.permute(1, 0)).reshape((n_batch, L, d_K))
     t41 = ((t40.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t34[...] = ((t39.reshape((d_K*d_V, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t34[...] = ((t41.reshape((d_K*d_V, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = t42.view((d_V, d_K, d_V, d_K))
     t44 = ((t37.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
@@ -4772,18 +4772,18 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t47 = t46.view((d_V, d_K, d_V, d_V))
     t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
-    t49 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t49 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t50 = (X.reshape((L*n_batch, d_V)) @ t48.permute(1, 0)).reshape((n_batch, L, d_K))
     t51 = ((t50.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t47[...] = ((t49.reshape((d_V**2, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t47[...] = ((t51.reshape((d_K*d_V, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t53 = t52.view((d_V, d_V, d_V, d_K))
     t54 = M_1.transpose(-1, -2)
     t55 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
     t56 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t57 = ((t56.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t57 = ((W_K.permute(1, 0) @ t56.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t58 = ((X.reshape((n_batch, L, d_V, 1)) * t55.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t53[...] = ((t57.reshape((d_K*d_V, L*n_batch)) @ t58.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t53[...] = ((t58.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t60 = t59.view((d_V, d_V, d_V, d_K))
     t61 = (t13 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
@@ -4866,7 +4866,7 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4964,7 +4964,7 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4998,7 +4998,7 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5032,7 +5032,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5042,9 +5042,9 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t17 = (t16 @ t15)
-    t18 = ((t17.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t18 = ((W_K.permute(1, 0) @ t17.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t19 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t18.reshape((d_K**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -5066,7 +5066,7 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5107,7 +5107,7 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5141,7 +5141,7 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5182,7 +5182,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5190,9 +5190,9 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t12
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t15 = ((t14.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t15 = ((W_V.permute(1, 0) @ t14.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t16 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -5214,7 +5214,7 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5253,7 +5253,7 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5288,7 +5288,7 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5323,7 +5323,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5335,7 +5335,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t18 = ((t17.permute(1, 2, 0, 3) @ t16.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t19 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = ((t19.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t18.reshape((d_K*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t20.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -5358,7 +5358,7 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5400,7 +5400,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5435,7 +5435,7 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5477,17 +5477,17 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t13 = A @ X
     M_1 = t13
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t15 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t15 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t16 = (X.reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = ((t16.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -5510,7 +5510,7 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5603,15 +5603,15 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t17 = ((t16.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t17 = ((W_K.permute(1, 0) @ t16.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t18 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -5637,7 +5637,7 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5677,7 +5677,7 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5711,7 +5711,7 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5815,15 +5815,15 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t2
     t23 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t24 = ((t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t24 = ((W_K.permute(1, 0) @ t23.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t25 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t24.reshape((d_K**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t27 = t26.view((d_V, d_K, d_V, d_K))
     t28 = (t22 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -5839,7 +5839,7 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = t36.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t38 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5851,12 +5851,12 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t43 = t42.view((d_V, d_K, d_V, d_K))
     t44 = W_Q.transpose(-1, -2)
     t45 = (1/(d_K*n_batch)) * t44
-    t46 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t46 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t47 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t45.permute(1, 0)).reshape((n_batch, L, d_K))
     t48 = ((t47.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t49 = t43.diagonal(0, 1, 3)
     t50 = t33.transpose(-1, -2)
-    t43[...] = ((t46.reshape((d_K*d_V, L*n_batch)) @ t48.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t43[...] = ((t48.reshape((d_K*d_V, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t49 += (t50.sum((0,)).reshape((d_V**2, 1)) * t35.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t52 = t51.view((d_V, d_K, d_V, d_K))
@@ -5875,7 +5875,7 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t63 = G.transpose(-1, -2)
     t64 = (1/(math.sqrt(d_K)*n_batch)) * t63
     t65 = ((X.reshape((n_batch, L, d_V, 1)) * t64.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t66 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t66 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t62[...] = ((t65.reshape((d_V**2, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t68 = t67.view((d_V, d_V, d_V, d_K))
@@ -5980,7 +5980,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6008,7 +6008,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t43 = (n_batch**(-2)) * (t32.sum((0,)) * t32.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t37 * t35).sum() + (1/(d_K**2*n_batch**2)) * (t42 * t39.permute(0, 2, 3, 1)).sum()
     t44 = torch.sqrt(torch.clamp(t43, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t45 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t46 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t47 = t46 * t22
@@ -6089,7 +6089,7 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6131,7 +6131,7 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6173,15 +6173,15 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t21 = (1/(d_K*n_batch)) * t1
     t22 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t23 = ((t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t23 = ((W_K.permute(1, 0) @ t22.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t24 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t23.reshape((d_K**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -6215,7 +6215,7 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6263,7 +6263,7 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6313,7 +6313,7 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t0 @ t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.sum((0,))).reshape((n_batch, L, d_V))
     t22 = (t21 @ X.permute(0, 2, 1))
     t23 = (t22.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -6353,7 +6353,7 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6389,7 +6389,7 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -6444,7 +6444,7 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6488,7 +6488,7 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6531,12 +6531,12 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t1
-    t23 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t23 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t24 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
     t25 = ((t24.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t26 = t0.diagonal(0, 1, 3)
@@ -6545,7 +6545,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t29 = t2 @ t28
     t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t0[...] = ((t23.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t25.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t26 += (t29.sum((0,)).reshape((d_V**2, 1)) * t31.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -6584,7 +6584,7 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = W_Q.transpose(-1, -2)
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t23 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
     t24 = (t23 @ X.permute(0, 2, 1))
     t25 = (t24.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -6637,7 +6637,7 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6681,7 +6681,7 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6718,7 +6718,7 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6756,7 +6756,7 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -6826,13 +6826,13 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t14
     t18 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t19 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t19 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -6863,7 +6863,7 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6906,7 +6906,7 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6944,7 +6944,7 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7000,7 +7000,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7010,7 +7010,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t16 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t17 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
-    t19 = ((t18.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t19 = ((W_K.permute(1, 0) @ t18.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t20 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t21 = A @ X
     M_1 = t21
@@ -7024,21 +7024,21 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdim=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t28.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))
+    d2A = ((t28.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t2
     t31 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t32 = ((t31.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t32 = ((W_K.permute(1, 0) @ t31.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t33 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t34 = t19.reshape((d_K**2, L*n_batch))
-    t35 = t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t36 = t32.reshape((d_K**2, L*n_batch))
-    t37 = t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t34 = t20.reshape((d_V**2, L*n_batch))
+    t35 = t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t36 = t33.reshape((d_V**2, L*n_batch))
+    t37 = t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t38 = torch.cat([t34, t36], dim=-1)
     t39 = torch.cat([t35, t37], dim=-2)
-    t1[...] = ((t38 @ t39).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t38 @ t39).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t40 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = t40.view((d_V, d_K, d_V, d_K))
     t42 = (t30 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -7063,18 +7063,18 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t59 = t58.view((d_V, d_K, d_V, d_V))
     t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t61 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t60.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t62 = ((t61.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t62 = ((W_V.permute(1, 0) @ t61.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t63 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t64 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t65 = (t64 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t66 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t59[...] = ((t62.reshape((d_K*d_V, L*n_batch)) @ t63.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t59[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t59 += ((t65.reshape((d_K*d_V, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t67 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t68 = t67.view((d_V, d_K, d_V, d_K))
     t69 = W_Q.transpose(-1, -2)
     t70 = (1/(d_K*n_batch)) * t69
-    t71 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t71 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t72 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t70.permute(1, 0)).reshape((n_batch, L, d_K))
     t73 = ((t72.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t74 = (2/(L*d_K*d_V*n_batch)) * t69
@@ -7085,13 +7085,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t79 = ((t78.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t80 = t68.diagonal(0, 1, 3)
     t81 = t49.transpose(-1, -2)
-    t82 = t71.reshape((d_K*d_V, L*n_batch))
-    t83 = t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t84 = t77.reshape((d_K*d_V, L*n_batch))
-    t85 = t79.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t82 = t73.reshape((d_K*d_V, L*n_batch))
+    t83 = t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t84 = t79.reshape((d_K*d_V, L*n_batch))
+    t85 = t77.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t86 = torch.cat([t82, t84], dim=-1)
     t87 = torch.cat([t83, t85], dim=-2)
-    t68[...] = ((t86 @ t87).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t68[...] = ((t86 @ t87).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t80 += (t81.sum((0,)).reshape((d_V**2, 1)) * t51.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t88 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t89 = t88.view((d_V, d_K, d_V, d_K))
@@ -7109,27 +7109,27 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t100 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t101 = t100.view((d_V, d_K, d_V, d_V))
     t102 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t69
-    t103 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t103 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t104 = (X.reshape((L*n_batch, d_V)) @ t102.permute(1, 0)).reshape((n_batch, L, d_K))
     t105 = ((t104.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t106 = (1/(math.sqrt(d_K)*n_batch)) * t69
     t107 = M_2.permute(3, 2, 0, 1)
     t108 = (X.reshape((L*n_batch, d_V)) @ t106.permute(1, 0)).reshape((n_batch, L, d_K))
     t109 = ((t108.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t101[...] = ((t103.reshape((d_V**2, L*n_batch)) @ t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t101[...] = ((t105.reshape((d_K*d_V, L*n_batch)) @ t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t101 += ((t107.reshape((d_V**2, L*n_batch)) @ t109.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t111 = t110.view((d_V, d_V, d_V, d_K))
     t112 = M_1.transpose(-1, -2)
     t113 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t112
     t114 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t115 = ((t114.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t115 = ((W_K.permute(1, 0) @ t114.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t116 = ((X.reshape((n_batch, L, d_V, 1)) * t113.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t117 = G.transpose(-1, -2)
     t118 = (1/(math.sqrt(d_K)*n_batch)) * t117
     t119 = ((X.reshape((n_batch, L, d_V, 1)) * t118.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t120 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t111[...] = ((t115.reshape((d_K*d_V, L*n_batch)) @ t116.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t120 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t111[...] = ((t116.reshape((d_V**2, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t111 += ((t119.reshape((d_V**2, L*n_batch)) @ t120.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t121 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t122 = t121.view((d_V, d_V, d_V, d_K))
@@ -7239,7 +7239,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -7267,7 +7267,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
+    d2A = ((t32.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t35 = t16 * t33
@@ -7444,7 +7444,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7468,7 +7468,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 - (A * t25).sum(-1, keepdim=True)
     t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t27.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
+    d2A = ((t27.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
     t28 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7499,7 +7499,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7522,7 +7522,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7551,7 +7551,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7561,7 +7561,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t17 = (t16 @ t15)
-    t18 = ((t17.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t18 = ((W_K.permute(1, 0) @ t17.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t19 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t20 = A @ X
     M_1 = t20
@@ -7575,21 +7575,21 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 - (A * t25).sum(-1, keepdim=True)
     t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t27.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
+    d2A = ((t27.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
     t28 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t29 = (1/(d_K*n_batch)) * t1
     t30 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t31 = ((t30.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t31 = ((W_K.permute(1, 0) @ t30.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t32 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t33 = t18.reshape((d_K**2, L*n_batch))
-    t34 = t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t35 = t31.reshape((d_K**2, L*n_batch))
-    t36 = t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t33 = t19.reshape((d_V**2, L*n_batch))
+    t34 = t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t35 = t32.reshape((d_V**2, L*n_batch))
+    t36 = t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t37 = torch.cat([t33, t35], dim=-1)
     t38 = torch.cat([t34, t36], dim=-2)
-    t0[...] = ((t37 @ t38).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t37 @ t38).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -7611,7 +7611,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -7639,7 +7639,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
+    d2A = ((t32.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t35 = t16 * t33
@@ -7690,7 +7690,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7699,7 +7699,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t25 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7757,7 +7757,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = t0 @ t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.sum((0,))).reshape((n_batch, L, d_V))
     t22 = (t21 @ X.permute(0, 2, 1))
     t23 = (t22.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -7765,7 +7765,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t26 = (t25.permute(1, 2, 0) @ t24.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t27 = W_V @ t13
     t28 = (X.reshape((L*n_batch, d_V)) @ t19.sum((0,))).reshape((n_batch, L, d_V))
     t29 = (t28 @ X.permute(0, 2, 1))
@@ -7821,7 +7821,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7829,7 +7829,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     M_1 = t12
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t15 = ((t14.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t15 = ((W_V.permute(1, 0) @ t14.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t16 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t17 = M_1 @ W_V
     F = t17
@@ -7839,7 +7839,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t21 = (t20 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t22 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t21.reshape((d_K*d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -7862,7 +7862,7 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -7918,7 +7918,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7942,7 +7942,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdim=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t28.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))
+    d2A = ((t28.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7974,7 +7974,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7997,7 +7997,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8040,16 +8040,16 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t1
-    t23 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t23 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t24 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
     t25 = ((t24.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t26 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8066,13 +8066,13 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t2 @ t36
     t38 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t40 = t23.reshape((d_K*d_V, L*n_batch))
-    t41 = t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t42 = t31.reshape((d_K*d_V, L*n_batch))
-    t43 = t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t40 = t25.reshape((d_K*d_V, L*n_batch))
+    t41 = t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t42 = t33.reshape((d_K*d_V, L*n_batch))
+    t43 = t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t44 = torch.cat([t40, t42], dim=-1)
     t45 = torch.cat([t41, t43], dim=-2)
-    t0[...] = ((t44 @ t45).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t44 @ t45).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t34 += (t37.sum((0,)).reshape((d_V**2, 1)) * t39.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -8111,7 +8111,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t21 = W_Q.transpose(-1, -2)
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t23 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
     t24 = (t23 @ X.permute(0, 2, 1))
     t25 = (t24.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -8119,7 +8119,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t28 = (t27.permute(1, 2, 0) @ t26.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t29 = W_V @ t13
     t30 = (X.reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
     t31 = (t30 @ X.permute(0, 2, 1))
@@ -8177,7 +8177,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8201,7 +8201,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdim=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t28.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))
+    d2A = ((t28.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8238,7 +8238,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8266,7 +8266,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdim=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
+    d2A = ((t33.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t35 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = (t34.reshape((L*n_batch, d_K)) @ t13.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8306,14 +8306,14 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t13 = A @ X
     M_1 = t13
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t15 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t15 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t16 = (X.reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = ((t16.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t18 = M_1 @ W_V
@@ -8325,7 +8325,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t22 = M_2.permute(3, 2, 0, 1)
     t23 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
     t24 = ((t23.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t22.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -8349,7 +8349,7 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8459,13 +8459,13 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t17 = ((t16.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t17 = ((W_K.permute(1, 0) @ t16.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t18 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t19 = M_1 @ W_V
     F = t19
@@ -8475,8 +8475,8 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = G.transpose(-1, -2)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
     t24 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t25 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t25 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t0 += ((t24.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -8503,7 +8503,7 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8561,7 +8561,7 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8605,7 +8605,7 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8712,7 +8712,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8741,7 +8741,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdim=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
+    d2A = ((t33.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t35 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = t16 * t35
@@ -8782,7 +8782,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8813,7 +8813,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t34 = t33 @ X
     t35 = t1 @ t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
+    d2A = ((t33.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
     t36 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t35.sum((0,))).reshape((n_batch, L, d_V))
     t37 = (t36 @ X.permute(0, 2, 1))
     t38 = (t37.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -8864,7 +8864,7 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8923,7 +8923,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8955,7 +8955,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t36 = t35 @ X
     t37 = t1 @ t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
+    d2A = ((t34.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
     t38 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t37.sum((0,))).reshape((n_batch, L, d_V))
     t39 = (t38 @ X.permute(0, 2, 1))
     t40 = (t39.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -9007,7 +9007,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -9036,7 +9036,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdim=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
+    d2A = ((t34.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
     t35 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t36 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t37 = (t35.reshape((L*n_batch, d_K)) @ t35.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9078,7 +9078,7 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -9140,7 +9140,7 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9201,7 +9201,7 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9291,7 +9291,7 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     t13 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t12.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t13.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t2[...] = ((t15.permute(0, 2, 1, 3).reshape((n_batch, L, d_K*d_V, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 2, 4, 3)
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
     t18 = (t13.permute(1, 0, 2) @ A.permute(0, 2, 1))
@@ -9324,7 +9324,7 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t13 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t12.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t13.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t2[...] = ((t15.permute(0, 2, 1, 3).reshape((n_batch, L, d_K*d_V, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 2, 4, 3)
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
     t18 = (t13.permute(1, 0, 2) @ A.permute(0, 2, 1))
@@ -9534,7 +9534,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9547,7 +9547,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -9556,9 +9556,9 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t24 = (t23 @ M_2)
     t25 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t26 = (t25 @ t24)
-    t27 = ((t26.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t27 = ((W_K.permute(1, 0) @ t26.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t28 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t27.reshape((d_K**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t28.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t30 = t29.view((d_V, d_K, d_V, d_K))
     t31 = ((t25 @ t24)).permute(2, 3, 0, 1)
@@ -9572,7 +9572,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t38 = (t37.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t39 = ((t38 @ t22)).permute(2, 3, 0, 1)
     t40 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t35[...] = ((t39.reshape((d_K*d_V, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t35[...] = ((t40.reshape((d_V**2, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t42 = t41.view((d_V, d_K, d_V, d_K))
     t43 = W_Q.transpose(-1, -2)
@@ -9581,10 +9581,10 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t46 = (t22.permute(0, 1, 3, 2) @ t45.permute(1, 2, 0, 3))
     t47 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t48 = (t47 @ t46)
-    t49 = ((t48.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t49 = ((W_K.permute(1, 0) @ t48.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t50 = (X.reshape((L*n_batch, d_V)) @ t44.permute(1, 0)).reshape((n_batch, L, d_K))
     t51 = ((t50.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t42[...] = ((t49.reshape((d_K*d_V, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t42[...] = ((t51.reshape((d_K*d_V, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = t52.view((d_V, d_K, d_V, d_K))
     t54 = ((t47 @ t46)).permute(3, 2, 0, 1)
@@ -9596,7 +9596,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t59 = ((t22.permute(0, 1, 3, 2) @ t45.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t60 = (X.reshape((L*n_batch, d_V)) @ t58.permute(1, 0)).reshape((n_batch, L, d_K))
     t61 = ((t60.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t57[...] = ((t59.reshape((d_V**2, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t57[...] = ((t61.reshape((d_K*d_V, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t63 = t62.view((d_V, d_V, d_V, d_K))
     t64 = M_1.transpose(-1, -2)
@@ -9605,7 +9605,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t67 = (t19.permute(1, 0) @ dA18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t68 = (t67.permute(1, 2, 3, 0) @ M_2)
     t69 = (t68.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t70 = ((t69.reshape((n_batch, L, d_V, d_K, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t70 = ((t69.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
     t63[...] = ((t66.reshape((d_V**2, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t72 = t71.view((d_V, d_V, d_V, d_K))
@@ -9615,9 +9615,9 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t76 = t75.view((d_V, d_V, d_V, d_V))
     t77 = (1/(L*n_batch)) * t64
-    t78 = ((dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t78 = ((dA18.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t79 = ((M_1.reshape((n_batch, L, d_V, 1)) * t77.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t76[...] = ((t78.reshape((d_V**2, L*n_batch)) @ t79.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t76[...] = ((t79.reshape((d_V**2, L*n_batch)) @ t78.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -9691,7 +9691,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -9701,7 +9701,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -9798,7 +9798,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9811,7 +9811,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (X * X).permute(2, 0, 1)
@@ -9842,7 +9842,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9855,7 +9855,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -9886,7 +9886,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9899,7 +9899,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -9908,9 +9908,9 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t23 = (t22 @ M_2)
     t24 = (t20.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t25 = (t24 @ t23)
-    t26 = ((t25.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t26 = ((W_K.permute(1, 0) @ t25.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t26.reshape((d_K**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -9930,7 +9930,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -9940,7 +9940,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -9984,7 +9984,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9997,7 +9997,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -10028,7 +10028,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -10038,7 +10038,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -10082,7 +10082,7 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10095,14 +10095,14 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t19 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (t19.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t22 = ((t21 @ t20)).permute(2, 3, 0, 1)
     t23 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t22.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -10122,7 +10122,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -10132,7 +10132,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t18 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -10168,7 +10168,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10181,7 +10181,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -10213,7 +10213,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10226,7 +10226,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (M_2 @ M_2.permute(0, 1, 3, 2))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -10258,7 +10258,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10271,7 +10271,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -10279,10 +10279,10 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t23 = (t22.permute(0, 1, 3, 2) @ t21.permute(1, 2, 0, 3))
     t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t25 = (t24 @ t23)
-    t26 = ((t25.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t26 = ((W_K.permute(1, 0) @ t25.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t27 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
     t28 = ((t27.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -10303,7 +10303,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -10313,7 +10313,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -10358,7 +10358,7 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10371,7 +10371,7 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -10403,7 +10403,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -10413,7 +10413,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -10458,7 +10458,7 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10471,14 +10471,14 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = ((t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t23 = (X.reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_K))
     t24 = ((t23.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -10499,7 +10499,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -10509,7 +10509,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -10552,7 +10552,7 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
     t17 = (M_1 * t16.permute(0, 2, 1)).permute(2, 0, 1)
     t18 = (oe.contract('abcc,abc->abc', dA, t11)).permute(2, 0, 1)
@@ -10584,7 +10584,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (M_1.reshape((n_batch, L, 1, d_V)) @ t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t16 = oe.contract('abcc,abc->ab', dA, t10)
     return (1/(L*n_batch)) * (t16 * t15).sum()
@@ -10616,11 +10616,11 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA18 = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA18 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t19 = (dA18.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10629,7 +10629,7 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t22 = (t16.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t23 = (t22.permute(1, 2, 3, 0) @ M_2)
     t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t25 = ((t24.reshape((n_batch, L, d_V, d_K, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t25 = ((t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -10658,11 +10658,11 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA17 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -10705,11 +10705,11 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA18 = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA18 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t19 = (dA18.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10747,11 +10747,11 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA17 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -10794,11 +10794,11 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
-    t17 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t17 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t18 = ((M_1.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -10826,7 +10826,7 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10873,15 +10873,15 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t2
     t26 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t27 = ((t26.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t27 = ((W_K.permute(1, 0) @ t26.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t28 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t27.reshape((d_K**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t28.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t30 = t29.view((d_V, d_K, d_V, d_K))
     t31 = (t25 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -10897,7 +10897,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t39 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t40 = t39.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t41 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t41.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10909,12 +10909,12 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t46 = t45.view((d_V, d_K, d_V, d_K))
     t47 = W_Q.transpose(-1, -2)
     t48 = (1/(d_K*n_batch)) * t47
-    t49 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t49 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t50 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t48.permute(1, 0)).reshape((n_batch, L, d_K))
     t51 = ((t50.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t52 = t46.diagonal(0, 1, 3)
     t53 = t36.transpose(-1, -2)
-    t46[...] = ((t49.reshape((d_K*d_V, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t46[...] = ((t51.reshape((d_K*d_V, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t52 += (t53.sum((0,)).reshape((d_V**2, 1)) * t38.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t55 = t54.view((d_V, d_K, d_V, d_K))
@@ -10933,7 +10933,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t66 = G.transpose(-1, -2)
     t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
     t68 = ((X.reshape((n_batch, L, d_V, 1)) * t67.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t69 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t69 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t65[...] = ((t68.reshape((d_V**2, L*n_batch)) @ t69.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t71 = t70.view((d_V, d_V, d_V, d_K))
@@ -11044,7 +11044,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t23 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11072,7 +11072,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t46 = (n_batch**(-2)) * (t35.sum((0,)) * t35.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t40 * t38).sum() + (1/(d_K**2*n_batch**2)) * (t45 * t42.permute(0, 2, 3, 1)).sum()
     t47 = torch.sqrt(torch.clamp(t46, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t48 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t49 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t50 = t49 * t25
@@ -11156,7 +11156,7 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11201,7 +11201,7 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11246,15 +11246,15 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
     t25 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t26 = ((t25.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t26 = ((W_K.permute(1, 0) @ t25.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t26.reshape((d_K**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -11291,7 +11291,7 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t23 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11342,7 +11342,7 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11395,7 +11395,7 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = t0 @ t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
     t25 = (t24 @ X.permute(0, 2, 1))
     t26 = (t25.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -11433,7 +11433,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11472,7 +11472,7 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -11535,7 +11535,7 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11582,7 +11582,7 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11628,12 +11628,12 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
-    t26 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t26 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t27 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_K))
     t28 = ((t27.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t29 = t0.diagonal(0, 1, 3)
@@ -11642,7 +11642,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t32 = t2 @ t31
     t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t0[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t29 += (t32.sum((0,)).reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -11684,7 +11684,7 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = W_Q.transpose(-1, -2)
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t23.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
     t28 = (t27.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -11740,7 +11740,7 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11787,7 +11787,7 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t25 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11822,7 +11822,7 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11863,7 +11863,7 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -11941,13 +11941,13 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t19 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t21 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t22 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t22 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -11981,7 +11981,7 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t16.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t16.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -12027,7 +12027,7 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t19 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12068,7 +12068,7 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t16.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t16.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -12122,7 +12122,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12135,7 +12135,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -12144,7 +12144,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t24 = (t23 @ M_2)
     t25 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t26 = (t25 @ t24)
-    t27 = ((t26.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t27 = ((W_K.permute(1, 0) @ t26.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t28 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     F = t14
     t29 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -12158,21 +12158,21 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t39 = (1/(d_K*n_batch)) * t2
     t40 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t41 = ((t40.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t41 = ((W_K.permute(1, 0) @ t40.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t42 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t43 = t27.reshape((d_K**2, L*n_batch))
-    t44 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t45 = t41.reshape((d_K**2, L*n_batch))
-    t46 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t43 = t28.reshape((d_V**2, L*n_batch))
+    t44 = t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t45 = t42.reshape((d_V**2, L*n_batch))
+    t46 = t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t47 = torch.cat([t43, t45], dim=-1)
     t48 = torch.cat([t44, t46], dim=-2)
-    t1[...] = ((t47 @ t48).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t47 @ t48).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t49 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t50 = t49.view((d_V, d_K, d_V, d_K))
     t51 = (t39 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -12203,13 +12203,13 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t74 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t75 = (t74 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t76 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t68[...] = ((t72.reshape((d_K*d_V, L*n_batch)) @ t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t68[...] = ((t73.reshape((d_V**2, L*n_batch)) @ t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t68 += ((t75.reshape((d_K*d_V, L*n_batch)) @ t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t77 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t78 = t77.view((d_V, d_K, d_V, d_K))
     t79 = W_Q.transpose(-1, -2)
     t80 = (1/(d_K*n_batch)) * t79
-    t81 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t81 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t82 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t80.permute(1, 0)).reshape((n_batch, L, d_K))
     t83 = ((t82.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t84 = (1/(L*d_K*n_batch)) * t79
@@ -12217,18 +12217,18 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t86 = (t22.permute(0, 1, 3, 2) @ t85.permute(1, 2, 0, 3))
     t87 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t88 = (t87 @ t86)
-    t89 = ((t88.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t89 = ((W_K.permute(1, 0) @ t88.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t90 = (X.reshape((L*n_batch, d_V)) @ t84.permute(1, 0)).reshape((n_batch, L, d_K))
     t91 = ((t90.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t92 = t78.diagonal(0, 1, 3)
     t93 = t58.transpose(-1, -2)
-    t94 = t81.reshape((d_K*d_V, L*n_batch))
-    t95 = t83.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t96 = t89.reshape((d_K*d_V, L*n_batch))
-    t97 = t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t94 = t83.reshape((d_K*d_V, L*n_batch))
+    t95 = t81.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t96 = t91.reshape((d_K*d_V, L*n_batch))
+    t97 = t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t98 = torch.cat([t94, t96], dim=-1)
     t99 = torch.cat([t95, t97], dim=-2)
-    t78[...] = ((t98 @ t99).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t78[...] = ((t98 @ t99).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t92 += (t93.sum((0,)).reshape((d_V**2, 1)) * t60.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t100 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t101 = t100.view((d_V, d_K, d_V, d_K))
@@ -12253,21 +12253,21 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t119 = M_2.permute(3, 2, 0, 1)
     t120 = (X.reshape((L*n_batch, d_V)) @ t118.permute(1, 0)).reshape((n_batch, L, d_K))
     t121 = ((t120.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t113[...] = ((t115.reshape((d_V**2, L*n_batch)) @ t117.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t113[...] = ((t117.reshape((d_K*d_V, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t113 += ((t119.reshape((d_V**2, L*n_batch)) @ t121.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t122 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t123 = t122.view((d_V, d_V, d_V, d_K))
     t124 = G.transpose(-1, -2)
     t125 = (1/(math.sqrt(d_K)*n_batch)) * t124
     t126 = ((X.reshape((n_batch, L, d_V, 1)) * t125.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t127 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t127 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t128 = M_1.transpose(-1, -2)
     t129 = (1/(L*math.sqrt(d_K)*n_batch)) * t128
     t130 = ((X.reshape((n_batch, L, d_V, 1)) * t129.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t131 = (t19.permute(1, 0) @ dA18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t132 = (t131.permute(1, 2, 3, 0) @ M_2)
     t133 = (t132.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t134 = ((t133.reshape((n_batch, L, d_V, d_K, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t134 = ((t133.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
     t123[...] = ((t126.reshape((d_V**2, L*n_batch)) @ t127.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t123 += ((t130.reshape((d_V**2, L*n_batch)) @ t134.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t135 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
@@ -12281,9 +12281,9 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t141 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t142 = t141.view((d_V, d_V, d_V, d_V))
     t143 = (1/(L*n_batch)) * t128
-    t144 = ((dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t144 = ((dA18.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t145 = ((M_1.reshape((n_batch, L, d_V, 1)) * t143.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t142[...] = ((t144.reshape((d_V**2, L*n_batch)) @ t145.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t142[...] = ((t145.reshape((d_V**2, L*n_batch)) @ t144.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -12381,7 +12381,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -12391,7 +12391,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -12424,7 +12424,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t43 = t42 - (A * t42).sum(-1, keepdim=True)
     t44 = A * t43
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t44.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t44.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t44.reshape((n_batch, L, 1, L)))
+    d2A = ((t44.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t44.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t44.reshape((n_batch, L, 1, L)))
     t45 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t46 = t20 * t45
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -12604,7 +12604,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12617,7 +12617,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (X * X).permute(2, 0, 1)
@@ -12640,7 +12640,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdim=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t36.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
+    d2A = ((t36.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
     t37 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12669,7 +12669,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12682,7 +12682,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -12704,7 +12704,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdim=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
+    d2A = ((t34.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
     t35 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12731,7 +12731,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12744,7 +12744,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -12753,7 +12753,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t23 = (t22 @ M_2)
     t24 = (t20.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t25 = (t24 @ t23)
-    t26 = ((t25.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t26 = ((W_K.permute(1, 0) @ t25.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     F = t13
     t28 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -12767,21 +12767,21 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdim=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t36.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
+    d2A = ((t36.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
     t37 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t38 = (1/(d_K*n_batch)) * t1
     t39 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t38.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t40 = ((t39.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t40 = ((W_K.permute(1, 0) @ t39.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t41 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t42 = t26.reshape((d_K**2, L*n_batch))
-    t43 = t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t44 = t40.reshape((d_K**2, L*n_batch))
-    t45 = t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t42 = t27.reshape((d_V**2, L*n_batch))
+    t43 = t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t44 = t41.reshape((d_V**2, L*n_batch))
+    t45 = t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t46 = torch.cat([t42, t44], dim=-1)
     t47 = torch.cat([t43, t45], dim=-2)
-    t0[...] = ((t46 @ t47).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t46 @ t47).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -12801,7 +12801,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -12811,7 +12811,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -12844,7 +12844,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t43 = t42 - (A * t42).sum(-1, keepdim=True)
     t44 = A * t43
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t44.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t44.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t44.reshape((n_batch, L, 1, L)))
+    d2A = ((t44.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t44.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t44.reshape((n_batch, L, 1, L)))
     t45 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t46 = t20 * t45
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -12898,7 +12898,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12907,7 +12907,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t27 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t28 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12915,7 +12915,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdim=True)
     t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA32 = ((t31.reshape((d_V, d_V, 1)) * A30.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
+    dA32 = ((A30.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
     t33 = (1/(L*d_K*n_batch)) * t1
     t34 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t33.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t35 = (dA32.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -12975,7 +12975,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = t0 @ t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
     t25 = (t24 @ X.permute(0, 2, 1))
     t26 = (t25.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -12983,7 +12983,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t29 = (t28.permute(1, 2, 0) @ t27.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t30 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12991,7 +12991,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A32 = t31 / t31.sum(-1, keepdim=True)
     t33 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = ((t33.reshape((d_V, d_V, 1)) * A32.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A32.reshape((n_batch, L, d_V, 1)) * A32.reshape((n_batch, L, 1, d_V)))
+    dA34 = ((A32.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t33.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A32.reshape((n_batch, L, d_V, 1)) * A32.reshape((n_batch, L, 1, d_V)))
     t35 = (X.reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
     t36 = (t35.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
     t37 = (dA34.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13056,7 +13056,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13069,7 +13069,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t19 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13086,7 +13086,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t30 = (t29 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t31 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t22.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t30.reshape((d_K*d_V, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -13107,7 +13107,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -13117,7 +13117,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t18 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13171,7 +13171,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13184,7 +13184,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -13207,7 +13207,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13237,7 +13237,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13250,7 +13250,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (M_2 @ M_2.permute(0, 1, 3, 2))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -13272,7 +13272,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t34 = t33 - (A * t33).sum(-1, keepdim=True)
     t35 = A * t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t35.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t35.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t35.reshape((n_batch, L, 1, L)))
+    d2A = ((t35.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t35.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t35.reshape((n_batch, L, 1, L)))
     t36 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t36.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13318,16 +13318,16 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
-    t26 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t26 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t27 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_K))
     t28 = ((t27.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t29 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13335,14 +13335,14 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdim=True)
     t32 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = ((t32.reshape((d_V, d_V, 1)) * A31.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
+    dA33 = ((A31.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t32.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
     t34 = (1/(L*d_K*n_batch)) * t1
     t35 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t36 = (dA33.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t37 = (t36.permute(0, 1, 3, 2) @ t35.permute(1, 2, 0, 3))
     t38 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t39 = (t38 @ t37)
-    t40 = ((t39.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t40 = ((W_K.permute(1, 0) @ t39.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t41 = (X.reshape((L*n_batch, d_V)) @ t34.permute(1, 0)).reshape((n_batch, L, d_K))
     t42 = ((t41.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t43 = t0.diagonal(0, 1, 3)
@@ -13351,13 +13351,13 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t46 = t2 @ t45
     t47 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t48 = (1/(math.sqrt(d_K)*n_batch)) * t47
-    t49 = t26.reshape((d_K*d_V, L*n_batch))
-    t50 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t51 = t40.reshape((d_K*d_V, L*n_batch))
-    t52 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t49 = t28.reshape((d_K*d_V, L*n_batch))
+    t50 = t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t51 = t42.reshape((d_K*d_V, L*n_batch))
+    t52 = t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t53 = torch.cat([t49, t51], dim=-1)
     t54 = torch.cat([t50, t52], dim=-2)
-    t0[...] = ((t53 @ t54).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t53 @ t54).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t43 += (t46.sum((0,)).reshape((d_V**2, 1)) * t48.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -13399,7 +13399,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = W_Q.transpose(-1, -2)
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t23.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
     t28 = (t27.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -13407,7 +13407,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t31 = (t30.permute(1, 2, 0) @ t29.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t25.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t32 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13415,7 +13415,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A34 = t33 / t33.sum(-1, keepdim=True)
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = ((t35.reshape((d_V, d_V, 1)) * A34.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))
+    dA36 = ((A34.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t35.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))
     t37 = (X.reshape((L*n_batch, d_V)) @ t23.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
     t38 = (t37.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
     t39 = (dA36.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13481,7 +13481,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13494,7 +13494,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -13517,7 +13517,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13552,7 +13552,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -13562,7 +13562,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -13595,7 +13595,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t44 = t43 - (A * t43).sum(-1, keepdim=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t45.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
+    d2A = ((t45.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
     t46 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t48 = (t47.reshape((L*n_batch, d_K)) @ t19.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13633,7 +13633,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13646,7 +13646,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13664,7 +13664,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t31 = M_2.permute(3, 2, 0, 1)
     t32 = (X.reshape((L*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = ((t32.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t31.reshape((d_V**2, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -13686,7 +13686,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -13696,7 +13696,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13759,7 +13759,7 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
     t17 = (M_1 * t16.permute(0, 2, 1)).permute(2, 0, 1)
     t18 = (oe.contract('abcc,abc->abc', dA, t11)).permute(2, 0, 1)
@@ -13791,7 +13791,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (M_1.reshape((n_batch, L, 1, d_V)) @ t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t16 = oe.contract('abcc,abc->ab', dA, t10)
     return (1/(L*n_batch)) * (t16 * t15).sum()
@@ -13828,26 +13828,26 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t19 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t21 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t22 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t22 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t23 = M_1.transpose(-1, -2)
     t24 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA27 = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
+    dA27 = ((A25.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t26.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
     t28 = W_V.transpose(-1, -2)
     t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
     t30 = ((X.reshape((n_batch, L, d_V, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t31 = (t28.permute(1, 0) @ dA27.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t32 = (t31.permute(1, 2, 3, 0) @ M_2)
     t33 = (t32.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t34 = ((t33.reshape((n_batch, L, d_V, d_K, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t34 = ((t33.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t2.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t0 += ((t30.reshape((d_V**2, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
@@ -13882,7 +13882,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t16.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t16.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13897,7 +13897,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A29 = t28 / t28.sum(-1, keepdim=True)
     t30 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA31 = ((t30.reshape((d_V, d_V, 1)) * A29.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A29.reshape((n_batch, L, d_V, 1)) * A29.reshape((n_batch, L, 1, d_V)))
+    dA31 = ((A29.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t30.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A29.reshape((n_batch, L, d_V, 1)) * A29.reshape((n_batch, L, 1, d_V)))
     t32 = W_V.transpose(-1, -2)
     t33 = (dA31.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t34 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13948,7 +13948,7 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t19 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13961,7 +13961,7 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A26 = t25 / t25.sum(-1, keepdim=True)
     t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA28 = ((t27.reshape((d_V, d_V, 1)) * A26.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A26.reshape((n_batch, L, d_V, 1)) * A26.reshape((n_batch, L, 1, d_V)))
+    dA28 = ((A26.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t27.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A26.reshape((n_batch, L, d_V, 1)) * A26.reshape((n_batch, L, 1, d_V)))
     t29 = W_V.transpose(-1, -2)
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
     t31 = (dA28.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -14002,7 +14002,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t16.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t16.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14017,7 +14017,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A29 = t28 / t28.sum(-1, keepdim=True)
     t30 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA31 = ((t30.reshape((d_V, d_V, 1)) * A29.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A29.reshape((n_batch, L, d_V, 1)) * A29.reshape((n_batch, L, 1, d_V)))
+    dA31 = ((A29.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t30.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A29.reshape((n_batch, L, d_V, 1)) * A29.reshape((n_batch, L, 1, d_V)))
     t32 = W_V.transpose(-1, -2)
     t33 = (dA31.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t34 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14063,11 +14063,11 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = (1/(L*n_batch)) * t9
-    t17 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t17 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t18 = ((M_1.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -14095,7 +14095,7 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14122,7 +14122,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -14132,7 +14132,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -14166,7 +14166,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t44 = t43 - (A * t43).sum(-1, keepdim=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t45.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
+    d2A = ((t45.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
     t46 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t48 = t20 * t47
@@ -14205,7 +14205,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -14215,7 +14215,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -14251,7 +14251,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t46 = t45 @ X
     t47 = t1 @ t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t45.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
+    d2A = ((t45.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t47.sum((0,))).reshape((n_batch, L, d_V))
     t49 = (t48 @ X.permute(0, 2, 1))
     t50 = (t49.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -14305,7 +14305,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -14315,7 +14315,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t18 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -14372,7 +14372,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -14382,7 +14382,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -14419,7 +14419,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t48 = t47 @ X
     t49 = t1 @ t48
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
+    d2A = ((t46.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t49.sum((0,))).reshape((n_batch, L, d_V))
     t51 = (t50 @ X.permute(0, 2, 1))
     t52 = (t51.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -14473,7 +14473,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -14483,7 +14483,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -14517,7 +14517,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdim=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
+    d2A = ((t46.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t49 = (t47.reshape((L*n_batch, d_K)) @ t47.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14557,7 +14557,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -14567,7 +14567,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -14633,11 +14633,11 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA17 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -14702,11 +14702,11 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA17 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -14771,7 +14771,7 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14877,7 +14877,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -14890,7 +14890,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -14899,9 +14899,9 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t26 = (t25 @ M_2)
     t27 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t28 = (t27 @ t26)
-    t29 = ((t28.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t29 = ((W_K.permute(1, 0) @ t28.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t30 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t29.reshape((d_K**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t32 = t31.view((d_V, d_K, d_V, d_K))
     t33 = ((t27 @ t26)).permute(2, 3, 0, 1)
@@ -14915,7 +14915,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t40 = (t39.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t41 = ((t40 @ t24)).permute(2, 3, 0, 1)
     t42 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t37[...] = ((t41.reshape((d_K*d_V, L*n_batch)) @ t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t37[...] = ((t42.reshape((d_V**2, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t44 = t43.view((d_V, d_K, d_V, d_K))
     t45 = W_Q.transpose(-1, -2)
@@ -14924,10 +14924,10 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t48 = (t24.permute(0, 1, 3, 2) @ t47.permute(1, 2, 0, 3))
     t49 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t50 = (t49 @ t48)
-    t51 = ((t50.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t51 = ((W_K.permute(1, 0) @ t50.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t52 = (X.reshape((L*n_batch, d_V)) @ t46.permute(1, 0)).reshape((n_batch, L, d_K))
     t53 = ((t52.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t44[...] = ((t51.reshape((d_K*d_V, L*n_batch)) @ t53.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t44[...] = ((t53.reshape((d_K*d_V, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t55 = t54.view((d_V, d_K, d_V, d_K))
     t56 = ((t49 @ t48)).permute(3, 2, 0, 1)
@@ -14939,7 +14939,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t61 = ((t24.permute(0, 1, 3, 2) @ t47.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t62 = (X.reshape((L*n_batch, d_V)) @ t60.permute(1, 0)).reshape((n_batch, L, d_K))
     t63 = ((t62.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t59[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t63.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t59[...] = ((t63.reshape((d_K*d_V, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t65 = t64.view((d_V, d_V, d_V, d_K))
     t66 = M_1.transpose(-1, -2)
@@ -14948,7 +14948,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t69 = (t21.permute(1, 0) @ dA20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t70 = (t69.permute(1, 2, 3, 0) @ M_2)
     t71 = (t70.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t72 = ((t71.reshape((n_batch, L, d_V, d_K, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t72 = ((t71.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t14.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
     t65[...] = ((t68.reshape((d_V**2, L*n_batch)) @ t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t74 = t73.view((d_V, d_V, d_V, d_K))
@@ -14958,9 +14958,9 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t78 = t77.view((d_V, d_V, d_V, d_V))
     t79 = (1/(L*n_batch)) * t66
-    t80 = ((dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t80 = ((dA20.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t81 = ((M_1.reshape((n_batch, L, d_V, 1)) * t79.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t78[...] = ((t80.reshape((d_V**2, L*n_batch)) @ t81.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t78[...] = ((t81.reshape((d_V**2, L*n_batch)) @ t80.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -15038,7 +15038,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -15048,7 +15048,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -15147,7 +15147,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15160,7 +15160,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (X * X).permute(2, 0, 1)
@@ -15193,7 +15193,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15206,7 +15206,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -15239,7 +15239,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15252,7 +15252,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -15261,9 +15261,9 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t25 = (t24 @ M_2)
     t26 = (t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t27 = (t26 @ t25)
-    t28 = ((t27.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t28 = ((W_K.permute(1, 0) @ t27.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t29 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t28.reshape((d_K**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t29.reshape((d_V**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -15285,7 +15285,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -15295,7 +15295,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -15341,7 +15341,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15354,7 +15354,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -15387,7 +15387,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -15397,7 +15397,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -15443,7 +15443,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15456,14 +15456,14 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t22 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t23 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t24 = ((t23 @ t22)).permute(2, 3, 0, 1)
     t25 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -15485,7 +15485,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -15495,7 +15495,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -15533,7 +15533,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15546,7 +15546,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -15580,7 +15580,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15593,7 +15593,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
     t21 = (M_2 @ M_2.permute(0, 1, 3, 2))
     t22 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -15627,7 +15627,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15640,7 +15640,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -15648,10 +15648,10 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t25 = (t24.permute(0, 1, 3, 2) @ t23.permute(1, 2, 0, 3))
     t26 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t27 = (t26 @ t25)
-    t28 = ((t27.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t28 = ((W_K.permute(1, 0) @ t27.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t29 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
     t30 = ((t29.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t30.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -15674,7 +15674,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -15684,7 +15684,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -15731,7 +15731,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15744,7 +15744,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -15778,7 +15778,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -15788,7 +15788,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -15835,7 +15835,7 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15848,14 +15848,14 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t23 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t24 = ((t23.permute(0, 1, 3, 2) @ t22.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t25 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
     t26 = ((t25.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -15878,7 +15878,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -15888,7 +15888,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -15933,7 +15933,7 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
     t19 = (M_1 * t18.permute(0, 2, 1)).permute(2, 0, 1)
     t20 = (oe.contract('abcc,abc->abc', dA, t13)).permute(2, 0, 1)
@@ -15967,7 +15967,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = (M_1.reshape((n_batch, L, 1, d_V)) @ t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t18 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t18 * t17).sum()
@@ -16001,11 +16001,11 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA20 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA20.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16014,7 +16014,7 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t24 = (t18.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t25 = (t24.permute(1, 2, 3, 0) @ M_2)
     t26 = (t25.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t27 = ((t26.reshape((n_batch, L, d_V, d_K, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t27 = ((t26.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
     t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -16045,11 +16045,11 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA19 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -16094,11 +16094,11 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA20 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA20.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16138,11 +16138,11 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA19 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -16187,11 +16187,11 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
-    t19 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t19 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t20 = ((M_1.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -16221,7 +16221,7 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -16270,15 +16270,15 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t2
     t28 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t29 = ((t28.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t29 = ((W_K.permute(1, 0) @ t28.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t30 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t29.reshape((d_K**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t32 = t31.view((d_V, d_K, d_V, d_K))
     t33 = (t27 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -16294,7 +16294,7 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t42 = t41.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t25.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t43 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t43.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16306,12 +16306,12 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t48 = t47.view((d_V, d_K, d_V, d_K))
     t49 = W_Q.transpose(-1, -2)
     t50 = (1/(d_K*n_batch)) * t49
-    t51 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t51 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t52 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t50.permute(1, 0)).reshape((n_batch, L, d_K))
     t53 = ((t52.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t54 = t48.diagonal(0, 1, 3)
     t55 = t38.transpose(-1, -2)
-    t48[...] = ((t51.reshape((d_K*d_V, L*n_batch)) @ t53.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t48[...] = ((t53.reshape((d_K*d_V, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t54 += (t55.sum((0,)).reshape((d_V**2, 1)) * t40.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t57 = t56.view((d_V, d_K, d_V, d_K))
@@ -16330,7 +16330,7 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t68 = G.transpose(-1, -2)
     t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
     t70 = ((X.reshape((n_batch, L, d_V, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t71 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t71 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t67[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t73 = t72.view((d_V, d_V, d_V, d_K))
@@ -16445,7 +16445,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t25 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t26 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -16473,7 +16473,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t48 = (n_batch**(-2)) * (t37.sum((0,)) * t37.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t42 * t40).sum() + (1/(d_K**2*n_batch**2)) * (t47 * t44.permute(0, 2, 3, 1)).sum()
     t49 = torch.sqrt(torch.clamp(t48, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t50 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t51 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t52 = t51 * t27
@@ -16559,7 +16559,7 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16606,7 +16606,7 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16653,15 +16653,15 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t26 = (1/(d_K*n_batch)) * t1
     t27 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t26.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t28 = ((t27.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t28 = ((W_K.permute(1, 0) @ t27.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t29 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t28.reshape((d_K**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t29.reshape((d_V**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -16700,7 +16700,7 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t25 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t26 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -16753,7 +16753,7 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16808,7 +16808,7 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = t0 @ t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t24.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
     t28 = (t27.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -16848,7 +16848,7 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16889,7 +16889,7 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -16954,7 +16954,7 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17003,7 +17003,7 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17051,12 +17051,12 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
-    t28 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t28 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t29 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_K))
     t30 = ((t29.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t31 = t0.diagonal(0, 1, 3)
@@ -17065,7 +17065,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t34 = t2 @ t33
     t35 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
-    t0[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t30.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t31 += (t34.sum((0,)).reshape((d_V**2, 1)) * t36.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -17109,7 +17109,7 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t26 = W_Q.transpose(-1, -2)
     t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t27.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t27.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t28 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.sum((0,))).reshape((n_batch, L, d_V))
     t29 = (t28 @ X.permute(0, 2, 1))
     t30 = (t29.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -17167,7 +17167,7 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17216,7 +17216,7 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t27 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17253,7 +17253,7 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17296,7 +17296,7 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -17376,13 +17376,13 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = G.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t23 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t24 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t24 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -17418,7 +17418,7 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17466,7 +17466,7 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = G.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17509,7 +17509,7 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17565,7 +17565,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17578,7 +17578,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -17587,7 +17587,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t26 = (t25 @ M_2)
     t27 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t28 = (t27 @ t26)
-    t29 = ((t28.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t29 = ((W_K.permute(1, 0) @ t28.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t30 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     F = t16
     t31 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -17601,21 +17601,21 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
+    d2A = ((t39.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
     t40 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t40.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t41 = (1/(d_K*n_batch)) * t2
     t42 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t43 = ((t42.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t43 = ((W_K.permute(1, 0) @ t42.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t44 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t45 = t29.reshape((d_K**2, L*n_batch))
-    t46 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t47 = t43.reshape((d_K**2, L*n_batch))
-    t48 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t45 = t30.reshape((d_V**2, L*n_batch))
+    t46 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t47 = t44.reshape((d_V**2, L*n_batch))
+    t48 = t43.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t49 = torch.cat([t45, t47], dim=-1)
     t50 = torch.cat([t46, t48], dim=-2)
-    t1[...] = ((t49 @ t50).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t49 @ t50).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t51 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t52 = t51.view((d_V, d_K, d_V, d_K))
     t53 = (t41 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -17646,13 +17646,13 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t76 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t77 = (t76 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t78 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t70[...] = ((t74.reshape((d_K*d_V, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t70[...] = ((t75.reshape((d_V**2, L*n_batch)) @ t74.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t70 += ((t77.reshape((d_K*d_V, L*n_batch)) @ t78.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t79 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t80 = t79.view((d_V, d_K, d_V, d_K))
     t81 = W_Q.transpose(-1, -2)
     t82 = (1/(d_K*n_batch)) * t81
-    t83 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t83 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t84 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t82.permute(1, 0)).reshape((n_batch, L, d_K))
     t85 = ((t84.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t86 = (1/(L*d_K*n_batch)) * t81
@@ -17660,18 +17660,18 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t88 = (t24.permute(0, 1, 3, 2) @ t87.permute(1, 2, 0, 3))
     t89 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t90 = (t89 @ t88)
-    t91 = ((t90.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t91 = ((W_K.permute(1, 0) @ t90.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t92 = (X.reshape((L*n_batch, d_V)) @ t86.permute(1, 0)).reshape((n_batch, L, d_K))
     t93 = ((t92.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t94 = t80.diagonal(0, 1, 3)
     t95 = t60.transpose(-1, -2)
-    t96 = t83.reshape((d_K*d_V, L*n_batch))
-    t97 = t85.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t98 = t91.reshape((d_K*d_V, L*n_batch))
-    t99 = t93.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t96 = t85.reshape((d_K*d_V, L*n_batch))
+    t97 = t83.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t98 = t93.reshape((d_K*d_V, L*n_batch))
+    t99 = t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t100 = torch.cat([t96, t98], dim=-1)
     t101 = torch.cat([t97, t99], dim=-2)
-    t80[...] = ((t100 @ t101).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t80[...] = ((t100 @ t101).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t94 += (t95.sum((0,)).reshape((d_V**2, 1)) * t62.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t102 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t103 = t102.view((d_V, d_K, d_V, d_K))
@@ -17696,21 +17696,21 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t121 = M_2.permute(3, 2, 0, 1)
     t122 = (X.reshape((L*n_batch, d_V)) @ t120.permute(1, 0)).reshape((n_batch, L, d_K))
     t123 = ((t122.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t115[...] = ((t117.reshape((d_V**2, L*n_batch)) @ t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t115[...] = ((t119.reshape((d_K*d_V, L*n_batch)) @ t117.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t115 += ((t121.reshape((d_V**2, L*n_batch)) @ t123.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t125 = t124.view((d_V, d_V, d_V, d_K))
     t126 = G.transpose(-1, -2)
     t127 = (1/(math.sqrt(d_K)*n_batch)) * t126
     t128 = ((X.reshape((n_batch, L, d_V, 1)) * t127.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t129 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t129 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t130 = M_1.transpose(-1, -2)
     t131 = (1/(L*math.sqrt(d_K)*n_batch)) * t130
     t132 = ((X.reshape((n_batch, L, d_V, 1)) * t131.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t133 = (t21.permute(1, 0) @ dA20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t134 = (t133.permute(1, 2, 3, 0) @ M_2)
     t135 = (t134.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t136 = ((t135.reshape((n_batch, L, d_V, d_K, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t136 = ((t135.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t14.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
     t125[...] = ((t128.reshape((d_V**2, L*n_batch)) @ t129.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t125 += ((t132.reshape((d_V**2, L*n_batch)) @ t136.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t137 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
@@ -17724,9 +17724,9 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t143 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t144 = t143.view((d_V, d_V, d_V, d_V))
     t145 = (1/(L*n_batch)) * t130
-    t146 = ((dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t146 = ((dA20.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t147 = ((M_1.reshape((n_batch, L, d_V, 1)) * t145.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t144[...] = ((t146.reshape((d_V**2, L*n_batch)) @ t147.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t144[...] = ((t147.reshape((d_V**2, L*n_batch)) @ t146.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -17828,7 +17828,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -17838,7 +17838,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -17871,7 +17871,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdim=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
+    d2A = ((t46.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t48 = t22 * t47
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -18053,7 +18053,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18066,7 +18066,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (X * X).permute(2, 0, 1)
@@ -18089,7 +18089,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
+    d2A = ((t38.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
     t39 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18120,7 +18120,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18133,7 +18133,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -18155,7 +18155,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdim=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t36.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
+    d2A = ((t36.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
     t37 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18184,7 +18184,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18197,7 +18197,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -18206,7 +18206,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = (t24 @ M_2)
     t26 = (t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t27 = (t26 @ t25)
-    t28 = ((t27.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t28 = ((W_K.permute(1, 0) @ t27.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t29 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     F = t15
     t30 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -18220,21 +18220,21 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
+    d2A = ((t38.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
     t39 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t40 = (1/(d_K*n_batch)) * t1
     t41 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t40.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t42 = ((t41.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t42 = ((W_K.permute(1, 0) @ t41.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t43 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t44 = t28.reshape((d_K**2, L*n_batch))
-    t45 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t46 = t42.reshape((d_K**2, L*n_batch))
-    t47 = t43.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t44 = t29.reshape((d_V**2, L*n_batch))
+    t45 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t46 = t43.reshape((d_V**2, L*n_batch))
+    t47 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t48 = torch.cat([t44, t46], dim=-1)
     t49 = torch.cat([t45, t47], dim=-2)
-    t0[...] = ((t48 @ t49).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t48 @ t49).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -18256,7 +18256,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -18266,7 +18266,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -18299,7 +18299,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdim=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
+    d2A = ((t46.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t48 = t22 * t47
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -18355,7 +18355,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18364,7 +18364,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t29 = ((t28.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t24.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t30 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18372,7 +18372,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A32 = t31 / t31.sum(-1, keepdim=True)
     t33 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = ((t33.reshape((d_V, d_V, 1)) * A32.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A32.reshape((n_batch, L, d_V, 1)) * A32.reshape((n_batch, L, 1, d_V)))
+    dA34 = ((A32.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t33.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A32.reshape((n_batch, L, d_V, 1)) * A32.reshape((n_batch, L, 1, d_V)))
     t35 = (1/(L*d_K*n_batch)) * t1
     t36 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t35.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t37 = (dA34.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -18434,7 +18434,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = t0 @ t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t24.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
     t28 = (t27.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -18442,7 +18442,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t31 = (t30.permute(1, 2, 0) @ t29.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t25.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t32 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18450,7 +18450,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A34 = t33 / t33.sum(-1, keepdim=True)
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = ((t35.reshape((d_V, d_V, 1)) * A34.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))
+    dA36 = ((A34.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t35.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))
     t37 = (X.reshape((L*n_batch, d_V)) @ t24.sum((0,))).reshape((n_batch, L, d_V))
     t38 = (t37.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
     t39 = (dA36.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -18517,7 +18517,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18530,7 +18530,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t22 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -18547,7 +18547,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t32 = (t31 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t33 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t32.reshape((d_K*d_V, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -18570,7 +18570,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -18580,7 +18580,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -18636,7 +18636,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18649,7 +18649,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -18672,7 +18672,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
+    d2A = ((t39.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
     t40 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t40.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18704,7 +18704,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18717,7 +18717,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
     t21 = (M_2 @ M_2.permute(0, 1, 3, 2))
     t22 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -18739,7 +18739,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18787,16 +18787,16 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
-    t28 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t28 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t29 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_K))
     t30 = ((t29.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t25.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t31 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t31.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18804,14 +18804,14 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A33 = t32 / t32.sum(-1, keepdim=True)
     t34 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA35 = ((t34.reshape((d_V, d_V, 1)) * A33.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A33.reshape((n_batch, L, d_V, 1)) * A33.reshape((n_batch, L, 1, d_V)))
+    dA35 = ((A33.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t34.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A33.reshape((n_batch, L, d_V, 1)) * A33.reshape((n_batch, L, 1, d_V)))
     t36 = (1/(L*d_K*n_batch)) * t1
     t37 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t38 = (dA35.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t39 = (t38.permute(0, 1, 3, 2) @ t37.permute(1, 2, 0, 3))
     t40 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t41 = (t40 @ t39)
-    t42 = ((t41.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t42 = ((W_K.permute(1, 0) @ t41.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t43 = (X.reshape((L*n_batch, d_V)) @ t36.permute(1, 0)).reshape((n_batch, L, d_K))
     t44 = ((t43.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t45 = t0.diagonal(0, 1, 3)
@@ -18820,13 +18820,13 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t48 = t2 @ t47
     t49 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t50 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t51 = t28.reshape((d_K*d_V, L*n_batch))
-    t52 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t53 = t42.reshape((d_K*d_V, L*n_batch))
-    t54 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t51 = t30.reshape((d_K*d_V, L*n_batch))
+    t52 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t53 = t44.reshape((d_K*d_V, L*n_batch))
+    t54 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t55 = torch.cat([t51, t53], dim=-1)
     t56 = torch.cat([t52, t54], dim=-2)
-    t0[...] = ((t55 @ t56).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t55 @ t56).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t45 += (t48.sum((0,)).reshape((d_V**2, 1)) * t50.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -18870,7 +18870,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = W_Q.transpose(-1, -2)
     t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t27.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t27.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t28 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.sum((0,))).reshape((n_batch, L, d_V))
     t29 = (t28 @ X.permute(0, 2, 1))
     t30 = (t29.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -18878,7 +18878,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t32 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t33 = (t32.permute(1, 2, 0) @ t31.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t27.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t27.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t34 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18886,7 +18886,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A36 = t35 / t35.sum(-1, keepdim=True)
     t37 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = ((t37.reshape((d_V, d_V, 1)) * A36.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A36.reshape((n_batch, L, d_V, 1)) * A36.reshape((n_batch, L, 1, d_V)))
+    dA38 = ((A36.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t37.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A36.reshape((n_batch, L, d_V, 1)) * A36.reshape((n_batch, L, 1, d_V)))
     t39 = (X.reshape((L*n_batch, d_V)) @ t25.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
     t40 = (t39.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
     t41 = (dA38.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -18954,7 +18954,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18967,7 +18967,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -18990,7 +18990,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
+    d2A = ((t39.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
     t40 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t40.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -19027,7 +19027,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -19037,7 +19037,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -19070,7 +19070,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t46 = t45 - (A * t45).sum(-1, keepdim=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t47.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
+    d2A = ((t47.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t50 = (t49.reshape((L*n_batch, d_K)) @ t21.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19110,7 +19110,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -19123,7 +19123,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t23 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -19141,7 +19141,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t33 = M_2.permute(3, 2, 0, 1)
     t34 = (X.reshape((L*n_batch, d_V)) @ t32.permute(1, 0)).reshape((n_batch, L, d_K))
     t35 = ((t34.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t33.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -19165,7 +19165,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -19175,7 +19175,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -19240,7 +19240,7 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
     t19 = (M_1 * t18.permute(0, 2, 1)).permute(2, 0, 1)
     t20 = (oe.contract('abcc,abc->abc', dA, t13)).permute(2, 0, 1)
@@ -19274,7 +19274,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = (M_1.reshape((n_batch, L, 1, d_V)) @ t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t18 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t18 * t17).sum()
@@ -19313,26 +19313,26 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = G.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t23 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t24 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t24 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t25 = M_1.transpose(-1, -2)
     t26 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
     t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA29 = ((t28.reshape((d_V, d_V, 1)) * A27.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A27.reshape((n_batch, L, d_V, 1)) * A27.reshape((n_batch, L, 1, d_V)))
+    dA29 = ((A27.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t28.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A27.reshape((n_batch, L, d_V, 1)) * A27.reshape((n_batch, L, 1, d_V)))
     t30 = W_V.transpose(-1, -2)
     t31 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
     t32 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t33 = (t30.permute(1, 0) @ dA29.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t34 = (t33.permute(1, 2, 3, 0) @ M_2)
     t35 = (t34.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t36 = ((t35.reshape((n_batch, L, d_V, d_K, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t36 = ((t35.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t2.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
     t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t0 += ((t32.reshape((d_V**2, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
@@ -19369,7 +19369,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19384,7 +19384,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdim=True)
     t32 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = ((t32.reshape((d_V, d_V, 1)) * A31.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
+    dA33 = ((A31.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t32.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
     t34 = W_V.transpose(-1, -2)
     t35 = (dA33.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t36 = (t29.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19437,7 +19437,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = G.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -19450,7 +19450,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A28 = t27 / t27.sum(-1, keepdim=True)
     t29 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA30 = ((t29.reshape((d_V, d_V, 1)) * A28.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A28.reshape((n_batch, L, d_V, 1)) * A28.reshape((n_batch, L, 1, d_V)))
+    dA30 = ((A28.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t29.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A28.reshape((n_batch, L, d_V, 1)) * A28.reshape((n_batch, L, 1, d_V)))
     t31 = W_V.transpose(-1, -2)
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
     t33 = (dA30.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -19493,7 +19493,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19508,7 +19508,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdim=True)
     t32 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = ((t32.reshape((d_V, d_V, 1)) * A31.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
+    dA33 = ((A31.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t32.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
     t34 = W_V.transpose(-1, -2)
     t35 = (dA33.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t36 = (t29.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19556,11 +19556,11 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (1/(L*n_batch)) * t11
-    t19 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t19 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t20 = ((M_1.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -19590,7 +19590,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19619,7 +19619,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -19629,7 +19629,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -19663,7 +19663,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t46 = t45 - (A * t45).sum(-1, keepdim=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t47.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
+    d2A = ((t47.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t50 = t22 * t49
@@ -19704,7 +19704,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -19714,7 +19714,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -19750,7 +19750,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t48 = t47 @ X
     t49 = t1 @ t48
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t47.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
+    d2A = ((t47.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t49.sum((0,))).reshape((n_batch, L, d_V))
     t51 = (t50 @ X.permute(0, 2, 1))
     t52 = (t51.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -19806,7 +19806,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -19816,7 +19816,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -19875,7 +19875,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -19885,7 +19885,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -19922,7 +19922,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t50 = t49 @ X
     t51 = t1 @ t50
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t48.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))
+    d2A = ((t48.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))
     t52 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t51.sum((0,))).reshape((n_batch, L, d_V))
     t53 = (t52 @ X.permute(0, 2, 1))
     t54 = (t53.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -19978,7 +19978,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -19988,7 +19988,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -20022,7 +20022,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t47 = t46 - (A * t46).sum(-1, keepdim=True)
     t48 = A * t47
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t48.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))
+    d2A = ((t48.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t51 = (t49.reshape((L*n_batch, d_K)) @ t49.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -20064,7 +20064,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -20074,7 +20074,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -20142,11 +20142,11 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA19 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -20213,11 +20213,11 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA19 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -20284,7 +20284,7 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))

@@ -77,7 +77,7 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t8 = (t4.reshape((n_batch, L, d_ff, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
     t9 = (X.reshape((n_batch, L, d_V, 1)) * t4.reshape((n_batch, L, 1, d_ff)))
     t10 = (t9.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t8.reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))
-    t1[...] = ((t10.permute(1, 2, 0, 3).reshape((d_ff, d_ff, d_V**2, 1)) * t6.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(3, 1, 2, 0)
+    t1[...] = ((t10.permute(2, 1, 3, 0).reshape((d_ff, d_ff, d_V**2, 1)) * t6.reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(2, 0, 3, 1)
     t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t12 = t11.view((d_V, d_ff, d_ff, d_V))
     t13 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
@@ -226,7 +226,7 @@ def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t7 = (t3.reshape((n_batch, L, d_ff, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
     t8 = (X.reshape((n_batch, L, d_V, 1)) * t3.reshape((n_batch, L, 1, d_ff)))
     t9 = (t8.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t7.reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))
-    t0[...] = ((t9.permute(1, 2, 0, 3).reshape((d_ff, d_ff, d_V**2, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(3, 1, 2, 0)
+    t0[...] = ((t9.permute(2, 1, 3, 0).reshape((d_ff, d_ff, d_V**2, 1)) * t5.reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -724,7 +724,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t8 = (t4.reshape((n_batch, L, d_ff, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
     t9 = (X.reshape((n_batch, L, d_V, 1)) * t4.reshape((n_batch, L, 1, d_ff)))
     t10 = (t9.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t8.reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))
-    t1[...] = ((t10.permute(1, 2, 0, 3).reshape((d_ff, d_ff, d_V**2, 1)) * t6.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(3, 1, 2, 0)
+    t1[...] = ((t10.permute(2, 1, 3, 0).reshape((d_ff, d_ff, d_V**2, 1)) * t6.reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(2, 0, 3, 1)
     t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t12 = t11.view((d_V, d_ff, d_ff, d_V))
     t13 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
@@ -923,7 +923,7 @@ def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t7 = (t3.reshape((n_batch, L, d_ff, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
     t8 = (X.reshape((n_batch, L, d_V, 1)) * t3.reshape((n_batch, L, 1, d_ff)))
     t9 = (t8.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t7.reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))
-    t0[...] = ((t9.permute(1, 2, 0, 3).reshape((d_ff, d_ff, d_V**2, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(3, 1, 2, 0)
+    t0[...] = ((t9.permute(2, 1, 3, 0).reshape((d_ff, d_ff, d_V**2, 1)) * t5.reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(2, 0, 3, 1)
     return out
 
 
@@ -1419,7 +1419,7 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = W_2.transpose(-1, -2)
     t12 = (1/(L*n_batch)) * t2
     t13 = X.permute(2, 0, 1)
@@ -1428,13 +1428,13 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t16 = (t15.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
     t17 = (t4.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
     t18 = (t16.reshape((n_batch, L, d_ff, d_ff, 1)) * t4.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t19 = ((t18.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t17.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
+    t19 = ((t18.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_ff, 1)) * t17.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, 1, d_V)))).permute(4, 0, 3, 1, 2)
     t1[...] = ((t13.reshape((d_V, L*n_batch)) @ t19.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(1, 2, 0, 3)
     t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t21 = t20.view((d_V, d_ff, d_ff, d_V))
     t22 = t7.permute(2, 0, 1)
     t23 = (t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t24 = ((t17.reshape((n_batch, L, d_ff, d_V, 1)) * t23.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
+    t24 = ((t17.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, d_V, 1)) * t23.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, 1, d_V)))).permute(3, 0, 4, 1, 2)
     t21[...] = ((t22.reshape((d_ff, L*n_batch)) @ t24.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**2*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
     t25 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t26 = t25.view((d_ff, d_V, d_V, d_ff))
@@ -1444,13 +1444,13 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t30 = (t11.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
     t31 = (t6.reshape((n_batch, L, d_V, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
     t32 = (t30.reshape((d_ff, n_batch, L, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
-    t33 = ((t32.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_ff, 1)) * t31.reshape((n_batch, L, d_V, 1, d_ff)))).permute(4, 2, 3, 0, 1)
+    t33 = ((t32.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, d_ff, 1)) * t31.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_ff)))).permute(4, 0, 3, 1, 2)
     t26[...] = ((t13.reshape((d_V, L*n_batch)) @ t33.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_ff, d_V, d_ff))).permute(1, 2, 0, 3)
     t34 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t35 = t34.view((d_ff, d_V, d_ff, d_V))
-    t36 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t36 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t6.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t37 = ((t7.reshape((n_batch, L, d_ff, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t35[...] = ((t36.reshape((d_V**2, L*n_batch)) @ t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(2, 0, 3, 1)
+    t35[...] = ((t37.reshape((d_ff**2, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -1506,7 +1506,7 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
@@ -1562,7 +1562,7 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = X * t11.permute(0, 2, 1)
@@ -1592,7 +1592,7 @@ def ce_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t11 = t2 * t2
@@ -1622,7 +1622,7 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = X.permute(2, 0, 1)
@@ -1631,7 +1631,7 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t15 = (t14.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
     t16 = (t3.reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
     t17 = (t15.reshape((n_batch, L, d_ff, d_ff, 1)) * t3.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t18 = ((t17.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t16.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
+    t18 = ((t17.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_ff, 1)) * t16.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, 1, d_V)))).permute(4, 0, 3, 1, 2)
     t0[...] = ((t12.reshape((d_V, L*n_batch)) @ t18.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(1, 2, 0, 3)
     return out
 
@@ -1653,7 +1653,7 @@ def ce_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
@@ -1689,13 +1689,13 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = (1/(L*n_batch)) * t1
     t11 = t6.permute(2, 0, 1)
     t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t13 = (t12.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
     t14 = (t3.reshape((n_batch, L, d_ff, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t15 = ((t14.reshape((n_batch, L, d_ff, d_V, 1)) * t13.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
+    t15 = ((t14.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, d_V, 1)) * t13.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, 1, d_V)))).permute(3, 0, 4, 1, 2)
     t0[...] = ((t11.reshape((d_ff, L*n_batch)) @ t15.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**2*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
     return out
 
@@ -1717,7 +1717,7 @@ def ce_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t11 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1751,7 +1751,7 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
     t13 = (t8 * t12.permute(0, 2, 1)).permute(2, 0, 1)
     t14 = (oe.contract('abcc,abc->abc', dA, t6)).permute(2, 0, 1)
@@ -1778,7 +1778,7 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = (t7.reshape((n_batch, L, 1, d_ff)) @ t3.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L))
     t12 = oe.contract('abcc,abc->ab', dA, t5)
     return (1/(L*n_batch)) * (t12 * t11).sum()
@@ -1805,7 +1805,7 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t12 = W_2.transpose(-1, -2)
     t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t14 = t13.transpose(-1, -2)
@@ -1814,7 +1814,7 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t17 = (t12.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
     t18 = (t6.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
     t19 = (t17.reshape((d_ff, n_batch, L, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
-    t20 = ((t19.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_ff, 1)) * t18.reshape((n_batch, L, d_V, 1, d_ff)))).permute(4, 2, 3, 0, 1)
+    t20 = ((t19.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, d_ff, 1)) * t18.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_ff)))).permute(4, 0, 3, 1, 2)
     t0[...] = ((t16.reshape((d_V, L*n_batch)) @ t20.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_ff, d_V, d_ff))).permute(1, 2, 0, 3)
     return out
 
@@ -1838,7 +1838,7 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
@@ -1875,11 +1875,11 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
-    t13 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t13 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t6.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t14 = ((t8.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(2, 0, 3, 1)
+    t0[...] = ((t14.reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -1902,7 +1902,7 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2255,7 +2255,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = W_2.transpose(-1, -2)
     t12 = (1/(L*n_batch)) * t2
     t13 = X.permute(2, 0, 1)
@@ -2264,13 +2264,13 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t16 = (t15.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
     t17 = (t4.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
     t18 = (t16.reshape((n_batch, L, d_ff, d_ff, 1)) * t4.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t19 = ((t18.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t17.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
+    t19 = ((t18.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_ff, 1)) * t17.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, 1, d_V)))).permute(4, 0, 3, 1, 2)
     t1[...] = ((t13.reshape((d_V, L*n_batch)) @ t19.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(1, 2, 0, 3)
     t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t21 = t20.view((d_V, d_ff, d_ff, d_V))
     t22 = t7.permute(2, 0, 1)
     t23 = (t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t24 = ((t17.reshape((n_batch, L, d_ff, d_V, 1)) * t23.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
+    t24 = ((t17.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, d_V, 1)) * t23.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, 1, d_V)))).permute(3, 0, 4, 1, 2)
     t25 = t21.diagonal(0, 1, 2)
     F = t8
     t26 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -2292,7 +2292,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t39 = (t11.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
     t40 = (t6.reshape((n_batch, L, d_V, 1)) * t38.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
     t41 = (t39.reshape((d_ff, n_batch, L, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
-    t42 = ((t41.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_ff, 1)) * t40.reshape((n_batch, L, d_V, 1, d_ff)))).permute(4, 2, 3, 0, 1)
+    t42 = ((t41.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, d_ff, 1)) * t40.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_ff)))).permute(4, 0, 3, 1, 2)
     t43 = t35.diagonal(0, 0, 3)
     t44 = G.transpose(-1, -2)
     t45 = t4.transpose(-1, -2)
@@ -2302,9 +2302,9 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t43 += ((t13.reshape((d_V, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     t48 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t49 = t48.view((d_ff, d_V, d_ff, d_V))
-    t50 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t50 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t6.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t51 = ((t7.reshape((n_batch, L, d_ff, 1)) * t38.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t49[...] = ((t50.reshape((d_V**2, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(2, 0, 3, 1)
+    t49[...] = ((t51.reshape((d_ff**2, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -2372,7 +2372,7 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
@@ -2452,7 +2452,7 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = X * t11.permute(0, 2, 1)
@@ -2482,7 +2482,7 @@ def ce_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t11 = t2 * t2
@@ -2512,7 +2512,7 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = X.permute(2, 0, 1)
@@ -2521,7 +2521,7 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t15 = (t14.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
     t16 = (t3.reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
     t17 = (t15.reshape((n_batch, L, d_ff, d_ff, 1)) * t3.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t18 = ((t17.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t16.reshape((n_batch, L, d_ff, 1, d_V)))).permute(4, 2, 3, 0, 1)
+    t18 = ((t17.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_ff, 1)) * t16.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, 1, d_V)))).permute(4, 0, 3, 1, 2)
     t0[...] = ((t12.reshape((d_V, L*n_batch)) @ t18.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(1, 2, 0, 3)
     return out
 
@@ -2543,7 +2543,7 @@ def ce_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
@@ -2579,13 +2579,13 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t9.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = (1/(L*n_batch)) * t1
     t11 = t6.permute(2, 0, 1)
     t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t13 = (t12.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
     t14 = (t3.reshape((n_batch, L, d_ff, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t15 = ((t14.reshape((n_batch, L, d_ff, d_V, 1)) * t13.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(3, 2, 4, 0, 1)
+    t15 = ((t14.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, d_V, 1)) * t13.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, 1, d_V)))).permute(3, 0, 4, 1, 2)
     t16 = t0.diagonal(0, 1, 2)
     F = t7
     t17 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -2619,7 +2619,7 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t11 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2668,7 +2668,7 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
     t13 = (t8 * t12.permute(0, 2, 1)).permute(2, 0, 1)
     t14 = (oe.contract('abcc,abc->abc', dA, t6)).permute(2, 0, 1)
@@ -2695,7 +2695,7 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = (t7.reshape((n_batch, L, 1, d_ff)) @ t3.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L))
     t12 = oe.contract('abcc,abc->ab', dA, t5)
     return (1/(L*n_batch)) * (t12 * t11).sum()
@@ -2722,7 +2722,7 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t12 = W_2.transpose(-1, -2)
     t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t14 = t13.transpose(-1, -2)
@@ -2731,7 +2731,7 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t17 = (t12.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
     t18 = (t6.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
     t19 = (t17.reshape((d_ff, n_batch, L, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
-    t20 = ((t19.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_ff, 1)) * t18.reshape((n_batch, L, d_V, 1, d_ff)))).permute(4, 2, 3, 0, 1)
+    t20 = ((t19.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, d_ff, 1)) * t18.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_ff)))).permute(4, 0, 3, 1, 2)
     t21 = t0.diagonal(0, 0, 3)
     F = t9
     t22 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -2767,7 +2767,7 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
@@ -2820,11 +2820,11 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t12 = (1/(L*n_batch)) * t4
-    t13 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t13 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t6.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t14 = ((t8.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(2, 0, 3, 1)
+    t0[...] = ((t14.reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -2847,7 +2847,7 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2875,7 +2875,7 @@ def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
@@ -2911,7 +2911,7 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t8.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t11 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2963,7 +2963,7 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
@@ -3019,7 +3019,7 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t10.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))

@@ -110,7 +110,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t22 = (2/(L*d_K*d_V*n_batch)) * t19
     t23 = t22.permute(1, 2, 0)
     t24 = t21.permute(1, 2, 0)
-    t17[...] = ((t23.reshape((d_K*d_V, n_batch)) @ t24.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t17[...] = ((t24.reshape((d_K*d_V, n_batch)) @ t23.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t26 = t25.view((d_V, d_K, d_V, d_V))
     t27 = t18 @ t5
@@ -131,7 +131,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t40 = (2/(L*d_K*d_V*n_batch)) * t38
     t41 = t40.permute(1, 2, 0)
     t42 = t39.permute(1, 2, 0)
-    t37[...] = ((t41.reshape((d_K*d_V, n_batch)) @ t42.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t37[...] = ((t42.reshape((d_K*d_V, n_batch)) @ t41.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t44 = t43.view((d_V, d_K, d_V, d_K))
     t45 = t9 @ X
@@ -149,7 +149,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
     t57 = t56.permute(1, 2, 0)
     t58 = t55.permute(1, 2, 0)
-    t53[...] = ((t57.reshape((d_V**2, n_batch)) @ t58.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t53[...] = ((t58.reshape((d_K*d_V, n_batch)) @ t57.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t60 = t59.view((d_V, d_V, d_V, d_K))
     t61 = t30.transpose(-1, -2)
@@ -165,7 +165,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t70 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t68
     t71 = t70.permute(1, 2, 0)
     t72 = t69.permute(1, 2, 0)
-    t67[...] = ((t71.reshape((d_K*d_V, n_batch)) @ t72.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t67[...] = ((t72.reshape((d_V**2, n_batch)) @ t71.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t73[...] = 0
     t74 = t73.view((d_V, d_V, d_V, d_V))
@@ -416,7 +416,7 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_K*d_V*n_batch)) * t3
     t13 = t12.permute(1, 2, 0)
     t14 = t11.permute(1, 2, 0)
-    t0[...] = ((t13.reshape((d_K*d_V, n_batch)) @ t14.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t14.reshape((d_K*d_V, n_batch)) @ t13.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -562,7 +562,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_K*d_V*n_batch)) * t8
     t13 = t12.permute(1, 2, 0)
     t14 = t11.permute(1, 2, 0)
-    t0[...] = ((t13.reshape((d_K*d_V, n_batch)) @ t14.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t14.reshape((d_K*d_V, n_batch)) @ t13.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -664,7 +664,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t3
     t14 = t13.permute(1, 2, 0)
     t15 = t12.permute(1, 2, 0)
-    t0[...] = ((t14.reshape((d_V**2, n_batch)) @ t15.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t15.reshape((d_K*d_V, n_batch)) @ t14.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -820,7 +820,7 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t10
     t15 = t14.permute(1, 2, 0)
     t16 = t13.permute(1, 2, 0)
-    t0[...] = ((t15.reshape((d_K*d_V, n_batch)) @ t16.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t16.reshape((d_V**2, n_batch)) @ t15.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -940,7 +940,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t22
     t25 = t24.permute(1, 2, 0)
     t26 = t23.permute(1, 2, 0)
-    t21[...] = ((t25.reshape((d_V**2, n_batch)) @ t26.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t21[...] = ((t26.reshape((d_K*d_V, n_batch)) @ t25.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t27[...] = 0
     t28 = t27.view((d_V, d_K, d_V, d_K))
@@ -966,7 +966,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t45 = (1/(math.sqrt(d_K)*n_batch)) * t43
     t46 = t45.permute(1, 2, 0)
     t47 = t44.permute(1, 2, 0)
-    t42[...] = ((t46.reshape((d_K*d_V, n_batch)) @ t47.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t42[...] = ((t47.reshape((d_V**2, n_batch)) @ t46.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t49 = t48.view((d_V, d_V, d_V, d_K))
     t50 = t37.transpose(-1, -2)
@@ -1209,7 +1209,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = (1/(math.sqrt(d_K)*n_batch)) * t11
     t14 = t13.permute(1, 2, 0)
     t15 = t12.permute(1, 2, 0)
-    t0[...] = ((t14.reshape((d_V**2, n_batch)) @ t15.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t15.reshape((d_K*d_V, n_batch)) @ t14.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -1453,7 +1453,7 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t3
     t15 = t14.permute(1, 2, 0)
     t16 = t13.permute(1, 2, 0)
-    t0[...] = ((t15.reshape((d_K*d_V, n_batch)) @ t16.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t16.reshape((d_V**2, n_batch)) @ t15.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -1623,7 +1623,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t39 = T @ X
     t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t41 = ((t39.permute(0, 2, 1) @ t40.permute(0, 2, 1))).permute(2, 1, 0)
-    t42 = ((W_V.permute(1, 0) @ t38.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))).permute(2, 0, 1)
+    t42 = ((W_V.permute(1, 0) @ t38.permute(2, 1, 0).reshape((d_V, d_K*n_batch))).reshape((d_V, d_K, n_batch))).permute(1, 0, 2)
     t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t44 = t38.permute(1, 2, 0)
     t45 = ((G.permute(0, 2, 1) @ t43.permute(0, 2, 1))).permute(2, 1, 0)
@@ -1659,10 +1659,10 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t70 = t3.permute(1, 2, 0)
     t71 = ((G.permute(0, 2, 1) @ t69.permute(0, 2, 1))).permute(2, 1, 0)
     t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
-    t73 = ((W_V.permute(1, 0) @ t3.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))).permute(2, 0, 1)
+    t73 = ((W_V.permute(1, 0) @ t3.permute(2, 1, 0).reshape((d_V, d_V*n_batch))).reshape((d_V, d_V, n_batch))).permute(1, 0, 2)
     t74 = ((t39.permute(0, 2, 1) @ t72.permute(0, 2, 1))).permute(2, 1, 0)
     t68[...] = ((t70.reshape((d_V**2, n_batch)) @ t71.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t68 += ((t73.reshape((d_V**2, n_batch)) @ t74.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t68 += ((t74.reshape((d_K*d_V, n_batch)) @ t73.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t76 = t75.view((d_V, d_V, d_V, d_K))
     t77 = T.transpose(-1, -2)
@@ -1671,7 +1671,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t80 = ((t78.permute(0, 2, 1) @ t40.permute(0, 2, 1))).permute(2, 1, 0)
     t81 = t57.permute(1, 2, 0)
     t82 = ((t10.permute(0, 2, 1) @ t43.permute(0, 2, 1))).permute(2, 1, 0)
-    t76[...] = ((t79.reshape((d_K*d_V, n_batch)) @ t80.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t76[...] = ((t80.reshape((d_V**2, n_batch)) @ t79.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t76 += ((t81.reshape((d_V**2, n_batch)) @ t82.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t84 = t83.view((d_V, d_V, d_V, d_K))
@@ -1682,7 +1682,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t89 = t48.transpose(-1, -2)
     t90 = t89.permute(1, 2, 0)
     t91 = ((t88.permute(0, 2, 1) @ t40.permute(0, 2, 1))).permute(2, 1, 0)
-    t84[...] = ((t86.reshape((d_K*d_V, n_batch)) @ t87.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t84[...] = ((t87.reshape((d_V**2, n_batch)) @ t86.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t84 += ((t90.reshape((d_V**2, n_batch)) @ t91.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t92[...] = 0
@@ -2080,7 +2080,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = T @ X
     t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t10 = ((t8.permute(0, 2, 1) @ t9.permute(0, 2, 1))).permute(2, 1, 0)
-    t11 = ((W_V.permute(1, 0) @ t4.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))).permute(2, 0, 1)
+    t11 = ((W_V.permute(1, 0) @ t4.permute(2, 1, 0).reshape((d_V, d_K*n_batch))).reshape((d_V, d_K, n_batch))).permute(1, 0, 2)
     t12 = t8 @ W_V
     F = t12
     t13 = F - Y
@@ -2336,10 +2336,10 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = ((G.permute(0, 2, 1) @ t14.permute(0, 2, 1))).permute(2, 1, 0)
     t17 = T @ X
     t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t19 = ((W_V.permute(1, 0) @ t2.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))).permute(2, 0, 1)
+    t19 = ((W_V.permute(1, 0) @ t2.permute(2, 1, 0).reshape((d_V, d_V*n_batch))).reshape((d_V, d_V, n_batch))).permute(1, 0, 2)
     t20 = ((t17.permute(0, 2, 1) @ t18.permute(0, 2, 1))).permute(2, 1, 0)
     t0[...] = ((t15.reshape((d_V**2, n_batch)) @ t16.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t0 += ((t19.reshape((d_V**2, n_batch)) @ t20.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t20.reshape((d_K*d_V, n_batch)) @ t19.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -2464,7 +2464,7 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t23 = t21.permute(1, 2, 0)
     t24 = ((t11.permute(0, 2, 1) @ t22.permute(0, 2, 1))).permute(2, 1, 0)
-    t0[...] = ((t14.reshape((d_K*d_V, n_batch)) @ t15.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t15.reshape((d_V**2, n_batch)) @ t14.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t0 += ((t23.reshape((d_V**2, n_batch)) @ t24.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -2545,7 +2545,7 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t22 = t20.permute(1, 2, 0)
     t23 = ((t18.permute(0, 2, 1) @ t21.permute(0, 2, 1))).permute(2, 1, 0)
-    t0[...] = ((t15.reshape((d_K*d_V, n_batch)) @ t16.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t16.reshape((d_V**2, n_batch)) @ t15.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t0 += ((t22.reshape((d_V**2, n_batch)) @ t23.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -3173,13 +3173,13 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t11 = (Mcausal.reshape((L, L, 1)) * t10.reshape((L, 1, L)))
     t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t9).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t14 = ((t9.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
     t15 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t14.reshape((d_K**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = t16.view((d_V, d_K, d_V, d_K))
     t18 = X @ W_Q
-    t19 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t19 = ((X.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     t20 = ((t18.reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t17[...] = ((t19.reshape((d_K*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -3192,7 +3192,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t27 = t6.transpose(-1, -2)
     t28 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t29 = (t28.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t30 = ((t29.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t26).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t30 = ((t26.permute(0, 2, 1) @ t29.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t31 = ((t27.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t22[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -3203,33 +3203,33 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t37 = (t35.permute(1, 0).reshape((L, L, 1)) * t36.permute(1, 0).reshape((L, 1, L)))
     t38 = (t37.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t39 = (t38.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t40 = ((t39.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t40 = ((t9.permute(0, 2, 1) @ t39.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t41 = ((X.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t33[...] = ((t40.reshape((d_K*d_V, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t33[...] = ((t41.reshape((d_K*d_V, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = t42.view((d_V, d_K, d_V, d_K))
-    t44 = ((t39.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t44 = ((X.permute(0, 2, 1) @ t39.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t45 = ((t18.reshape((n_batch, L, d_K, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t43[...] = ((t44.reshape((d_V**2, L*n_batch)) @ t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t47 = t46.view((d_V, d_K, d_V, d_V))
     t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
     t49 = (t48.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t50 = ((t49.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t27).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t50 = ((t27.permute(0, 2, 1) @ t49.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t51 = ((t26.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t47[...] = ((t50.reshape((d_V**2, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t47[...] = ((t51.reshape((d_K*d_V, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t53 = t52.view((d_V, d_V, d_V, d_K))
     t54 = t26.transpose(-1, -2)
     t55 = (t28.reshape((L, L, 1)) * t54.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t56 = ((t55.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t56 = ((X.permute(0, 2, 1) @ t55.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t57 = ((t9.reshape((n_batch, L, d_K, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t53[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t59 = t58.view((d_V, d_V, d_V, d_K))
-    t60 = ((t55.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t60 = ((t18.permute(0, 2, 1) @ t55.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t61 = ((X.reshape((n_batch, L, d_V, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t59[...] = ((t60.reshape((d_K*d_V, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t59[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t62[...] = 0
     t63 = t62.view((d_V, d_V, d_V, d_V))
@@ -3450,9 +3450,9 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
     t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t12 = (t11.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t13 = ((t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t8).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t13 = ((t8.permute(0, 2, 1) @ t12.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
     t14 = ((X.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t13.reshape((d_K**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -3507,7 +3507,7 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
     t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t12 = (t11.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t13 = ((t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t13 = ((X.permute(0, 2, 1) @ t12.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     t14 = ((t8.reshape((n_batch, L, d_K, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t13.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
@@ -3564,7 +3564,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_V
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t11 = (t10.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t12 = ((t11.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t8).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t12 = ((t8.permute(0, 2, 1) @ t11.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t13 = ((t9.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
@@ -3674,9 +3674,9 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = (t4.permute(1, 0).reshape((L, L, 1)) * t10.permute(1, 0).reshape((L, 1, L)))
     t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t14 = ((t9.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t15 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = ((t14.reshape((d_K*d_V, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -3733,7 +3733,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = (t4.permute(1, 0).reshape((L, L, 1)) * t10.permute(1, 0).reshape((L, 1, L)))
     t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t14 = ((X.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t15 = ((t9.reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
@@ -3794,9 +3794,9 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ X
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
     t14 = (t13.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t15 = ((t14.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t5).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t15 = ((t5.permute(0, 2, 1) @ t14.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t16 = ((t12.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t16.reshape((d_K*d_V, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -3911,7 +3911,7 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = t4.transpose(-1, -2)
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t15 = (t14.reshape((L, L, 1)) * t10.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t16 = ((t15.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t16 = ((X.permute(0, 2, 1) @ t15.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t17 = ((t13.reshape((n_batch, L, d_K, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
@@ -3976,9 +3976,9 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = X @ W_Q
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t15 = (t14.reshape((L, L, 1)) * t10.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t16 = ((t15.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t13).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t16 = ((t13.permute(0, 2, 1) @ t15.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t17 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t16.reshape((d_K*d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -4113,9 +4113,9 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = t22.view((d_V, d_K, d_V, d_V))
     t24 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t25 = (t24.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t26 = ((t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t26 = ((G.permute(0, 2, 1) @ t25.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t23[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t23[...] = ((t27.reshape((d_K*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t28[...] = 0
     t29 = t28.view((d_V, d_K, d_V, d_K))
@@ -4131,16 +4131,16 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t37 = Mcausal.transpose(-1, -2)
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
     t39 = (t38.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t40 = ((t39.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t40 = ((X.permute(0, 2, 1) @ t39.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t41 = ((G.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t34[...] = ((t40.reshape((d_V**2, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t43 = t42.view((d_V, d_V, d_V, d_K))
     t44 = G.transpose(-1, -2)
     t45 = t6.transpose(-1, -2)
-    t46 = ((t39.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t45).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t46 = ((t45.permute(0, 2, 1) @ t39.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t47 = ((X.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t43[...] = ((t46.reshape((d_K*d_V, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t43[...] = ((t47.reshape((d_V**2, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t49 = t48.view((d_V, d_V, d_V, d_K))
     t50 = t36.transpose(-1, -2)
@@ -4411,9 +4411,9 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t11
     t12 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t13 = (t12.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t14 = ((t13.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t14 = ((G.permute(0, 2, 1) @ t13.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t15 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -4590,7 +4590,7 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t16 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t17 = ((X.permute(0, 2, 1) @ t16.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t18 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
@@ -4681,9 +4681,9 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = t3.transpose(-1, -2)
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
     t16 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t14).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t17 = ((t14.permute(0, 2, 1) @ t16.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t18 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -4752,7 +4752,7 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = X @ W_Q
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
     t16 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t17 = ((X.permute(0, 2, 1) @ t16.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t18 = ((t14.reshape((n_batch, L, d_K, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
@@ -4837,13 +4837,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t11 = (Mcausal.reshape((L, L, 1)) * t10.reshape((L, 1, L)))
     t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t9).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t14 = ((t9.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
     t15 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t14.reshape((d_K**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = t16.view((d_V, d_K, d_V, d_K))
     t18 = X @ W_Q
-    t19 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t19 = ((X.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     t20 = ((t18.reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t21 = t17.diagonal(0, 1, 3)
     t22 = t18 @ t4
@@ -4871,13 +4871,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t39 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t40 = ((t39.permute(1, 2, 0).reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t41 = (t38.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t42 = ((t41.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t37).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t42 = ((t37.permute(0, 2, 1) @ t41.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t43 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t44 = (t43.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t45 = ((t44.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t45 = ((G.permute(0, 2, 1) @ t44.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t46 = ((X.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t36[...] = ((t40.reshape((d_K*d_V, L*n_batch)) @ t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
-    t36 += ((t45.reshape((d_V**2, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t36[...] = ((t42.reshape((d_V**2, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t36 += ((t46.reshape((d_K*d_V, L*n_batch)) @ t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t48 = t47.view((d_V, d_K, d_V, d_K))
     t49 = t18.transpose(-1, -2)
@@ -4886,32 +4886,32 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t52 = (t50.permute(1, 0).reshape((L, L, 1)) * t51.permute(1, 0).reshape((L, 1, L)))
     t53 = (t52.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t54 = (t53.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t55 = ((t54.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t55 = ((t9.permute(0, 2, 1) @ t54.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t56 = ((X.reshape((n_batch, L, d_V, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t57 = t48.diagonal(0, 1, 3)
     t58 = t29.transpose(-1, -2)
     t59 = t58 * t50
     t60 = t59 @ X
     t61 = (t60.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t48[...] = ((t55.reshape((d_K*d_V, L*n_batch)) @ t56.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t48[...] = ((t56.reshape((d_K*d_V, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t57 += (t61.permute(1, 0).reshape((d_V**2, 1)) * t33.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t62 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t63 = t62.view((d_V, d_K, d_V, d_K))
-    t64 = ((t54.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t64 = ((X.permute(0, 2, 1) @ t54.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t65 = ((t18.reshape((n_batch, L, d_K, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t63[...] = ((t64.reshape((d_V**2, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t66 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t67 = t66.view((d_V, d_K, d_V, d_V))
     t68 = (1/(math.sqrt(d_K)*n_batch)) * t50
     t69 = (t68.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t70 = ((t69.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t70 = ((X.permute(0, 2, 1) @ t69.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t71 = ((G.reshape((n_batch, L, d_V, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
     t73 = (t72.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t74 = ((t39.permute(1, 0, 2) @ t73.permute(2, 0, 1, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(3, 1, 0, 2)
+    t74 = ((t39.permute(1, 0, 2) @ t73.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t75 = ((t37.reshape((n_batch, L, d_V, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t67[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t67 += ((t74.reshape((d_V**2, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t67 += ((t75.reshape((d_K*d_V, L*n_batch)) @ t74.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t77 = t76.view((d_V, d_V, d_V, d_K))
     t78 = T.transpose(-1, -2)
@@ -4919,18 +4919,18 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t80 = (t79.permute(0, 2, 1) @ t2.permute(0, 2, 1))
     t81 = ((t80.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t82 = (t38.permute(1, 0).reshape((L, L, 1)) * t6.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t83 = ((t82.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t83 = ((t9.permute(0, 2, 1) @ t82.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t84 = G.transpose(-1, -2)
-    t85 = ((t69.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t85 = ((t9.permute(0, 2, 1) @ t69.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t86 = ((X.reshape((n_batch, L, d_V, 1)) * t84.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t77[...] = ((t81.reshape((d_V**2, L*n_batch)) @ t83.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t77 += ((t85.reshape((d_K*d_V, L*n_batch)) @ t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t77 += ((t86.reshape((d_V**2, L*n_batch)) @ t85.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t88 = t87.view((d_V, d_V, d_V, d_K))
     t89 = ((t80.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
-    t90 = ((t82.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t90 = ((X.permute(0, 2, 1) @ t82.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t91 = ((t18.reshape((n_batch, L, d_K, 1)) * t84.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t88[...] = ((t89.reshape((d_K*d_V, L*n_batch)) @ t90.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t88[...] = ((t90.reshape((d_V**2, L*n_batch)) @ t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t88 += ((t70.reshape((d_V**2, L*n_batch)) @ t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t92[...] = 0
@@ -5248,9 +5248,9 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
     t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t12 = (t11.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t13 = ((t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t8).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t13 = ((t8.permute(0, 2, 1) @ t12.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
     t14 = ((X.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t13.reshape((d_K**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -5305,7 +5305,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = (Mcausal.reshape((L, L, 1)) * t9.reshape((L, 1, L)))
     t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t12 = (t11.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t13 = ((t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t13 = ((X.permute(0, 2, 1) @ t12.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     t14 = ((t8.reshape((n_batch, L, d_K, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t15 = t0.diagonal(0, 1, 3)
     t16 = t8 @ t3
@@ -5400,7 +5400,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t11 = ((t10.permute(1, 2, 0).reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t12 = (t9.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t13 = ((t12.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t8).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t13 = ((t8.permute(0, 2, 1) @ t12.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t14 = t8 @ W_V
     F = t14
     t15 = F - Y
@@ -5408,10 +5408,10 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t16
     t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t18 = (t17.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t19 = ((t18.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t19 = ((G.permute(0, 2, 1) @ t18.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t20 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = ((t11.reshape((d_K*d_V, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 3, 1)
-    t0 += ((t19.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t0 += ((t20.reshape((d_K*d_V, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -5536,7 +5536,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = (t4.permute(1, 0).reshape((L, L, 1)) * t10.permute(1, 0).reshape((L, 1, L)))
     t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t9).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t14 = ((t9.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t15 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t16 = t0.diagonal(0, 1, 3)
     t17 = t6.transpose(-1, -2)
@@ -5558,7 +5558,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
     t32 = (t29.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t0[...] = ((t14.reshape((d_K*d_V, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t16 += (t32.permute(1, 0).reshape((d_V**2, 1)) * t31.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -5639,7 +5639,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = (t4.permute(1, 0).reshape((L, L, 1)) * t10.permute(1, 0).reshape((L, 1, L)))
     t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t14 = ((t13.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t14 = ((X.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t15 = ((t9.reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
@@ -5704,16 +5704,16 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t16 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t17 = ((X.permute(0, 2, 1) @ t16.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t18 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t19 = t10 @ X
     t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
     t21 = (t20.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t22 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t23 = ((t22.permute(1, 0, 2) @ t21.permute(2, 0, 1, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(3, 1, 0, 2)
+    t23 = ((t22.permute(1, 0, 2) @ t21.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t24 = ((t19.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t0 += ((t23.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t24.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -5848,7 +5848,7 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = (t9.permute(0, 2, 1) @ t1.permute(0, 2, 1))
     t15 = ((t14.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t16 = (t13.permute(1, 0).reshape((L, L, 1)) * t11.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t12).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t17 = ((t12.permute(0, 2, 1) @ t16.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t18 = Mcausal * T
     t19 = t11.transpose(-1, -2)
     t20 = t18 @ t19
@@ -5859,10 +5859,10 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t23 = G.transpose(-1, -2)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t25 = (t24.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t26 = ((t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t12).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t26 = ((t12.permute(0, 2, 1) @ t25.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t0 += ((t26.reshape((d_K*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t27.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -5945,7 +5945,7 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = (t9.permute(0, 2, 1) @ t1.permute(0, 2, 1))
     t15 = ((t14.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
     t16 = (t13.permute(1, 0).reshape((L, L, 1)) * t11.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t17 = ((t16.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t17 = ((X.permute(0, 2, 1) @ t16.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t18 = Mcausal * T
     t19 = t11.transpose(-1, -2)
     t20 = t18 @ t19
@@ -5956,9 +5956,9 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = G.transpose(-1, -2)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t25 = (t24.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t26 = ((t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t26 = ((X.permute(0, 2, 1) @ t25.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t27 = ((t12.reshape((n_batch, L, d_K, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t0 += ((t26.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -6521,7 +6521,7 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     t5 = (1/math.sqrt(d_K)) * Mcausal
     t6 = (t5.permute(1, 0).reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
     t7 = (t6.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t4).reshape((n_batch, L, d_V, d_K))
-    t3[...] = ((t7.reshape((n_batch, L, d_K*d_V, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 2, 4, 3)
+    t3[...] = ((X.reshape((n_batch, L, d_V, 1)) * t7.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     return out
 
 
@@ -6712,7 +6712,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = t6.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
     t17 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
@@ -6728,14 +6728,14 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t26 = ((t23.reshape((n_batch, L, d_K, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t27 = (t25.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t28 = ((t27.permute(0, 2, 1, 3) @ t18.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t22[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t22[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t30 = t29.view((d_V, d_K, d_V, d_V))
     t31 = T @ X
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t33 = ((t31.reshape((n_batch, L, d_V, 1)) * t32.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t34 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t35 = ((t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t6.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t35 = ((t6 @ t34.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     t30[...] = ((t33.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t37 = t36.view((d_V, d_K, d_V, d_K))
@@ -6753,32 +6753,32 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t48 = t47.view((d_V, d_K, d_V, d_K))
     t49 = ((t23.reshape((n_batch, L, d_K, 1)) * t43.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t50 = ((t27.permute(0, 2, 1, 3) @ t45.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t48[...] = ((t49.reshape((d_K**2, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t48[...] = ((t50.reshape((d_V**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t52 = t51.view((d_V, d_K, d_V, d_V))
     t53 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
     t54 = ((t31.reshape((n_batch, L, d_V, 1)) * t53.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t55 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t56 = ((t55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t38.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t56 = ((t38 @ t55.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t52[...] = ((t54.reshape((d_K*d_V, L*n_batch)) @ t56.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t58 = t57.view((d_V, d_V, d_V, d_K))
     t59 = t31.transpose(-1, -2)
     t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t59
     t61 = ((X.reshape((n_batch, L, d_V, 1)) * t60.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t62 = ((t34.reshape((n_batch, L*d_V, d_V)) @ t15).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t62 = ((t15.permute(0, 2, 1) @ t34.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t58[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t64 = t63.view((d_V, d_V, d_V, d_K))
     t65 = ((t23.reshape((n_batch, L, d_K, 1)) * t60.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t66 = ((t34.reshape((n_batch, L*d_V, d_V)) @ t25).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t64[...] = ((t65.reshape((d_K*d_V, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t66 = ((t25.permute(0, 2, 1) @ t34.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t64[...] = ((t66.reshape((d_V**2, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = t67.view((d_V, d_V, d_V, d_V))
     t69 = (1/(L*n_batch)) * t59
-    t70 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t70 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t71 = ((t31.reshape((n_batch, L, d_V, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t68[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t68[...] = ((t71.reshape((d_V**2, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -6853,7 +6853,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6950,7 +6950,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
     t16 = (X * t15.permute(0, 2, 1)).permute(2, 0, 1)
@@ -6983,7 +6983,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t4.transpose(-1, -2)
     t14 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = (t13 @ t4)
@@ -7016,7 +7016,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
     t16 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
@@ -7049,7 +7049,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7087,7 +7087,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = t4.transpose(-1, -2)
     t16 = t15 @ X
@@ -7096,7 +7096,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t19 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
     t20 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t21 = ((t20.permute(0, 2, 1, 3) @ t19.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t0[...] = ((t18.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -7122,7 +7122,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = X @ W_Q
     t14 = t3.transpose(-1, -2)
     t15 = t14 @ X
@@ -7162,12 +7162,12 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t16 = ((t14.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t18 = ((t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))).permute(3, 2, 0, 1)
+    t18 = ((t5 @ t17.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -7194,7 +7194,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = T @ X
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
@@ -7234,7 +7234,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = (t9 * t18.permute(0, 2, 1)).permute(2, 0, 1)
@@ -7270,7 +7270,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t2.transpose(-1, -2)
     t17 = (t8.reshape((n_batch, L, 1, d_K)) @ t4.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t18 = (t16 @ t2)
@@ -7306,7 +7306,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t2.transpose(-1, -2)
     t18 = t11.transpose(-1, -2)
     t19 = t17 @ t18
@@ -7344,7 +7344,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t1.transpose(-1, -2)
     t17 = t10.transpose(-1, -2)
     t18 = t16 @ t17
@@ -7387,14 +7387,14 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = ((t9.reshape((n_batch, L, d_K, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t20 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
     t21 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t22 = ((t21.permute(0, 2, 1, 3) @ t20.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t0[...] = ((t19.reshape((d_K**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -7423,7 +7423,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t2.transpose(-1, -2)
     t17 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t18 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7464,12 +7464,12 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = T @ X
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t5
     t19 = ((t17.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t21 = ((t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t21 = ((t3 @ t20.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t0[...] = ((t19.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -7499,7 +7499,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = T @ X
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
@@ -7537,7 +7537,7 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (t11 * t15.permute(0, 2, 1)).permute(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
@@ -7568,7 +7568,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = (t10.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -7599,7 +7599,7 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t1
     t17 = t3.transpose(-1, -2)
@@ -7607,7 +7607,7 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
     t20 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t22 = ((t21.reshape((n_batch, L*d_V, d_V)) @ t18).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t22 = ((t18.permute(0, 2, 1) @ t21.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -7635,7 +7635,7 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
     t16 = t2.transpose(-1, -2)
@@ -7676,7 +7676,7 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = X @ W_Q
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t1
@@ -7684,8 +7684,8 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
     t20 = ((t15.reshape((n_batch, L, d_K, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t22 = ((t21.reshape((n_batch, L*d_V, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
-    t0[...] = ((t20.reshape((d_K*d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t22 = ((t18.permute(0, 2, 1) @ t21.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -7712,7 +7712,7 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t0
@@ -7753,11 +7753,11 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t16 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t10.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t17 = ((t11.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -7784,7 +7784,7 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7840,7 +7840,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t28 = (1/(math.sqrt(d_K)*n_batch)) * t26
     t29 = t28.permute(1, 2, 0)
     t30 = t27.permute(1, 2, 0)
-    t25[...] = ((t29.reshape((d_V**2, n_batch)) @ t30.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t25[...] = ((t30.reshape((d_K*d_V, n_batch)) @ t29.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t31[...] = 0
     t32 = t31.view((d_V, d_K, d_V, d_K))
@@ -7866,7 +7866,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t49 = (1/(math.sqrt(d_K)*n_batch)) * t47
     t50 = t49.permute(1, 2, 0)
     t51 = t48.permute(1, 2, 0)
-    t46[...] = ((t50.reshape((d_K*d_V, n_batch)) @ t51.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t46[...] = ((t51.reshape((d_V**2, n_batch)) @ t50.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t53 = t52.view((d_V, d_V, d_V, d_K))
     t54 = t41.transpose(-1, -2)
@@ -8134,7 +8134,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t15
     t18 = t17.permute(1, 2, 0)
     t19 = t16.permute(1, 2, 0)
-    t0[...] = ((t18.reshape((d_V**2, n_batch)) @ t19.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t19.reshape((d_K*d_V, n_batch)) @ t18.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -8408,7 +8408,7 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t3
     t19 = t18.permute(1, 2, 0)
     t20 = t17.permute(1, 2, 0)
-    t0[...] = ((t19.reshape((d_K*d_V, n_batch)) @ t20.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t20.reshape((d_V**2, n_batch)) @ t19.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -8563,7 +8563,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = t6.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
     t17 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
@@ -8592,7 +8592,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t37 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
     t39 = (t36.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t22[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t22[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t29 += (t39.permute(1, 0).reshape((d_V**2, 1)) * t38.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t41 = t40.view((d_V, d_K, d_V, d_V))
@@ -8602,7 +8602,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t45 = ((t43.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t46 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t47 = (W_V.permute(1, 0) @ t42.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
-    t48 = ((t47.permute(1, 2, 0) @ t46.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(1, 3, 0, 2)
+    t48 = ((t47.permute(1, 2, 0) @ t46.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     t49 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t50 = t42.permute(1, 2, 0)
     t51 = ((G.permute(0, 2, 1) @ t49.permute(0, 2, 1))).permute(2, 1, 0)
@@ -8629,7 +8629,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t68 = t67.view((d_V, d_K, d_V, d_K))
     t69 = ((t23.reshape((n_batch, L, d_K, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t70 = ((t27.permute(0, 2, 1, 3) @ t61.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t68[...] = ((t69.reshape((d_K**2, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t68[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t69.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t71 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t72 = t71.view((d_V, d_K, d_V, d_V))
     t73 = t2 @ X
@@ -8640,7 +8640,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t78 = ((t43.reshape((n_batch, L, d_V, 1)) * t77.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t79 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t58.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t80 = (W_V.permute(1, 0) @ t73.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
-    t81 = ((t80.permute(1, 2, 0) @ t79.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(1, 3, 0, 2)
+    t81 = ((t80.permute(1, 2, 0) @ t79.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t72[...] = ((t75.reshape((d_V**2, n_batch)) @ t76.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t72 += ((t78.reshape((d_K*d_V, L*n_batch)) @ t81.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t82 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
@@ -8651,27 +8651,27 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t87 = ((t84.permute(0, 2, 1) @ t49.permute(0, 2, 1))).permute(2, 1, 0)
     t88 = T.transpose(-1, -2)
     t89 = (1/(L*math.sqrt(d_K)*n_batch)) * t88
-    t90 = ((t46.reshape((n_batch, L*d_V, d_V)) @ t15).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t90 = ((t15.permute(0, 2, 1) @ t46.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t91 = (t89.permute(0, 2, 1) @ t2.permute(0, 2, 1))
     t92 = ((t91.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t83[...] = ((t86.reshape((d_V**2, n_batch)) @ t87.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t83 += ((t90.reshape((d_K*d_V, L*n_batch)) @ t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t83 += ((t92.reshape((d_V**2, L*n_batch)) @ t90.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t93 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t94 = t93.view((d_V, d_V, d_V, d_K))
     t95 = t64 @ t23
     t96 = t95.permute(1, 2, 0)
     t97 = ((X.permute(0, 2, 1) @ t49.permute(0, 2, 1))).permute(2, 1, 0)
-    t98 = ((t46.reshape((n_batch, L*d_V, d_V)) @ t25).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t98 = ((t25.permute(0, 2, 1) @ t46.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t99 = ((t91.reshape((n_batch, L, d_V, 1)) * t23.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
-    t94[...] = ((t96.reshape((d_K*d_V, n_batch)) @ t97.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t94[...] = ((t97.reshape((d_V**2, n_batch)) @ t96.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t94 += ((t98.reshape((d_V**2, L*n_batch)) @ t99.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t100 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t101 = t100.view((d_V, d_V, d_V, d_V))
     t102 = t43.transpose(-1, -2)
     t103 = (1/(L*n_batch)) * t102
-    t104 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t104 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t105 = ((t43.reshape((n_batch, L, d_V, 1)) * t103.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t101[...] = ((t104.reshape((d_V**2, L*n_batch)) @ t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t101[...] = ((t105.reshape((d_V**2, L*n_batch)) @ t104.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -8770,7 +8770,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8928,7 +8928,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
     t16 = (X * t15.permute(0, 2, 1)).permute(2, 0, 1)
@@ -8961,7 +8961,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t4.transpose(-1, -2)
     t14 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = (t13 @ t4)
@@ -8994,7 +8994,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
     t16 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
@@ -9027,7 +9027,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9065,7 +9065,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = t4.transpose(-1, -2)
     t16 = t15 @ X
@@ -9087,7 +9087,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
     t32 = (t29.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t0[...] = ((t18.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t22 += (t32.permute(1, 0).reshape((d_V**2, 1)) * t31.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -9125,7 +9125,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A20 = t19 / t19.sum(-1, keepdim=True)
     t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t21.reshape((d_V, d_V, 1)) * A20.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A20.reshape((n_batch, L, d_V, 1)) * A20.reshape((n_batch, L, 1, d_V)))
+    dA = ((A20.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A20.reshape((n_batch, L, d_V, 1)) * A20.reshape((n_batch, L, 1, d_V)))
     t22 = X @ W_Q
     t23 = t14 @ X
     t24 = (t22 @ t18)
@@ -9169,13 +9169,13 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t16 = ((t14.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (W_V.permute(1, 0) @ t4.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
-    t19 = ((t18.permute(1, 2, 0) @ t17.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(1, 3, 0, 2)
+    t19 = ((t18.permute(1, 2, 0) @ t17.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     F = t11
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
@@ -9213,7 +9213,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = T @ X
     t14 = (W_V.permute(1, 0) @ t3.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
     t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -9268,7 +9268,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = (t9 * t18.permute(0, 2, 1)).permute(2, 0, 1)
@@ -9304,7 +9304,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t2.transpose(-1, -2)
     t17 = (t8.reshape((n_batch, L, 1, d_K)) @ t4.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t18 = (t16 @ t2)
@@ -9340,7 +9340,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t2.transpose(-1, -2)
     t18 = t11.transpose(-1, -2)
     t19 = t17 @ t18
@@ -9407,7 +9407,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
+    dA = ((A25.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t26.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
     t27 = t1.transpose(-1, -2)
     t28 = t6.transpose(-1, -2)
     t29 = t27 @ t28
@@ -9453,14 +9453,14 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = ((t9.reshape((n_batch, L, d_K, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t20 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
     t21 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t22 = ((t21.permute(0, 2, 1, 3) @ t20.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t0[...] = ((t19.reshape((d_K**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -9489,7 +9489,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t2.transpose(-1, -2)
     t17 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t18 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9542,13 +9542,13 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
+    dA = ((A25.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t26.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
     t27 = T @ X
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
     t29 = ((t27.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t30 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t31 = (W_V.permute(1, 0) @ t2.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
-    t32 = ((t31.permute(1, 2, 0) @ t30.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(1, 3, 0, 2)
+    t32 = ((t31.permute(1, 2, 0) @ t30.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t0[...] = ((t19.reshape((d_V**2, n_batch)) @ t20.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t29.reshape((d_K*d_V, L*n_batch)) @ t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -9592,7 +9592,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t26.reshape((d_V, d_V, 1)) * A25.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
+    dA = ((A25.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t26.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
     t27 = T @ X
     t28 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t29 = (t27.reshape((L*n_batch, d_V)) @ t1.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
@@ -9635,7 +9635,7 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (t11 * t15.permute(0, 2, 1)).permute(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
@@ -9666,7 +9666,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = (t10.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -9708,16 +9708,16 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t23.reshape((d_V, d_V, 1)) * A22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))
+    dA = ((A22.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t23.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))
     t24 = t9.transpose(-1, -2)
     t25 = t24 @ t2
     t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
     t27 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t28 = ((t27.reshape((n_batch, L*d_V, d_V)) @ t25).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t28 = ((t25.permute(0, 2, 1) @ t27.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t29 = (t26.permute(0, 2, 1) @ t1.permute(0, 2, 1))
     t30 = ((t29.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t0[...] = ((t18.reshape((d_V**2, n_batch)) @ t19.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t0 += ((t28.reshape((d_K*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0 += ((t30.reshape((d_V**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -9756,7 +9756,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t23.reshape((d_V, d_V, 1)) * A22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))
+    dA = ((A22.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t23.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))
     t24 = t8.transpose(-1, -2)
     t25 = t24 @ t1
     t26 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t3.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -9813,15 +9813,15 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A23 = t22 / t22.sum(-1, keepdim=True)
     t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t24.reshape((d_V, d_V, 1)) * A23.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A23.reshape((n_batch, L, d_V, 1)) * A23.reshape((n_batch, L, 1, d_V)))
+    dA = ((A23.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t24.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A23.reshape((n_batch, L, d_V, 1)) * A23.reshape((n_batch, L, 1, d_V)))
     t25 = t9.transpose(-1, -2)
     t26 = t25 @ X
     t27 = (1/(L*math.sqrt(d_K)*n_batch)) * t21
     t28 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t3.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t29 = ((t28.reshape((n_batch, L*d_V, d_V)) @ t26).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t29 = ((t26.permute(0, 2, 1) @ t28.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t30 = (t27.permute(0, 2, 1) @ t1.permute(0, 2, 1))
     t31 = ((t30.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
-    t0[...] = ((t19.reshape((d_K*d_V, n_batch)) @ t20.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t20.reshape((d_V**2, n_batch)) @ t19.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t0 += ((t29.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -9862,7 +9862,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A23 = t22 / t22.sum(-1, keepdim=True)
     t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t24.reshape((d_V, d_V, 1)) * A23.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A23.reshape((n_batch, L, d_V, 1)) * A23.reshape((n_batch, L, 1, d_V)))
+    dA = ((A23.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t24.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A23.reshape((n_batch, L, d_V, 1)) * A23.reshape((n_batch, L, 1, d_V)))
     t25 = t8.transpose(-1, -2)
     t26 = t25 @ X
     t27 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -9907,11 +9907,11 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t16 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t10.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t17 = ((t11.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -9938,7 +9938,7 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9971,7 +9971,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10009,7 +10009,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = X @ W_Q
     t14 = t3.transpose(-1, -2)
     t15 = t14 @ X
@@ -10067,7 +10067,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = T @ X
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
@@ -10124,7 +10124,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t1.transpose(-1, -2)
     t17 = t10.transpose(-1, -2)
     t18 = t16 @ t17
@@ -10188,7 +10188,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t2.transpose(-1, -2)
     t17 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t18 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10229,7 +10229,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = T @ X
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
@@ -10287,7 +10287,7 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
     t16 = t2.transpose(-1, -2)
@@ -10348,7 +10348,7 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = X @ W_Q
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t0
@@ -10409,7 +10409,7 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10520,7 +10520,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = t5.transpose(-1, -2)
     t16 = t4.transpose(-1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
@@ -10550,7 +10550,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t39 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t40 = (t39.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t36.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t41 = (t40.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-    t42 = ((t41.reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
+    t42 = ((t41.permute(0, 1, 3, 2).reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
     t34[...] = ((t37.reshape((d_V, L*n_batch)) @ t42.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
     t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t44 = t43.view((d_V, d_K, d_V, d_K))
@@ -10580,7 +10580,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t66 = (t65.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t67 = (t66.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t64.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t68 = (t67.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
-    t69 = ((t68.reshape((n_batch, L, d_V**2, 1)) * t45.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(3, 4, 2, 0, 1)
+    t69 = ((t68.permute(0, 1, 3, 2).reshape((n_batch, L, d_V**2, 1)) * t45.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
     t63[...] = ((t37.reshape((d_V, L*n_batch)) @ t69.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
     t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t71 = t70.view((d_V, d_V, d_V, d_K))
@@ -10588,19 +10588,19 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t73 = (t19.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t36.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t74 = (t73.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
     t75 = (t7.reshape((n_batch, L, d_V, 1)) * t72.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t76 = ((t75.reshape((n_batch, L, d_V, d_V, 1)) * t74.reshape((n_batch, L, d_V, 1, d_K)))).permute(3, 2, 4, 0, 1)
+    t76 = ((t75.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t74.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_K)))).permute(3, 0, 4, 1, 2)
     t71[...] = ((t18.reshape((d_V, L*n_batch)) @ t76.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_V, d_K))).permute(1, 2, 0, 3)
     t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t78 = t77.view((d_V, d_V, d_V, d_K))
     t79 = (t73.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t80 = ((t75.reshape((n_batch, L, d_V, d_V, 1)) * t79.reshape((n_batch, L, d_V, 1, d_V)))).permute(3, 2, 4, 0, 1)
+    t80 = ((t75.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t79.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)))).permute(3, 0, 4, 1, 2)
     t78[...] = (t80.reshape((d_V**3, L*n_batch)) @ t30.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_V, d_V, d_K))
     t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t82 = t81.view((d_V, d_V, d_V, d_V))
     t83 = (1/(L*n_batch)) * t72
-    t84 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t84 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t85 = ((t35.reshape((n_batch, L, d_V, 1)) * t83.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t82[...] = ((t84.reshape((d_V**2, L*n_batch)) @ t85.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t82[...] = ((t85.reshape((d_V**2, L*n_batch)) @ t84.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -10682,7 +10682,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -10791,7 +10791,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -10830,7 +10830,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
@@ -10869,7 +10869,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -10909,7 +10909,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -10955,7 +10955,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t4.transpose(-1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -10995,7 +10995,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = X @ W_Q
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -11041,7 +11041,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t10 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t16 = t14.permute(2, 0, 1)
@@ -11049,7 +11049,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t18 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t19 = (t18.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t15.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t20 = (t19.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-    t21 = ((t20.reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
+    t21 = ((t20.permute(0, 1, 3, 2).reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
     t0[...] = ((t16.reshape((d_V, L*n_batch)) @ t21.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
     return out
 
@@ -11077,7 +11077,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t9 @ X
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -11122,7 +11122,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = (t9 * t3.permute(0, 2, 1)).permute(2, 0, 1)
@@ -11164,7 +11164,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = (t8.reshape((n_batch, L, 1, d_K)) @ t2.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -11206,7 +11206,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t5.transpose(-1, -2)
     t19 = t11.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
@@ -11250,7 +11250,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = t10.transpose(-1, -2)
     t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -11300,7 +11300,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = t9.permute(2, 0, 1)
@@ -11343,7 +11343,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11392,7 +11392,7 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t14 @ X
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
     t20 = t18.permute(2, 0, 1)
@@ -11400,7 +11400,7 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t24 = (t23.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
-    t25 = ((t24.reshape((n_batch, L, d_V**2, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(3, 4, 2, 0, 1)
+    t25 = ((t24.permute(0, 1, 3, 2).reshape((n_batch, L, d_V**2, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
     t0[...] = ((t20.reshape((d_V, L*n_batch)) @ t25.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
     return out
 
@@ -11432,7 +11432,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t13 @ X
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -11476,7 +11476,7 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
     t18 = (t13 * t17.permute(0, 2, 1)).permute(2, 0, 1)
     t19 = (oe.contract('abcc,abc->abc', dA, t12)).permute(2, 0, 1)
@@ -11510,7 +11510,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = (t12.reshape((n_batch, L, 1, d_V)) @ t9.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t17 = oe.contract('abcc,abc->ab', dA, t11)
     return (1/(L*n_batch)) * (t17 * t16).sum()
@@ -11544,7 +11544,7 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = t4.transpose(-1, -2)
@@ -11554,7 +11554,7 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t19).reshape((n_batch, L, d_V, d_K))
     t25 = (t12.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t26 = ((t25.reshape((n_batch, L, d_V, d_V, 1)) * t24.reshape((n_batch, L, d_V, 1, d_K)))).permute(3, 2, 4, 0, 1)
+    t26 = ((t25.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_K)))).permute(3, 0, 4, 1, 2)
     t0[...] = ((t21.reshape((d_V, L*n_batch)) @ t26.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_V, d_K))).permute(1, 2, 0, 3)
     return out
 
@@ -11585,7 +11585,7 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = t3.transpose(-1, -2)
@@ -11631,7 +11631,7 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
@@ -11641,7 +11641,7 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (t12.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t26 = ((t25.reshape((n_batch, L, d_V, d_V, 1)) * t24.reshape((n_batch, L, d_V, 1, d_V)))).permute(3, 2, 4, 0, 1)
+    t26 = ((t25.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)))).permute(3, 0, 4, 1, 2)
     t0[...] = (t26.reshape((d_V**3, L*n_batch)) @ t21.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_V, d_V, d_K))
     return out
 
@@ -11672,7 +11672,7 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
@@ -11718,11 +11718,11 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
-    t18 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t18 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t19 = ((t13.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -11752,7 +11752,7 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t12.reshape((L*n_batch, d_V)) @ t12.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11808,9 +11808,9 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t27 = t26.view((d_V, d_K, d_V, d_V))
     t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t29 = (t28.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t30 = ((t29.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t30 = ((G.permute(0, 2, 1) @ t29.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t31 = ((X.reshape((n_batch, L, d_V, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t27[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t27[...] = ((t31.reshape((d_K*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t32[...] = 0
     t33 = t32.view((d_V, d_K, d_V, d_K))
@@ -11826,16 +11826,16 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t41 = Mcausal.transpose(-1, -2)
     t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
     t43 = (t42.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t44 = ((t43.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t44 = ((X.permute(0, 2, 1) @ t43.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t45 = ((G.reshape((n_batch, L, d_V, 1)) * t40.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t38[...] = ((t44.reshape((d_V**2, L*n_batch)) @ t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t47 = t46.view((d_V, d_V, d_V, d_K))
     t48 = G.transpose(-1, -2)
     t49 = t8.transpose(-1, -2)
-    t50 = ((t43.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t49).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t50 = ((t49.permute(0, 2, 1) @ t43.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t51 = ((X.reshape((n_batch, L, d_V, 1)) * t48.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t47[...] = ((t50.reshape((d_K*d_V, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t47[...] = ((t51.reshape((d_V**2, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t53 = t52.view((d_V, d_V, d_V, d_K))
     t54 = t40.transpose(-1, -2)
@@ -12131,9 +12131,9 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t17 = (t16.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t18 = ((t17.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t18 = ((G.permute(0, 2, 1) @ t17.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t19 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t19.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -12330,7 +12330,7 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t20 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t21 = ((t20.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t21 = ((X.permute(0, 2, 1) @ t20.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t22 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
@@ -12431,9 +12431,9 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = t5.transpose(-1, -2)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t20 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t21 = ((t20.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t21 = ((t18.permute(0, 2, 1) @ t20.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t22 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -12512,7 +12512,7 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = X @ W_Q
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t20 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t21 = ((t20.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t21 = ((X.permute(0, 2, 1) @ t20.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t22 = ((t18.reshape((n_batch, L, d_K, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
@@ -12606,7 +12606,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t15 = t5.transpose(-1, -2)
     t16 = t4.transpose(-1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
@@ -12652,13 +12652,13 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t52 = (t51.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t50.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t53 = (t52.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t48.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t54 = (t53.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-    t55 = ((t54.reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
+    t55 = ((t54.permute(0, 1, 3, 2).reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
     t56 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t57 = (t56.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t58 = ((t57.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t58 = ((G.permute(0, 2, 1) @ t57.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t59 = ((X.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t46[...] = ((t49.reshape((d_V, L*n_batch)) @ t55.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
-    t46 += ((t58.reshape((d_V**2, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t46 += ((t59.reshape((d_K*d_V, L*n_batch)) @ t58.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t60 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t61 = t60.view((d_V, d_K, d_V, d_K))
     t62 = t29.transpose(-1, -2)
@@ -12690,14 +12690,14 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t85 = t84.view((d_V, d_K, d_V, d_V))
     t86 = (1/(math.sqrt(d_K)*n_batch)) * t63
     t87 = (t86.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t88 = ((t87.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t88 = ((X.permute(0, 2, 1) @ t87.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t89 = ((G.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t90 = (1/(L*math.sqrt(d_K)*n_batch)) * t63
     t91 = ((t47.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t92 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t66.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t93 = (t92.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t50.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t94 = (t93.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t90.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t95 = ((t94.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t95 = ((t2 @ t94.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t85[...] = ((t88.reshape((d_V**2, L*n_batch)) @ t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t85 += ((t91.reshape((d_K*d_V, L*n_batch)) @ t95.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
@@ -12708,27 +12708,27 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t101 = ((t100.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t102 = (t19.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t48.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t103 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
-    t104 = ((t103.reshape((n_batch, L, d_V, d_K, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t104 = ((t103.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
     t105 = G.transpose(-1, -2)
-    t106 = ((t87.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t106 = ((t16.permute(0, 2, 1) @ t87.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t107 = ((X.reshape((n_batch, L, d_V, 1)) * t105.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t97[...] = ((t101.reshape((d_V**2, L*n_batch)) @ t104.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t97 += ((t106.reshape((d_K*d_V, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t97 += ((t107.reshape((d_V**2, L*n_batch)) @ t106.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t109 = t108.view((d_V, d_V, d_V, d_K))
     t110 = ((t100.reshape((n_batch, L, d_V, 1)) * t29.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
     t111 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t112 = ((t111.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t112 = ((t111.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t113 = ((t29.reshape((n_batch, L, d_K, 1)) * t105.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t109[...] = ((t110.reshape((d_K*d_V, L*n_batch)) @ t112.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t109[...] = ((t112.reshape((d_V**2, L*n_batch)) @ t110.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t109 += ((t88.reshape((d_V**2, L*n_batch)) @ t113.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t114 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t115 = t114.view((d_V, d_V, d_V, d_V))
     t116 = t47.transpose(-1, -2)
     t117 = (1/(L*n_batch)) * t116
-    t118 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t118 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t119 = ((t47.reshape((n_batch, L, d_V, 1)) * t117.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t115[...] = ((t118.reshape((d_V**2, L*n_batch)) @ t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t115[...] = ((t119.reshape((d_V**2, L*n_batch)) @ t118.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -12839,7 +12839,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -13017,7 +13017,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -13056,7 +13056,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
@@ -13095,7 +13095,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -13135,7 +13135,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -13181,7 +13181,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t4.transpose(-1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
@@ -13248,7 +13248,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A21 = t20 / t20.sum(-1, keepdim=True)
     t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t22.reshape((d_V, d_V, 1)) * A21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A21.reshape((n_batch, L, d_V, 1)) * A21.reshape((n_batch, L, 1, d_V)))
+    dA = ((A21.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A21.reshape((n_batch, L, d_V, 1)) * A21.reshape((n_batch, L, 1, d_V)))
     t23 = X @ W_Q
     t24 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t25 = (t23 @ t4)
@@ -13299,7 +13299,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t9 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t16 = t14.permute(2, 0, 1)
@@ -13308,7 +13308,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t17.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t20 = (t19.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t15.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t21 = (t20.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-    t22 = ((t21.reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(4, 3, 2, 0, 1)
+    t22 = ((t21.permute(0, 1, 3, 2).reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
     F = t11
     t23 = torch.exp(F - F.amax(-1, keepdim=True))
     A24 = t23 / t23.sum(-1, keepdim=True)
@@ -13318,10 +13318,10 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t27
     t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
     t29 = (t28.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t30 = ((t29.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ G).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t30 = ((G.permute(0, 2, 1) @ t29.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t31 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t0[...] = ((t16.reshape((d_V, L*n_batch)) @ t22.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
-    t0 += ((t30.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t31.reshape((d_K*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -13348,7 +13348,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t8 @ X
     t14 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -13414,7 +13414,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = (t9 * t3.permute(0, 2, 1)).permute(2, 0, 1)
@@ -13456,7 +13456,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = (t8.reshape((n_batch, L, 1, d_K)) @ t2.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -13498,7 +13498,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t5.transpose(-1, -2)
     t19 = t11.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
@@ -13577,7 +13577,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdim=True)
     t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t31.reshape((d_V, d_V, 1)) * A30.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
+    dA = ((A30.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
     t32 = t9.transpose(-1, -2)
     t33 = t4.transpose(-1, -2)
     t34 = (t32.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -13629,7 +13629,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = t9.permute(2, 0, 1)
@@ -13672,7 +13672,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13725,7 +13725,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
     t20 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t21 = ((t20.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t21 = ((X.permute(0, 2, 1) @ t20.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t22 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t23 = Y.transpose(-1, -2)
     t24 = t23.sum(-2, keepdim=True)
@@ -13734,7 +13734,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A27 = t26 / t26.sum(-1, keepdim=True)
     t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t28.reshape((d_V, d_V, 1)) * A27.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A27.reshape((n_batch, L, d_V, 1)) * A27.reshape((n_batch, L, 1, d_V)))
+    dA = ((A27.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t28.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A27.reshape((n_batch, L, d_V, 1)) * A27.reshape((n_batch, L, 1, d_V)))
     t29 = t12 @ X
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
     t31 = ((t29.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
@@ -13742,7 +13742,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t33 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t25.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t34 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t32.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t35 = (t34.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t30.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t36 = ((t35.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))).permute(3, 2, 0, 1)
+    t36 = ((t1 @ t35.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t31.reshape((d_K*d_V, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -13792,7 +13792,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdim=True)
     t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t31.reshape((d_V, d_V, 1)) * A30.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
+    dA = ((A30.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
     t32 = t11 @ X
     t33 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t34 = (t32.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13842,7 +13842,7 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
     t18 = (t13 * t17.permute(0, 2, 1)).permute(2, 0, 1)
     t19 = (oe.contract('abcc,abc->abc', dA, t12)).permute(2, 0, 1)
@@ -13876,7 +13876,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = (t12.reshape((n_batch, L, 1, d_V)) @ t9.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t17 = oe.contract('abcc,abc->ab', dA, t11)
     return (1/(L*n_batch)) * (t17 * t16).sum()
@@ -13910,7 +13910,7 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t13.transpose(-1, -2)
     t18 = t4.transpose(-1, -2)
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
@@ -13919,7 +13919,7 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))
-    t25 = ((t24.reshape((n_batch, L, d_V, d_K, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t25 = ((t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
     F = t14
     t26 = torch.exp(F - F.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
@@ -13930,10 +13930,10 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t31 = G.transpose(-1, -2)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t33 = (t32.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t34 = ((t33.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t34 = ((t18.permute(0, 2, 1) @ t33.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t35 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t0 += ((t34.reshape((d_K*d_V, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t35.reshape((d_V**2, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -13963,7 +13963,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t12.transpose(-1, -2)
     t17 = t3.transpose(-1, -2)
     t18 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -14028,7 +14028,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t13.transpose(-1, -2)
     t18 = X @ W_Q
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
@@ -14037,7 +14037,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t25 = ((t24.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t25 = ((t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     F = t14
     t26 = torch.exp(F - F.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
@@ -14048,9 +14048,9 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t31 = G.transpose(-1, -2)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t33 = (t32.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t34 = ((t33.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t34 = ((X.permute(0, 2, 1) @ t33.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t35 = ((t18.reshape((n_batch, L, d_K, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t0 += ((t34.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -14081,7 +14081,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = t12.transpose(-1, -2)
     t17 = X @ W_Q
     t18 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -14146,11 +14146,11 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t10
-    t18 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t18 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t19 = ((t13.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -14180,7 +14180,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t12.reshape((L*n_batch, d_V)) @ t12.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14214,7 +14214,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -14260,7 +14260,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t3.transpose(-1, -2)
     t14 = X @ W_Q
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -14326,7 +14326,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t13 = t9 @ X
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -14394,7 +14394,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = t10.transpose(-1, -2)
     t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -14467,7 +14467,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14516,7 +14516,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t13 @ X
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
@@ -14584,7 +14584,7 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = t3.transpose(-1, -2)
@@ -14653,7 +14653,7 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
@@ -14722,7 +14722,7 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t12.reshape((L*n_batch, d_V)) @ t12.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))

@@ -82,7 +82,7 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -92,14 +92,14 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     t11 = (t9.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t12 = ((t11.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
     t13 = ((X.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t14 = H[0:d_V**2, d_V**2:2*d_V**2]
     t15 = t14.view((d_V, d_V, d_V, d_V))
     t16 = A @ X
     M_1 = t16
-    t17 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t17 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t18 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t15[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t15[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t20 = t19.view((d_V, d_V, d_V, d_V))
     t21 = M_1.transpose(-1, -2)
@@ -161,7 +161,7 @@ def mse_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -215,7 +215,7 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -241,7 +241,7 @@ def mse_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -267,7 +267,7 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -277,7 +277,7 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t10 = (t8.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t11 = ((t10.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
     t12 = ((X.reshape((n_batch, L, d_V, 1)) * t9.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t11.reshape((d_V**2, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -293,7 +293,7 @@ def mse_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -324,16 +324,16 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t7 = A @ X
     M_1 = t7
     t8 = (2/(L*d_V*n_batch)) * X
-    t9 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t9 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t10 = ((M_1.reshape((n_batch, L, d_V, 1)) * t8.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t9.reshape((d_V**2, L*n_batch)) @ t10.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t10.reshape((d_V**2, L*n_batch)) @ t9.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -349,7 +349,7 @@ def mse_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -422,7 +422,7 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t7 = W_V.transpose(-1, -2)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -449,7 +449,7 @@ def mse_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t6 = W_V.transpose(-1, -2)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t6.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -533,18 +533,18 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
+    d2A = ((t14.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
     t16 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/n_batch) * t2
     t18 = M_3.permute(2, 3, 0, 1)
     t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t20 = H[0:d_V**2, d_V**2:2*d_V**2]
     t21 = t20.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -558,7 +558,7 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t29 = (1/n_batch) * t28
     t30 = M_2.permute(2, 3, 0, 1)
     t31 = ((X.reshape((n_batch, L, d_V, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t27[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t27[...] = ((t31.reshape((d_V**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t32[...] = 0
     return H
@@ -628,7 +628,7 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t13.reshape((L, L, 1)) * t12.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))
+    d2A = ((t12.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))
     t14 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = t15 * t14
@@ -638,7 +638,7 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t20 = (n_batch**(-2)) * (t19 * t16.permute(0, 2, 3, 1)).sum()
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t22 * t15
     t24 = (t14.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -680,7 +680,7 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t14.reshape((L, L, 1)) * t13.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t13.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t13.reshape((n_batch, L, 1, L)))
+    d2A = ((t13.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t13.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t13.reshape((n_batch, L, 1, L)))
     t15 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -715,7 +715,7 @@ def mse_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t13.reshape((L, L, 1)) * t12.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))
+    d2A = ((t12.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))
     t14 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -749,14 +749,14 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t14.reshape((L, L, 1)) * t13.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t13.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t13.reshape((n_batch, L, 1, L)))
+    d2A = ((t13.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t13.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t13.reshape((n_batch, L, 1, L)))
     t15 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t16 = (1/n_batch) * t1
     t17 = M_3.permute(2, 3, 0, 1)
     t18 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -784,7 +784,7 @@ def mse_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t13.reshape((L, L, 1)) * t12.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))
+    d2A = ((t12.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))
     t14 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = t15 * t14
@@ -810,7 +810,7 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -840,7 +840,7 @@ def mse_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = M_1 @ W_V
@@ -900,14 +900,14 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t9 = G.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t12 = (1/n_batch) * t9
     t13 = M_2.permute(2, 3, 0, 1)
     t14 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -931,7 +931,7 @@ def mse_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t8 = G.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -977,7 +977,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -999,28 +999,28 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t20 = t19 - (A * t19).sum(-1, keepdim=True)
     t21 = A * t20
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * t2
     t24 = M_3.permute(2, 3, 0, 1)
     t25 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t26 = t12.reshape((d_V**2, L*n_batch))
-    t27 = t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t28 = t24.reshape((d_V**2, L*n_batch))
-    t29 = t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t26 = t13.reshape((d_V**2, L*n_batch))
+    t27 = t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t28 = t25.reshape((d_V**2, L*n_batch))
+    t29 = t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
     t30 = torch.cat([t26, t28], dim=-1)
     t31 = torch.cat([t27, t29], dim=-2)
-    t1[...] = ((t30 @ t31).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t30 @ t31).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t32 = H[0:d_V**2, d_V**2:2*d_V**2]
     t33 = t32.view((d_V, d_V, d_V, d_V))
-    t34 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t34 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t35 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t36 = (1/n_batch) * X
     t37 = M_2.permute(3, 2, 0, 1)
     t38 = ((G.reshape((n_batch, L, d_V, 1)) * t36.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t33[...] = ((t34.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t33[...] = ((t35.reshape((d_V**2, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t33 += ((t37.reshape((d_V**2, L*n_batch)) @ t38.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t39 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t40 = t39.view((d_V, d_V, d_V, d_V))
@@ -1033,7 +1033,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t47 = M_2.permute(2, 3, 0, 1)
     t48 = ((X.reshape((n_batch, L, d_V, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t40[...] = ((t43.reshape((d_V**2, L*n_batch)) @ t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    t40 += ((t47.reshape((d_V**2, L*n_batch)) @ t48.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t40 += ((t48.reshape((d_V**2, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t49 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t49[...] = 0
     t50 = t49.view((d_V, d_V, d_V, d_V))
@@ -1105,7 +1105,7 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1129,7 +1129,7 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = t9 * t24
     t26 = (t25.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -1200,7 +1200,7 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1222,7 +1222,7 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t5.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1246,7 +1246,7 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1267,7 +1267,7 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t17 = t16 - (A * t16).sum(-1, keepdim=True)
     t18 = A * t17
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1289,7 +1289,7 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1311,20 +1311,20 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t5.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/n_batch) * t1
     t23 = M_3.permute(2, 3, 0, 1)
     t24 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t25 = t11.reshape((d_V**2, L*n_batch))
-    t26 = t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t27 = t23.reshape((d_V**2, L*n_batch))
-    t28 = t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t25 = t12.reshape((d_V**2, L*n_batch))
+    t26 = t11.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t27 = t24.reshape((d_V**2, L*n_batch))
+    t28 = t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
     t29 = torch.cat([t25, t27], dim=-1)
     t30 = torch.cat([t26, t28], dim=-2)
-    t0[...] = ((t29 @ t30).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t29 @ t30).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -1340,7 +1340,7 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1364,7 +1364,7 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = t9 * t24
     t26 = (t25.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -1394,14 +1394,14 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t7 = A @ X
     M_1 = t7
     t8 = (2/(L*d_V*n_batch)) * X
-    t9 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t9 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t10 = ((M_1.reshape((n_batch, L, d_V, 1)) * t8.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t11 = M_1 @ W_V
     F = t11
@@ -1411,7 +1411,7 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t14 = (1/n_batch) * X
     t15 = M_2.permute(3, 2, 0, 1)
     t16 = ((G.reshape((n_batch, L, d_V, 1)) * t14.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t9.reshape((d_V**2, L*n_batch)) @ t10.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t10.reshape((d_V**2, L*n_batch)) @ t9.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t0 += ((t15.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -1428,7 +1428,7 @@ def mse_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1518,7 +1518,7 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t7 = W_V.transpose(-1, -2)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1535,7 +1535,7 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t18 = M_2.permute(2, 3, 0, 1)
     t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t11.reshape((d_V**2, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    t0 += ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -1555,7 +1555,7 @@ def mse_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t6 = W_V.transpose(-1, -2)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t6.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1642,7 +1642,7 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1667,7 +1667,7 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t23 = t22 - (A * t22).sum(-1, keepdim=True)
     t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t25 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t26 = t9 * t25
     t27 = (t25.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -1699,7 +1699,7 @@ def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = A @ X
     M_1 = t5
     t6 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1753,7 +1753,7 @@ def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t6 = W_V.transpose(-1, -2)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t6.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1827,7 +1827,7 @@ def causal0__jacobian__W_QK(X, W_QK, W_V):
     t6 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t7 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t8 = (t7.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t6).reshape((n_batch, d_V, L, d_V))
-    t2[...] = ((t8.permute(0, 2, 1, 3).reshape((n_batch, L, d_V**2, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 4, 2)
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t8.permute(0, 2, 3, 1).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
     t9 = -A
     t10 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t11 = (t6.permute(0, 2, 1) @ t9.permute(0, 2, 1))
@@ -1852,7 +1852,7 @@ def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
     t6 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t7 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t8 = (t7.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t6).reshape((n_batch, d_V, L, d_V))
-    t2[...] = ((t8.permute(0, 2, 1, 3).reshape((n_batch, L, d_V**2, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 4, 2)
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t8.permute(0, 2, 3, 1).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
     t9 = -A
     t10 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t11 = (t6.permute(0, 2, 1) @ t9.permute(0, 2, 1))
@@ -1966,7 +1966,7 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1976,14 +1976,14 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     t13 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t14 = ((t13.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
     t15 = ((X.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t16 = H[0:d_V**2, d_V**2:2*d_V**2]
     t17 = t16.view((d_V, d_V, d_V, d_V))
     t18 = A @ X
     M_1 = t18
-    t19 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t19 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t20 = ((M_1.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t17[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t17[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t21 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t22 = t21.view((d_V, d_V, d_V, d_V))
     t23 = M_1.transpose(-1, -2)
@@ -2049,7 +2049,7 @@ def mse_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -2105,7 +2105,7 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2133,7 +2133,7 @@ def mse_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2161,7 +2161,7 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2171,7 +2171,7 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t12 = (t10.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t13 = ((t12.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
     t14 = ((X.reshape((n_batch, L, d_V, 1)) * t11.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -2189,7 +2189,7 @@ def mse_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -2222,16 +2222,16 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t9 = A @ X
     M_1 = t9
     t10 = (2/(L*d_V*n_batch)) * X
-    t11 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t11 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t12 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t11.reshape((d_V**2, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -2249,7 +2249,7 @@ def mse_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -2328,7 +2328,7 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2357,7 +2357,7 @@ def mse_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t8 = W_V.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V))
     t11 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2447,18 +2447,18 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.reshape((L, L, 1)) * t16.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
+    d2A = ((t16.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/n_batch) * t2
     t20 = M_3.permute(2, 3, 0, 1)
     t21 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t22 = H[0:d_V**2, d_V**2:2*d_V**2]
     t23 = t22.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t24 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2472,7 +2472,7 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t31 = (1/n_batch) * t30
     t32 = M_2.permute(2, 3, 0, 1)
     t33 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t29[...] = ((t32.reshape((d_V**2, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t29[...] = ((t33.reshape((d_V**2, L*n_batch)) @ t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t34[...] = 0
     return H
@@ -2546,7 +2546,7 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
+    d2A = ((t14.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
     t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = t17 * t16
@@ -2556,7 +2556,7 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t22 = (n_batch**(-2)) * (t21 * t18.permute(0, 2, 3, 1)).sum()
     t23 = torch.sqrt(torch.clamp(t22, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t24 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = t24 * t17
     t26 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -2600,7 +2600,7 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t17 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2637,7 +2637,7 @@ def mse_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
+    d2A = ((t14.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
     t16 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2673,14 +2673,14 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.reshape((L, L, 1)) * t15.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
     t17 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t18 = (1/n_batch) * t1
     t19 = M_3.permute(2, 3, 0, 1)
     t20 = ((X.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -2710,7 +2710,7 @@ def mse_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.reshape((L, L, 1)) * t14.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
+    d2A = ((t14.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
     t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = t17 * t16
@@ -2738,7 +2738,7 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2770,7 +2770,7 @@ def mse_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = M_1 @ W_V
@@ -2832,14 +2832,14 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t11 = G.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t13.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t14 = (1/n_batch) * t11
     t15 = M_2.permute(2, 3, 0, 1)
     t16 = ((X.reshape((n_batch, L, d_V, 1)) * t14.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -2865,7 +2865,7 @@ def mse_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t10 = G.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t14 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2913,7 +2913,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2935,28 +2935,28 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/n_batch) * t2
     t26 = M_3.permute(2, 3, 0, 1)
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * t25.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t28 = t14.reshape((d_V**2, L*n_batch))
-    t29 = t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t30 = t26.reshape((d_V**2, L*n_batch))
-    t31 = t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t28 = t15.reshape((d_V**2, L*n_batch))
+    t29 = t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t30 = t27.reshape((d_V**2, L*n_batch))
+    t31 = t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
     t32 = torch.cat([t28, t30], dim=-1)
     t33 = torch.cat([t29, t31], dim=-2)
-    t1[...] = ((t32 @ t33).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t32 @ t33).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t34 = H[0:d_V**2, d_V**2:2*d_V**2]
     t35 = t34.view((d_V, d_V, d_V, d_V))
-    t36 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t36 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t37 = ((M_1.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t38 = (1/n_batch) * X
     t39 = M_2.permute(3, 2, 0, 1)
     t40 = ((G.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t35[...] = ((t36.reshape((d_V**2, L*n_batch)) @ t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t35[...] = ((t37.reshape((d_V**2, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t35 += ((t39.reshape((d_V**2, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t41 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t42 = t41.view((d_V, d_V, d_V, d_V))
@@ -2969,7 +2969,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t49 = M_2.permute(2, 3, 0, 1)
     t50 = ((X.reshape((n_batch, L, d_V, 1)) * t48.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t42[...] = ((t45.reshape((d_V**2, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    t42 += ((t49.reshape((d_V**2, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t42 += ((t50.reshape((d_V**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t51 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t51[...] = 0
     t52 = t51.view((d_V, d_V, d_V, d_V))
@@ -3045,7 +3045,7 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3069,7 +3069,7 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t27 = t11 * t26
     t28 = (t27.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -3142,7 +3142,7 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3164,7 +3164,7 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3190,7 +3190,7 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3211,7 +3211,7 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3235,7 +3235,7 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3257,20 +3257,20 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/n_batch) * t1
     t25 = M_3.permute(2, 3, 0, 1)
     t26 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t27 = t13.reshape((d_V**2, L*n_batch))
-    t28 = t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t29 = t25.reshape((d_V**2, L*n_batch))
-    t30 = t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t27 = t14.reshape((d_V**2, L*n_batch))
+    t28 = t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t29 = t26.reshape((d_V**2, L*n_batch))
+    t30 = t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
     t31 = torch.cat([t27, t29], dim=-1)
     t32 = torch.cat([t28, t30], dim=-2)
-    t0[...] = ((t31 @ t32).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t31 @ t32).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -3288,7 +3288,7 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3312,7 +3312,7 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t27 = t11 * t26
     t28 = (t27.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -3344,14 +3344,14 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t9 = A @ X
     M_1 = t9
     t10 = (2/(L*d_V*n_batch)) * X
-    t11 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t11 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t12 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t13 = M_1 @ W_V
     F = t13
@@ -3361,7 +3361,7 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t16 = (1/n_batch) * X
     t17 = M_2.permute(3, 2, 0, 1)
     t18 = ((G.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t11.reshape((d_V**2, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t0 += ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -3380,7 +3380,7 @@ def mse_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3476,7 +3476,7 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3493,7 +3493,7 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t20 = M_2.permute(2, 3, 0, 1)
     t21 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    t0 += ((t20.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -3515,7 +3515,7 @@ def mse_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t8 = W_V.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V))
     t11 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3608,7 +3608,7 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3633,7 +3633,7 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t27 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t28 = t11 * t27
     t29 = (t27.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -3667,7 +3667,7 @@ def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = A @ X
     M_1 = t7
     t8 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3723,7 +3723,7 @@ def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t8 = W_V.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V))
     t11 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3801,7 +3801,7 @@ def causal1__jacobian__W_QK(X, W_QK, W_V):
     t8 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t10 = (t9.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t8).reshape((n_batch, d_V, L, d_V))
-    t2[...] = ((t10.permute(0, 2, 1, 3).reshape((n_batch, L, d_V**2, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 4, 2)
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 3, 1).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
     t11 = -A
     t12 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t13 = (t8.permute(0, 2, 1) @ t11.permute(0, 2, 1))
@@ -3828,7 +3828,7 @@ def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
     t8 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t10 = (t9.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t8).reshape((n_batch, d_V, L, d_V))
-    t2[...] = ((t10.permute(0, 2, 1, 3).reshape((n_batch, L, d_V**2, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 4, 2)
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 3, 1).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
     t11 = -A
     t12 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t13 = (t8.permute(0, 2, 1) @ t11.permute(0, 2, 1))
@@ -3946,7 +3946,7 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3959,7 +3959,7 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (1/(L*n_batch)) * X
     t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -3968,12 +3968,12 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     t21 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t22 = ((t21 @ t20)).permute(3, 2, 0, 1)
     t23 = ((X.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t24 = H[0:d_V**2, d_V**2:2*d_V**2]
     t25 = t24.view((d_V, d_V, d_V, d_V))
     t26 = ((t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t27 = ((M_1.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t25[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t25[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t29 = t28.view((d_V, d_V, d_V, d_V))
     t30 = M_1.transpose(-1, -2)
@@ -3983,9 +3983,9 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     t29[...] = ((t32.reshape((d_V**2, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t35 = t34.view((d_V, d_V, d_V, d_V))
-    t36 = ((dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t36 = ((dA15.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t9.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t37 = ((M_1.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t35[...] = ((t36.reshape((d_V**2, L*n_batch)) @ t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t35[...] = ((t37.reshape((d_V**2, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -4041,7 +4041,7 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4051,7 +4051,7 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = W_V.transpose(-1, -2)
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -4108,7 +4108,7 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4121,7 +4121,7 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = (X * t16).permute(2, 0, 1)
@@ -4146,7 +4146,7 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4159,7 +4159,7 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
+    dA13 = ((A11.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
     t14 = W_V.transpose(-1, -2)
     t15 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t16 = (M_2 @ M_2.permute(0, 1, 3, 2))
@@ -4184,7 +4184,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4197,7 +4197,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -4206,7 +4206,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t21 = ((t20 @ t19)).permute(3, 2, 0, 1)
     t22 = ((X.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -4222,7 +4222,7 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4232,7 +4232,7 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = W_V.transpose(-1, -2)
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -4268,7 +4268,7 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4281,13 +4281,13 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * X
     t16 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t17 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = ((t17.permute(0, 1, 3, 2) @ t16.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t19 = ((M_1.reshape((n_batch, L, d_V, 1)) * t15.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -4303,7 +4303,7 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4313,7 +4313,7 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t13.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
@@ -4350,7 +4350,7 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
+    dA = ((A11.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
     t14 = (M_1 * t13.permute(0, 2, 1)).permute(2, 0, 1)
     t15 = (oe.contract('abcc,abc->abc', dA, t8)).permute(2, 0, 1)
@@ -4378,7 +4378,7 @@ def ce_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t12 = (M_1.reshape((n_batch, L, 1, d_V)) @ t5.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t13 = oe.contract('abcc,abc->ab', dA, t7)
     return (1/(L*n_batch)) * (t13 * t12).sum()
@@ -4406,11 +4406,11 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
+    dA = ((A11.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
     t13 = W_V.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA15 = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA15 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA15.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4443,11 +4443,11 @@ def ce_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA14 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t16 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -4484,11 +4484,11 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
+    dA = ((A11.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
-    t14 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t14 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t15 = ((M_1.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -4512,7 +4512,7 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t13 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t14 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -4555,18 +4555,18 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/n_batch) * t2
     t23 = M_3.permute(2, 3, 0, 1)
     t24 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t25 = H[0:d_V**2, d_V**2:2*d_V**2]
     t26 = t25.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t27 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4580,7 +4580,7 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t34 = (1/n_batch) * t33
     t35 = M_2.permute(2, 3, 0, 1)
     t36 = ((X.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t32[...] = ((t35.reshape((d_V**2, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t32[...] = ((t36.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t37 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t37[...] = 0
     return H
@@ -4660,7 +4660,7 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = t20 * t19
@@ -4670,7 +4670,7 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t25 = (n_batch**(-2)) * (t24 * t21.permute(0, 2, 3, 1)).sum()
     t26 = torch.sqrt(torch.clamp(t25, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t18.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t27 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t28 = t27 * t20
     t29 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -4717,7 +4717,7 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4757,7 +4757,7 @@ def ce_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4796,14 +4796,14 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t21 = (1/n_batch) * t1
     t22 = M_3.permute(2, 3, 0, 1)
     t23 = ((X.reshape((n_batch, L, d_V, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -4836,7 +4836,7 @@ def ce_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.reshape((L, L, 1)) * t17.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = t20 * t19
@@ -4862,7 +4862,7 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4897,7 +4897,7 @@ def ce_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4967,14 +4967,14 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/n_batch) * t14
     t18 = M_2.permute(2, 3, 0, 1)
     t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -5003,7 +5003,7 @@ def ce_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5049,7 +5049,7 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5062,7 +5062,7 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (1/(L*n_batch)) * X
     t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -5083,20 +5083,20 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
+    d2A = ((t32.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
     t33 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t34 = (1/n_batch) * t2
     t35 = M_3.permute(2, 3, 0, 1)
     t36 = ((X.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t37 = t22.reshape((d_V**2, L*n_batch))
-    t38 = t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t39 = t35.reshape((d_V**2, L*n_batch))
-    t40 = t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t37 = t23.reshape((d_V**2, L*n_batch))
+    t38 = t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t39 = t36.reshape((d_V**2, L*n_batch))
+    t40 = t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
     t41 = torch.cat([t37, t39], dim=-1)
     t42 = torch.cat([t38, t40], dim=-2)
-    t1[...] = ((t41 @ t42).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t41 @ t42).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t43 = H[0:d_V**2, d_V**2:2*d_V**2]
     t44 = t43.view((d_V, d_V, d_V, d_V))
     t45 = ((t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
@@ -5104,7 +5104,7 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t47 = (1/n_batch) * X
     t48 = M_2.permute(3, 2, 0, 1)
     t49 = ((G.reshape((n_batch, L, d_V, 1)) * t47.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t44[...] = ((t45.reshape((d_V**2, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t44[...] = ((t46.reshape((d_V**2, L*n_batch)) @ t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t44 += ((t48.reshape((d_V**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t50 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t51 = t50.view((d_V, d_V, d_V, d_V))
@@ -5116,13 +5116,13 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t57 = (1/(L*n_batch)) * t56
     t58 = ((X.reshape((n_batch, L, d_V, 1)) * t57.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t59 = ((t21 @ t19.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t51[...] = ((t54.reshape((d_V**2, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t51[...] = ((t55.reshape((d_V**2, L*n_batch)) @ t54.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t51 += ((t58.reshape((d_V**2, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t60 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t61 = t60.view((d_V, d_V, d_V, d_V))
-    t62 = ((dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t62 = ((dA15.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t9.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t63 = ((M_1.reshape((n_batch, L, d_V, 1)) * t57.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t61[...] = ((t62.reshape((d_V**2, L*n_batch)) @ t63.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t61[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -5196,7 +5196,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5206,7 +5206,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = W_V.transpose(-1, -2)
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -5235,7 +5235,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t39 = t16 * t38
     t40 = (t38.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -5306,7 +5306,7 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5319,7 +5319,7 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = (X * t16).permute(2, 0, 1)
@@ -5340,7 +5340,7 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t5.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
+    d2A = ((t31.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
     t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5364,7 +5364,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5377,7 +5377,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
+    dA13 = ((A11.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
     t14 = W_V.transpose(-1, -2)
     t15 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t16 = (M_2 @ M_2.permute(0, 1, 3, 2))
@@ -5397,7 +5397,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t28 = t27 - (A * t27).sum(-1, keepdim=True)
     t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t29.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t29.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t29.reshape((n_batch, L, 1, L)))
+    d2A = ((t29.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t29.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t29.reshape((n_batch, L, 1, L)))
     t30 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5419,7 +5419,7 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5432,7 +5432,7 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -5453,20 +5453,20 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t5.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
+    d2A = ((t31.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
     t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t33 = (1/n_batch) * t1
     t34 = M_3.permute(2, 3, 0, 1)
     t35 = ((X.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t36 = t21.reshape((d_V**2, L*n_batch))
-    t37 = t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t38 = t34.reshape((d_V**2, L*n_batch))
-    t39 = t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t36 = t22.reshape((d_V**2, L*n_batch))
+    t37 = t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t38 = t35.reshape((d_V**2, L*n_batch))
+    t39 = t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
     t40 = torch.cat([t36, t38], dim=-1)
     t41 = torch.cat([t37, t39], dim=-2)
-    t0[...] = ((t40 @ t41).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t40 @ t41).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -5482,7 +5482,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5492,7 +5492,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = W_V.transpose(-1, -2)
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -5521,7 +5521,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t39 = t16 * t38
     t40 = (t38.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -5551,7 +5551,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t5.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5564,7 +5564,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * X
     t16 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t17 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -5580,7 +5580,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t25 = (1/n_batch) * X
     t26 = M_2.permute(3, 2, 0, 1)
     t27 = ((G.reshape((n_batch, L, d_V, 1)) * t25.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t0 += ((t26.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -5597,7 +5597,7 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5607,7 +5607,7 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t13.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
@@ -5664,7 +5664,7 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
+    dA = ((A11.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
     t14 = (M_1 * t13.permute(0, 2, 1)).permute(2, 0, 1)
     t15 = (oe.contract('abcc,abc->abc', dA, t8)).permute(2, 0, 1)
@@ -5692,7 +5692,7 @@ def ce_causal0__trace__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t12 = (M_1.reshape((n_batch, L, 1, d_V)) @ t5.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t13 = oe.contract('abcc,abc->ab', dA, t7)
     return (1/(L*n_batch)) * (t13 * t12).sum()
@@ -5725,7 +5725,7 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5737,14 +5737,14 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA24 = ((t23.reshape((d_V, d_V, 1)) * A22.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))
+    dA24 = ((A22.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t23.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))
     t25 = W_V.transpose(-1, -2)
     t26 = (1/(L*n_batch)) * t20
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * t26.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t28 = (dA24.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t29 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t30 = ((t29 @ t28.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t27.reshape((d_V**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -5774,7 +5774,7 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5787,7 +5787,7 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     A24 = t23 / t23.sum(-1, keepdim=True)
     t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA26 = ((t25.reshape((d_V, d_V, 1)) * A24.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A24.reshape((n_batch, L, d_V, 1)) * A24.reshape((n_batch, L, 1, d_V)))
+    dA26 = ((A24.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t25.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A24.reshape((n_batch, L, d_V, 1)) * A24.reshape((n_batch, L, 1, d_V)))
     t27 = W_V.transpose(-1, -2)
     t28 = (dA26.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t29 = (t22.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5829,11 +5829,11 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t12.reshape((d_V, d_V, 1)) * A11.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
+    dA = ((A11.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
     t13 = (1/(L*n_batch)) * t6
-    t14 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t14 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t15 = ((M_1.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -5857,7 +5857,7 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t13 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t14 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5880,7 +5880,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5890,7 +5890,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = W_V.transpose(-1, -2)
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -5920,7 +5920,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t4.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
+    d2A = ((t38.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
     t39 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t40 = t16 * t39
     t41 = (t39.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -5952,7 +5952,7 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t4.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5962,7 +5962,7 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t13 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t13.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
@@ -6022,11 +6022,11 @@ def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA14 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t16 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -6087,7 +6087,7 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t11.reshape((d_V, d_V, 1)) * A10.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
     t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t13 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t14 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6175,7 +6175,7 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6188,7 +6188,7 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*n_batch)) * X
     t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -6197,12 +6197,12 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t24 = ((t23 @ t22)).permute(3, 2, 0, 1)
     t25 = ((X.reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t26 = H[0:d_V**2, d_V**2:2*d_V**2]
     t27 = t26.view((d_V, d_V, d_V, d_V))
     t28 = ((t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t29 = ((M_1.reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t27[...] = ((t28.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t27[...] = ((t29.reshape((d_V**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t30 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t31 = t30.view((d_V, d_V, d_V, d_V))
     t32 = M_1.transpose(-1, -2)
@@ -6212,9 +6212,9 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     t31[...] = ((t34.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t37 = t36.view((d_V, d_V, d_V, d_V))
-    t38 = ((dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t38 = ((dA17.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t39 = ((M_1.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t37[...] = ((t38.reshape((d_V**2, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t37[...] = ((t39.reshape((d_V**2, L*n_batch)) @ t38.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -6274,7 +6274,7 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -6284,7 +6284,7 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -6343,7 +6343,7 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6356,7 +6356,7 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = (X * t18).permute(2, 0, 1)
@@ -6383,7 +6383,7 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6396,7 +6396,7 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t18 = (M_2 @ M_2.permute(0, 1, 3, 2))
@@ -6423,7 +6423,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6436,7 +6436,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -6445,7 +6445,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t23 = ((t22 @ t21)).permute(3, 2, 0, 1)
     t24 = ((X.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -6463,7 +6463,7 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -6473,7 +6473,7 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -6511,7 +6511,7 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6524,13 +6524,13 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * X
     t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = ((t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t21 = ((M_1.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -6548,7 +6548,7 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -6558,7 +6558,7 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t15.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
@@ -6597,7 +6597,7 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (M_1 * t15.permute(0, 2, 1)).permute(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
@@ -6627,7 +6627,7 @@ def ce_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t14 = (M_1.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -6657,11 +6657,11 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA17 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA17.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6696,11 +6696,11 @@ def ce_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t14 = W_V.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA16 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -6739,11 +6739,11 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t16 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t10.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t17 = ((M_1.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -6769,7 +6769,7 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6814,18 +6814,18 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/n_batch) * t2
     t25 = M_3.permute(2, 3, 0, 1)
     t26 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t27 = H[0:d_V**2, d_V**2:2*d_V**2]
     t28 = t27.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t29 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6839,7 +6839,7 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t36 = (1/n_batch) * t35
     t37 = M_2.permute(2, 3, 0, 1)
     t38 = ((X.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t34[...] = ((t37.reshape((d_V**2, L*n_batch)) @ t38.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t34[...] = ((t38.reshape((d_V**2, L*n_batch)) @ t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t39 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t39[...] = 0
     return H
@@ -6923,7 +6923,7 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t22 * t21
@@ -6933,7 +6933,7 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t27 = (n_batch**(-2)) * (t26 * t23.permute(0, 2, 3, 1)).sum()
     t28 = torch.sqrt(torch.clamp(t27, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t29 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t30 = t29 * t22
     t31 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -6982,7 +6982,7 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7024,7 +7024,7 @@ def ce_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7065,14 +7065,14 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * t1
     t24 = M_3.permute(2, 3, 0, 1)
     t25 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -7107,7 +7107,7 @@ def ce_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t22 * t21
@@ -7135,7 +7135,7 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7172,7 +7172,7 @@ def ce_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -7244,14 +7244,14 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/n_batch) * t16
     t20 = M_2.permute(2, 3, 0, 1)
     t21 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -7282,7 +7282,7 @@ def ce_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t15 = G.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7330,7 +7330,7 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7343,7 +7343,7 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*n_batch)) * X
     t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -7364,20 +7364,20 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdim=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
+    d2A = ((t34.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
     t35 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t36 = (1/n_batch) * t2
     t37 = M_3.permute(2, 3, 0, 1)
     t38 = ((X.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t39 = t24.reshape((d_V**2, L*n_batch))
-    t40 = t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t41 = t37.reshape((d_V**2, L*n_batch))
-    t42 = t38.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t39 = t25.reshape((d_V**2, L*n_batch))
+    t40 = t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t41 = t38.reshape((d_V**2, L*n_batch))
+    t42 = t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
     t43 = torch.cat([t39, t41], dim=-1)
     t44 = torch.cat([t40, t42], dim=-2)
-    t1[...] = ((t43 @ t44).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t43 @ t44).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t45 = H[0:d_V**2, d_V**2:2*d_V**2]
     t46 = t45.view((d_V, d_V, d_V, d_V))
     t47 = ((t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
@@ -7385,7 +7385,7 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t49 = (1/n_batch) * X
     t50 = M_2.permute(3, 2, 0, 1)
     t51 = ((G.reshape((n_batch, L, d_V, 1)) * t49.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t46[...] = ((t47.reshape((d_V**2, L*n_batch)) @ t48.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t46[...] = ((t48.reshape((d_V**2, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t46 += ((t50.reshape((d_V**2, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t52 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t53 = t52.view((d_V, d_V, d_V, d_V))
@@ -7397,13 +7397,13 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t59 = (1/(L*n_batch)) * t58
     t60 = ((X.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t61 = ((t23 @ t21.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t53[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t53[...] = ((t57.reshape((d_V**2, L*n_batch)) @ t56.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t53 += ((t60.reshape((d_V**2, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t62 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t63 = t62.view((d_V, d_V, d_V, d_V))
-    t64 = ((dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t64 = ((dA17.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t65 = ((M_1.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t63[...] = ((t64.reshape((d_V**2, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t63[...] = ((t65.reshape((d_V**2, L*n_batch)) @ t64.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -7481,7 +7481,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -7491,7 +7491,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -7520,7 +7520,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
+    d2A = ((t39.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
     t40 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t41 = t18 * t40
     t42 = (t40.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -7593,7 +7593,7 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7606,7 +7606,7 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = (X * t18).permute(2, 0, 1)
@@ -7627,7 +7627,7 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdim=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
+    d2A = ((t33.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
     t34 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7653,7 +7653,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7666,7 +7666,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t16 = W_V.transpose(-1, -2)
     t17 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t18 = (M_2 @ M_2.permute(0, 1, 3, 2))
@@ -7686,7 +7686,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
+    d2A = ((t31.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
     t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7710,7 +7710,7 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7723,7 +7723,7 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -7744,20 +7744,20 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdim=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t33.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
+    d2A = ((t33.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
     t34 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t35 = (1/n_batch) * t1
     t36 = M_3.permute(2, 3, 0, 1)
     t37 = ((X.reshape((n_batch, L, d_V, 1)) * t35.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t38 = t23.reshape((d_V**2, L*n_batch))
-    t39 = t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t40 = t36.reshape((d_V**2, L*n_batch))
-    t41 = t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t38 = t24.reshape((d_V**2, L*n_batch))
+    t39 = t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t40 = t37.reshape((d_V**2, L*n_batch))
+    t41 = t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
     t42 = torch.cat([t38, t40], dim=-1)
     t43 = torch.cat([t39, t41], dim=-2)
-    t0[...] = ((t42 @ t43).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t42 @ t43).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -7775,7 +7775,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -7785,7 +7785,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -7814,7 +7814,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
+    d2A = ((t39.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
     t40 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t41 = t18 * t40
     t42 = (t40.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -7846,7 +7846,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7859,7 +7859,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * X
     t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -7875,7 +7875,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t27 = (1/n_batch) * X
     t28 = M_2.permute(3, 2, 0, 1)
     t29 = ((G.reshape((n_batch, L, d_V, 1)) * t27.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t0 += ((t28.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -7894,7 +7894,7 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -7904,7 +7904,7 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t15.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
@@ -7963,7 +7963,7 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (M_1 * t15.permute(0, 2, 1)).permute(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
@@ -7993,7 +7993,7 @@ def ce_causal1__trace__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t14 = (M_1.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -8028,7 +8028,7 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8040,14 +8040,14 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     A24 = t23 / t23.sum(-1, keepdim=True)
     t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA26 = ((t25.reshape((d_V, d_V, 1)) * A24.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A24.reshape((n_batch, L, d_V, 1)) * A24.reshape((n_batch, L, 1, d_V)))
+    dA26 = ((A24.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t25.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A24.reshape((n_batch, L, d_V, 1)) * A24.reshape((n_batch, L, 1, d_V)))
     t27 = W_V.transpose(-1, -2)
     t28 = (1/(L*n_batch)) * t22
     t29 = ((X.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t30 = (dA26.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t31 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t32 = ((t31 @ t30.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t29.reshape((d_V**2, L*n_batch)) @ t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -8079,7 +8079,7 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t15 = G.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8092,7 +8092,7 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     A26 = t25 / t25.sum(-1, keepdim=True)
     t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA28 = ((t27.reshape((d_V, d_V, 1)) * A26.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A26.reshape((n_batch, L, d_V, 1)) * A26.reshape((n_batch, L, 1, d_V)))
+    dA28 = ((A26.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t27.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A26.reshape((n_batch, L, d_V, 1)) * A26.reshape((n_batch, L, 1, d_V)))
     t29 = W_V.transpose(-1, -2)
     t30 = (dA28.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t31 = (t24.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8136,11 +8136,11 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t14.reshape((d_V, d_V, 1)) * A13.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t16 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t10.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t17 = ((M_1.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -8166,7 +8166,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8191,7 +8191,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -8201,7 +8201,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = W_V.transpose(-1, -2)
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -8231,7 +8231,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t39 = t38 - (A * t38).sum(-1, keepdim=True)
     t40 = A * t39
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t6.reshape((L, L, 1)) * t40.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t40.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t40.reshape((n_batch, L, 1, L)))
+    d2A = ((t40.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t40.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t40.reshape((n_batch, L, 1, L)))
     t41 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t42 = t18 * t41
     t43 = (t41.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -8265,7 +8265,7 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t6.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -8275,7 +8275,7 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t15.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
@@ -8337,11 +8337,11 @@ def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t14 = W_V.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA16 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -8404,7 +8404,7 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t13.reshape((d_V, d_V, 1)) * A12.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))

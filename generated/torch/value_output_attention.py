@@ -110,7 +110,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -123,9 +123,9 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t18 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t19 = (t18 @ t17)
-    t20 = ((t19.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t20 = ((W_K.permute(1, 0) @ t19.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t21 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t20.reshape((d_K**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t23 = t22.view((d_V, d_K, d_V, d_K))
     t24 = ((t18 @ t17)).permute(3, 2, 0, 1)
@@ -139,16 +139,16 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t30 = t14.transpose(-1, -2)
     t31 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t32 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t33 = ((t32.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t30).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t33 = ((t30.permute(1, 0) @ t32.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t34 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t28[...] = ((t33.reshape((d_H*d_K, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t28[...] = ((t34.reshape((d_V**2, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t35 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t36 = t35.view((d_V, d_K, d_H, d_V))
     t37 = M_1 @ W_V
     t38 = t13.transpose(-1, -2)
-    t39 = ((t32.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t38).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t39 = ((t38.permute(1, 0) @ t32.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t40 = ((t37.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t36[...] = ((t39.reshape((d_K*d_V, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t36[...] = ((t40.reshape((d_H*d_V, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t42 = t41.view((d_V, d_K, d_V, d_K))
     t43 = W_Q.transpose(-1, -2)
@@ -158,7 +158,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t47 = ((t46.permute(1, 2, 0, 3) @ t45.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t48 = (X.reshape((L*n_batch, d_V)) @ t44.permute(1, 0)).reshape((n_batch, L, d_K))
     t49 = ((t48.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t42[...] = ((t47.reshape((d_K*d_V, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t42[...] = ((t49.reshape((d_K*d_V, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t50 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t51 = t50.view((d_V, d_K, d_V, d_K))
     t52 = ((t45.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
@@ -167,23 +167,23 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t54 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t55 = t54.view((d_V, d_K, d_V, d_H))
     t56 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t43
-    t57 = ((t30.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t57 = ((t30.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t58 = (X.reshape((L*n_batch, d_V)) @ t56.permute(1, 0)).reshape((n_batch, L, d_K))
     t59 = ((t58.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t55[...] = ((t57.reshape((d_H*d_V, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t55[...] = ((t59.reshape((d_K*d_V, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t60 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t61 = t60.view((d_V, d_K, d_H, d_V))
-    t62 = ((t38.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t62 = ((t38.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t63 = ((t58.reshape((n_batch, L, d_K, 1)) * t37.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t61[...] = ((t62.reshape((d_V**2, L*n_batch)) @ t63.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t61[...] = ((t63.reshape((d_H*d_K, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t64 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t65 = t64.view((d_V, d_H, d_V, d_K))
     t66 = M_1.transpose(-1, -2)
     t67 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t66
     t68 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t69 = ((t68.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t69 = ((W_K.permute(1, 0) @ t68.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t70 = ((X.reshape((n_batch, L, d_V, 1)) * t67.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t65[...] = ((t69.reshape((d_H*d_K, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t65[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t69.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     t71 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t72 = t71.view((d_V, d_H, d_V, d_K))
     t73 = (t14 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
@@ -194,20 +194,20 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t77 = t66 @ M_1
     t78 = W_O @ t11
     t79 = (2/(L*d_V*n_batch)) * t78
-    t76[...] = ((t79.reshape((d_H**2, 1)) * t77.sum((0,)).reshape((1, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t76[...] = ((t77.sum((0,)).reshape((d_V**2, 1)) * t79.reshape((1, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(0, 2, 1, 3)
     t80 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t81 = t80.view((d_V, d_H, d_H, d_V))
     t82 = t66 @ t37
     t83 = (2/(L*d_V*n_batch)) * W_O
-    t81[...] = ((t83.reshape((d_H*d_V, 1)) * t82.sum((0,)).reshape((1, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t81[...] = ((t82.sum((0,)).reshape((d_H*d_V, 1)) * t83.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
     t84 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t85 = t84.view((d_H, d_V, d_V, d_K))
     t86 = t37.transpose(-1, -2)
     t87 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t86
     t88 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t89 = ((t88.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t89 = ((W_K.permute(1, 0) @ t88.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t90 = ((X.reshape((n_batch, L, d_V, 1)) * t87.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t85[...] = ((t89.reshape((d_K*d_V, L*n_batch)) @ t90.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_K, d_H, d_V))).permute(2, 0, 3, 1)
+    t85[...] = ((t90.reshape((d_H*d_V, L*n_batch)) @ t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t92 = t91.view((d_H, d_V, d_V, d_K))
     t93 = (t13 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
@@ -217,7 +217,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t96 = t95.view((d_H, d_V, d_V, d_H))
     t97 = t82.transpose(-1, -2)
     t98 = (2/(L*d_V*n_batch)) * t11
-    t96[...] = ((t98.reshape((d_H*d_V, 1)) * t97.sum((0,)).reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(2, 0, 3, 1)
+    t96[...] = ((t97.sum((0,)).reshape((d_H*d_V, 1)) * t98.reshape((1, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
     t99 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t99[...] = 0
     t100 = t99.view((d_H, d_V, d_H, d_V))
@@ -301,7 +301,7 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_O.transpose(-1, -2)
     t9 = W_V.transpose(-1, -2)
     t10 = t8 @ t9
@@ -449,7 +449,7 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -485,7 +485,7 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -521,7 +521,7 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -534,9 +534,9 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t17 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
-    t19 = ((t18.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t19 = ((W_K.permute(1, 0) @ t18.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t20 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t19.reshape((d_K**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -557,7 +557,7 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_O.transpose(-1, -2)
     t9 = W_V.transpose(-1, -2)
     t10 = t8 @ t9
@@ -600,7 +600,7 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -636,7 +636,7 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_O.transpose(-1, -2)
     t9 = W_V.transpose(-1, -2)
     t10 = t8 @ t9
@@ -679,7 +679,7 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -690,9 +690,9 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_V @ t12
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t15 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t16 = ((t15.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t13).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t16 = ((t13.permute(1, 0) @ t15.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t17 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t16.reshape((d_H*d_K, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     return out
 
 
@@ -713,7 +713,7 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = W_O.transpose(-1, -2)
@@ -753,7 +753,7 @@ def mse_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -763,9 +763,9 @@ def mse_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_V @ W_O
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t15 = ((t14.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t12).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t15 = ((t12.permute(1, 0) @ t14.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t16 = ((t11.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t0[...] = ((t16.reshape((d_H*d_V, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -786,7 +786,7 @@ def mse_causal0__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -826,7 +826,7 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -863,7 +863,7 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -900,7 +900,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -915,7 +915,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = ((t18.permute(1, 2, 0, 3) @ t17.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t20 = (X.reshape((L*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = ((t20.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t19.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -937,7 +937,7 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_O.transpose(-1, -2)
     t10 = W_V.transpose(-1, -2)
     t11 = t9 @ t10
@@ -981,7 +981,7 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1018,7 +1018,7 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_O.transpose(-1, -2)
     t10 = W_V.transpose(-1, -2)
     t11 = t9 @ t10
@@ -1062,7 +1062,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1072,10 +1072,10 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = W_V @ t13
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t16 = ((t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t16 = ((t14.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t17 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = ((t17.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t16.reshape((d_H*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t18.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     return out
 
 
@@ -1097,7 +1097,7 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = W_O.transpose(-1, -2)
@@ -1138,7 +1138,7 @@ def mse_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1147,10 +1147,10 @@ def mse_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = M_1 @ W_V
     t13 = W_V @ W_O
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t15 = ((t13.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t15 = ((t13.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t16 = (X.reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = ((t16.reshape((n_batch, L, d_K, 1)) * t12.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t0[...] = ((t17.reshape((d_H*d_K, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -1172,7 +1172,7 @@ def mse_causal0__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -1270,15 +1270,15 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t17 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t18 = ((t17.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t18 = ((W_K.permute(1, 0) @ t17.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t19 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t18.reshape((d_H*d_K, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -1306,7 +1306,7 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_H))
     t15 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1348,7 +1348,7 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1384,7 +1384,7 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_H))
     t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1424,7 +1424,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = W_O.transpose(-1, -2)
     t12 = W_O @ t11
     t13 = (2/(L*d_V*n_batch)) * t12
-    t0[...] = ((t13.reshape((d_H**2, 1)) * t10.sum((0,)).reshape((1, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t10.sum((0,)).reshape((d_V**2, 1)) * t13.reshape((1, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(0, 2, 1, 3)
     return out
 
 
@@ -1479,7 +1479,7 @@ def mse_causal0__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = M_1 @ W_V
     t11 = t9 @ t10
     t12 = (2/(L*d_V*n_batch)) * W_O
-    t0[...] = ((t12.reshape((d_H*d_V, 1)) * t11.sum((0,)).reshape((1, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t0[...] = ((t11.sum((0,)).reshape((d_H*d_V, 1)) * t12.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -1591,15 +1591,15 @@ def mse_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12 @ t1
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t17 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t18 = ((t17.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t18 = ((W_K.permute(1, 0) @ t17.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t19 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t0[...] = ((t18.reshape((d_K*d_V, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_K, d_H, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t19.reshape((d_H*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -1627,7 +1627,7 @@ def mse_causal0__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ t0
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V))
     t15 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1669,7 +1669,7 @@ def mse_causal0__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12 @ t1
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1705,7 +1705,7 @@ def mse_causal0__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ t0
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V))
     t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1746,7 +1746,7 @@ def mse_causal0__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ M_1
     t13 = W_O.transpose(-1, -2)
     t14 = (2/(L*d_V*n_batch)) * t13
-    t0[...] = ((t14.reshape((d_H*d_V, 1)) * t12.sum((0,)).reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t12.sum((0,)).reshape((d_H*d_V, 1)) * t14.reshape((1, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
     return out
 
 
@@ -1873,15 +1873,15 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t23 = (1/(d_K*n_batch)) * t2
     t24 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t25 = ((t24.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t25 = ((W_K.permute(1, 0) @ t24.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t26 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t25.reshape((d_K**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t28 = t27.view((d_V, d_K, d_V, d_K))
     t29 = (t23 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -1897,7 +1897,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t37 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t38 = t37.view((d_V, d_K, d_V, d_H))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t39 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1909,19 +1909,19 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t44 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t45 = t44.view((d_V, d_K, d_H, d_V))
     t46 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t47 = ((t46.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t47 = ((W_V.permute(1, 0) @ t46.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t48 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t45[...] = ((t47.reshape((d_H*d_K, L*n_batch)) @ t48.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t49 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t50 = t49.view((d_V, d_K, d_V, d_K))
     t51 = W_Q.transpose(-1, -2)
     t52 = (1/(d_K*n_batch)) * t51
-    t53 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t53 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t54 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t52.permute(1, 0)).reshape((n_batch, L, d_K))
     t55 = ((t54.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t56 = t50.diagonal(0, 1, 3)
     t57 = t34.transpose(-1, -2)
-    t50[...] = ((t53.reshape((d_K*d_V, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t50[...] = ((t55.reshape((d_K*d_V, L*n_batch)) @ t53.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t56 += (t57.sum((0,)).reshape((d_V**2, 1)) * t36.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t59 = t58.view((d_V, d_K, d_V, d_K))
@@ -1937,7 +1937,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t63[...] = ((t65.reshape((d_V**2, L*n_batch)) @ t67.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t68 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t69 = t68.view((d_V, d_K, d_H, d_V))
-    t70 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t70 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t71 = ((t66.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t69[...] = ((t70.reshape((d_H*d_V, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
@@ -1945,7 +1945,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t74 = t40.transpose(-1, -2)
     t75 = (1/(math.sqrt(d_K)*n_batch)) * t74
     t76 = ((X.reshape((n_batch, L, d_V, 1)) * t75.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t77 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t77 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t73[...] = ((t76.reshape((d_H*d_V, L*n_batch)) @ t77.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t79 = t78.view((d_V, d_H, d_V, d_K))
@@ -1968,9 +1968,9 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t92 = G.transpose(-1, -2)
     t93 = (1/(math.sqrt(d_K)*n_batch)) * t92
     t94 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t95 = ((t94.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t95 = ((W_K.permute(1, 0) @ t94.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t96 = ((X.reshape((n_batch, L, d_V, 1)) * t93.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t91[...] = ((t95.reshape((d_H*d_K, L*n_batch)) @ t96.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t91[...] = ((t96.reshape((d_V**2, L*n_batch)) @ t95.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     t97 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t98 = t97.view((d_H, d_V, d_V, d_K))
     t99 = (t15 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
@@ -2096,7 +2096,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2124,7 +2124,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t44 = (n_batch**(-2)) * (t33.sum((0,)) * t33.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t38 * t36).sum() + (1/(d_K**2*n_batch**2)) * (t43 * t40.permute(0, 2, 3, 1)).sum()
     t45 = torch.sqrt(torch.clamp(t44, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t46 = G @ t12
     t47 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t48 = (t46.reshape((L*n_batch, d_H)) @ t46.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2245,7 +2245,7 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2289,7 +2289,7 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2333,15 +2333,15 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t1
     t23 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t24 = ((t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t24 = ((W_K.permute(1, 0) @ t23.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t25 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t24.reshape((d_K**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -2377,7 +2377,7 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2427,7 +2427,7 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2479,7 +2479,7 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = t0 @ t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t22 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
     t23 = (t22 @ X.permute(0, 2, 1))
     t24 = (t23.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -2518,7 +2518,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2556,7 +2556,7 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -2600,7 +2600,7 @@ def mse_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2614,7 +2614,7 @@ def mse_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t16 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t17 = ((t16.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t17 = ((W_V.permute(1, 0) @ t16.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t18 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t17.reshape((d_H*d_K, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -2637,7 +2637,7 @@ def mse_causal0__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -2696,7 +2696,7 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2742,7 +2742,7 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2787,12 +2787,12 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t23 = (1/(d_K*n_batch)) * t1
-    t24 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t24 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t25 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_K))
     t26 = ((t25.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t27 = t0.diagonal(0, 1, 3)
@@ -2801,7 +2801,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t30 = t2 @ t29
     t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
-    t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t27 += (t30.sum((0,)).reshape((d_V**2, 1)) * t32.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -2842,7 +2842,7 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = W_Q.transpose(-1, -2)
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t21.sum((0,))).reshape((n_batch, L, d_V))
     t25 = (t24 @ X.permute(0, 2, 1))
     t26 = (t25.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -2897,7 +2897,7 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2943,7 +2943,7 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t23 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2979,7 +2979,7 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3019,7 +3019,7 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -3064,7 +3064,7 @@ def mse_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3077,7 +3077,7 @@ def mse_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = (2/(L*d_V)) * t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t17 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t17 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t18 = (X.reshape((L*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = ((t18.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t0[...] = ((t17.reshape((d_H*d_V, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
@@ -3102,7 +3102,7 @@ def mse_causal0__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -3177,13 +3177,13 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t14
     t18 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t19 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t19 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t18.reshape((d_H*d_V, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -3215,7 +3215,7 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t13.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3259,7 +3259,7 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3298,7 +3298,7 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t13.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3451,15 +3451,15 @@ def mse_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t13
     t18 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t19 = ((t18.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t19 = ((W_K.permute(1, 0) @ t18.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t20 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t19.reshape((d_H*d_K, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -3490,7 +3490,7 @@ def mse_causal0__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_H))
     t16 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t17 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3535,7 +3535,7 @@ def mse_causal0__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3574,7 +3574,7 @@ def mse_causal0__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_H))
     t16 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t17 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3697,7 +3697,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3710,7 +3710,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t18 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t19 = (t18 @ t17)
-    t20 = ((t19.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t20 = ((W_K.permute(1, 0) @ t19.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t21 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t22 = A @ X
     M_1 = t22
@@ -3725,21 +3725,21 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = t28 - (A * t28).sum(-1, keepdim=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t30.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
+    d2A = ((t30.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
     t31 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t31.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t32 = (1/(d_K*n_batch)) * t2
     t33 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t32.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t34 = ((t33.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t34 = ((W_K.permute(1, 0) @ t33.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t35 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t36 = t20.reshape((d_K**2, L*n_batch))
-    t37 = t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t38 = t34.reshape((d_K**2, L*n_batch))
-    t39 = t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t36 = t21.reshape((d_V**2, L*n_batch))
+    t37 = t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t38 = t35.reshape((d_V**2, L*n_batch))
+    t39 = t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t40 = torch.cat([t36, t38], dim=-1)
     t41 = torch.cat([t37, t39], dim=-2)
-    t1[...] = ((t40 @ t41).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t40 @ t41).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t42 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = t42.view((d_V, d_K, d_V, d_K))
     t44 = (t32 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -3765,30 +3765,30 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t62 = t14.transpose(-1, -2)
     t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t64 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t63.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t65 = ((t64.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t62).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t65 = ((t62.permute(1, 0) @ t64.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t66 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t67 = G @ t11
     t68 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t69 = (t68 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t70 = ((t67.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t61[...] = ((t65.reshape((d_H*d_K, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t61[...] = ((t66.reshape((d_V**2, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t61 += ((t69.reshape((d_K*d_V, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t71 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t72 = t71.view((d_V, d_K, d_H, d_V))
     t73 = M_1 @ W_V
     t74 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
-    t75 = ((t74 @ t64.permute(2, 0, 1, 3).reshape((d_V, L*d_K*n_batch))).reshape((d_V, n_batch, L, d_K))).permute(3, 0, 1, 2)
+    t75 = ((t74 @ t64.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t76 = ((t73.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t77 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t68.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t78 = ((t77.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t78 = ((W_V.permute(1, 0) @ t77.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t79 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t72[...] = ((t75.reshape((d_K*d_V, L*n_batch)) @ t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t72[...] = ((t76.reshape((d_H*d_V, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t72 += ((t78.reshape((d_H*d_K, L*n_batch)) @ t79.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t80 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t81 = t80.view((d_V, d_K, d_V, d_K))
     t82 = W_Q.transpose(-1, -2)
     t83 = (1/(d_K*n_batch)) * t82
-    t84 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t84 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t85 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t83.permute(1, 0)).reshape((n_batch, L, d_K))
     t86 = ((t85.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t87 = (2/(L*d_K*d_V*n_batch)) * t82
@@ -3799,13 +3799,13 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t92 = ((t91.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t93 = t81.diagonal(0, 1, 3)
     t94 = t51.transpose(-1, -2)
-    t95 = t84.reshape((d_K*d_V, L*n_batch))
-    t96 = t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t97 = t90.reshape((d_K*d_V, L*n_batch))
-    t98 = t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t95 = t86.reshape((d_K*d_V, L*n_batch))
+    t96 = t84.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t97 = t92.reshape((d_K*d_V, L*n_batch))
+    t98 = t90.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t99 = torch.cat([t95, t97], dim=-1)
     t100 = torch.cat([t96, t98], dim=-2)
-    t81[...] = ((t99 @ t100).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t81[...] = ((t99 @ t100).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t93 += (t94.sum((0,)).reshape((d_V**2, 1)) * t53.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t101 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t102 = t101.view((d_V, d_K, d_V, d_K))
@@ -3823,35 +3823,35 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t113 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t114 = t113.view((d_V, d_K, d_V, d_H))
     t115 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t82
-    t116 = ((t62.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t116 = ((t62.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t117 = (X.reshape((L*n_batch, d_V)) @ t115.permute(1, 0)).reshape((n_batch, L, d_K))
     t118 = ((t117.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t119 = (1/(math.sqrt(d_K)*n_batch)) * t82
     t120 = M_2.permute(3, 2, 0, 1)
     t121 = (X.reshape((L*n_batch, d_V)) @ t119.permute(1, 0)).reshape((n_batch, L, d_K))
     t122 = ((t121.reshape((n_batch, L, d_K, 1)) * t67.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t114[...] = ((t116.reshape((d_H*d_V, L*n_batch)) @ t118.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t114[...] = ((t118.reshape((d_K*d_V, L*n_batch)) @ t116.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t114 += ((t120.reshape((d_V**2, L*n_batch)) @ t122.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t123 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t124 = t123.view((d_V, d_K, d_H, d_V))
-    t125 = ((t74 @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t125 = ((t74 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t126 = ((t117.reshape((n_batch, L, d_K, 1)) * t73.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t127 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t127 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t128 = ((t121.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t124[...] = ((t125.reshape((d_V**2, L*n_batch)) @ t126.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t124[...] = ((t126.reshape((d_H*d_K, L*n_batch)) @ t125.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t124 += ((t127.reshape((d_H*d_V, L*n_batch)) @ t128.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t129 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t130 = t129.view((d_V, d_H, d_V, d_K))
     t131 = M_1.transpose(-1, -2)
     t132 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t131
     t133 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t134 = ((t133.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t134 = ((W_K.permute(1, 0) @ t133.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t135 = ((X.reshape((n_batch, L, d_V, 1)) * t132.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t136 = t67.transpose(-1, -2)
     t137 = (1/(math.sqrt(d_K)*n_batch)) * t136
     t138 = ((X.reshape((n_batch, L, d_V, 1)) * t137.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t139 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t130[...] = ((t134.reshape((d_H*d_K, L*n_batch)) @ t135.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t139 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t130[...] = ((t135.reshape((d_V**2, L*n_batch)) @ t134.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     t130 += ((t138.reshape((d_H*d_V, L*n_batch)) @ t139.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t140 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t141 = t140.view((d_V, d_H, d_V, d_K))
@@ -3866,7 +3866,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t148 = t131 @ M_1
     t149 = W_O @ t11
     t150 = (2/(L*d_V*n_batch)) * t149
-    t147[...] = ((t150.reshape((d_H**2, 1)) * t148.sum((0,)).reshape((1, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t147[...] = ((t148.sum((0,)).reshape((d_V**2, 1)) * t150.reshape((1, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(0, 2, 1, 3)
     t151 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t152 = t151.view((d_V, d_H, d_H, d_V))
     t153 = (2/(L*d_V*n_batch)) * t131
@@ -3875,7 +3875,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t156 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t157 = (1/n_batch) * t156
     t158 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t131.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t152[...] = ((t154.reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_H, d_V, d_H, d_V))).permute(1, 2, 0, 3)
+    t152[...] = ((t154.permute(1, 0).reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
     t155 += (t158.permute(1, 0).reshape((d_V**2, 1)) * t157.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     t159 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t160 = t159.view((d_H, d_V, d_V, d_K))
@@ -3887,10 +3887,10 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t166 = G.transpose(-1, -2)
     t167 = (1/(math.sqrt(d_K)*n_batch)) * t166
     t168 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t169 = ((t168.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t169 = ((W_K.permute(1, 0) @ t168.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t170 = ((X.reshape((n_batch, L, d_V, 1)) * t167.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t160[...] = ((t164.reshape((d_K*d_V, L*n_batch)) @ t165.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_K, d_H, d_V))).permute(2, 0, 3, 1)
-    t160 += ((t169.reshape((d_H*d_K, L*n_batch)) @ t170.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t160[...] = ((t165.reshape((d_H*d_V, L*n_batch)) @ t164.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t160 += ((t170.reshape((d_V**2, L*n_batch)) @ t169.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     t171 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t172 = t171.view((d_H, d_V, d_V, d_K))
     t173 = (t163.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
@@ -3905,7 +3905,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t180 = (2/(L*d_V*n_batch)) * t11
     t181 = t178.diagonal(0, 0, 3)
     t182 = t166 @ M_1
-    t178[...] = ((t180.reshape((d_H*d_V, 1)) * t179.sum((0,)).reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(2, 0, 3, 1)
+    t178[...] = ((t179.sum((0,)).reshape((d_H*d_V, 1)) * t180.reshape((1, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
     t181 += (t182.sum((0,)).reshape((d_V**2, 1)) * t157.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     t183 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t183[...] = 0
@@ -4025,7 +4025,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_O.transpose(-1, -2)
     t9 = W_V.transpose(-1, -2)
     t10 = t8 @ t9
@@ -4057,7 +4057,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t33 = t32 - (A * t32).sum(-1, keepdim=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
+    d2A = ((t34.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
     t35 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t37 = t17 * t35
@@ -4329,7 +4329,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4357,7 +4357,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = t27 - (A * t27).sum(-1, keepdim=True)
     t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t29.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t29.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t29.reshape((n_batch, L, 1, L)))
+    d2A = ((t29.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t29.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t29.reshape((n_batch, L, 1, L)))
     t30 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4387,7 +4387,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4414,7 +4414,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = t25 - (A * t25).sum(-1, keepdim=True)
     t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t27.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
+    d2A = ((t27.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
     t28 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4442,7 +4442,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4455,7 +4455,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t17 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
-    t19 = ((t18.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t19 = ((W_K.permute(1, 0) @ t18.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t20 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t21 = A @ X
     M_1 = t21
@@ -4470,21 +4470,21 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = t27 - (A * t27).sum(-1, keepdim=True)
     t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t29.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t29.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t29.reshape((n_batch, L, 1, L)))
+    d2A = ((t29.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t29.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t29.reshape((n_batch, L, 1, L)))
     t30 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t31 = (1/(d_K*n_batch)) * t1
     t32 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t33 = ((t32.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t33 = ((W_K.permute(1, 0) @ t32.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t34 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t35 = t19.reshape((d_K**2, L*n_batch))
-    t36 = t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t37 = t33.reshape((d_K**2, L*n_batch))
-    t38 = t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t35 = t20.reshape((d_V**2, L*n_batch))
+    t36 = t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t37 = t34.reshape((d_V**2, L*n_batch))
+    t38 = t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t39 = torch.cat([t35, t37], dim=-1)
     t40 = torch.cat([t36, t38], dim=-2)
-    t0[...] = ((t39 @ t40).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t39 @ t40).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -4505,7 +4505,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_O.transpose(-1, -2)
     t9 = W_V.transpose(-1, -2)
     t10 = t8 @ t9
@@ -4537,7 +4537,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t33 = t32 - (A * t32).sum(-1, keepdim=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t34.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
+    d2A = ((t34.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
     t35 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t37 = t17 * t35
@@ -4590,7 +4590,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.reshape((L, L, 1)) * t19.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4599,7 +4599,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t25 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t26 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4661,7 +4661,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = t0 @ t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t22 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
     t23 = (t22 @ X.permute(0, 2, 1))
     t24 = (t23.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -4669,7 +4669,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t27 = (t26.permute(1, 2, 0) @ t25.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t28 = t12 @ t13
     t29 = W_O @ t28
     t30 = W_V @ t29
@@ -4726,7 +4726,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4737,7 +4737,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_V @ t12
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t15 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t16 = ((t15.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t13).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t16 = ((t13.permute(1, 0) @ t15.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t17 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t18 = M_1 @ W_V
     t19 = t18 @ W_O
@@ -4749,7 +4749,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t24 = (t23 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t25 = ((t22.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t16.reshape((d_H*d_K, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t0 += ((t24.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     return out
 
@@ -4771,7 +4771,7 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = W_O.transpose(-1, -2)
@@ -4830,7 +4830,7 @@ def mse_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4840,7 +4840,7 @@ def mse_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t13 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t14 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
-    t15 = ((t14 @ t13.permute(2, 0, 1, 3).reshape((d_V, L*d_K*n_batch))).reshape((d_V, n_batch, L, d_K))).permute(3, 0, 1, 2)
+    t15 = ((t14 @ t13.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t16 = ((t11.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t17 = t11 @ W_O
     F = t17
@@ -4849,9 +4849,9 @@ def mse_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t19
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t22 = ((t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t22 = ((W_V.permute(1, 0) @ t21.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t23 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t0[...] = ((t16.reshape((d_H*d_V, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t22.reshape((d_H*d_K, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -4873,7 +4873,7 @@ def mse_causal0__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -4933,7 +4933,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4961,7 +4961,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = t28 - (A * t28).sum(-1, keepdim=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t30.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
+    d2A = ((t30.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
     t31 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t31.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4992,7 +4992,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5019,7 +5019,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = t26 - (A * t26).sum(-1, keepdim=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t28.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))
+    d2A = ((t28.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5064,16 +5064,16 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t23 = (1/(d_K*n_batch)) * t1
-    t24 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t24 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t25 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_K))
     t26 = ((t25.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t27 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5092,13 +5092,13 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t40 = t2 @ t39
     t41 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
-    t43 = t24.reshape((d_K*d_V, L*n_batch))
-    t44 = t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t45 = t34.reshape((d_K*d_V, L*n_batch))
-    t46 = t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t43 = t26.reshape((d_K*d_V, L*n_batch))
+    t44 = t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t45 = t36.reshape((d_K*d_V, L*n_batch))
+    t46 = t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t47 = torch.cat([t43, t45], dim=-1)
     t48 = torch.cat([t44, t46], dim=-2)
-    t0[...] = ((t47 @ t48).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t47 @ t48).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t37 += (t40.sum((0,)).reshape((d_V**2, 1)) * t42.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -5139,7 +5139,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = W_Q.transpose(-1, -2)
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t18.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t21.sum((0,))).reshape((n_batch, L, d_V))
     t25 = (t24 @ X.permute(0, 2, 1))
     t26 = (t25.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -5147,7 +5147,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t29 = (t28.permute(1, 2, 0) @ t27.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t30 = t12 @ t13
     t31 = W_O @ t30
     t32 = W_V @ t31
@@ -5206,7 +5206,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5234,7 +5234,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = t28 - (A * t28).sum(-1, keepdim=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t30.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
+    d2A = ((t30.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
     t31 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t31.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5270,7 +5270,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_O.transpose(-1, -2)
     t10 = W_V.transpose(-1, -2)
     t11 = t9 @ t10
@@ -5302,7 +5302,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t34 = t33 - (A * t33).sum(-1, keepdim=True)
     t35 = A * t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t35.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t35.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t35.reshape((n_batch, L, 1, L)))
+    d2A = ((t35.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t35.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t35.reshape((n_batch, L, 1, L)))
     t36 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t37 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t38 = (t36.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5341,7 +5341,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5351,7 +5351,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = W_V @ t13
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t16 = ((t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t16 = ((t14.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t17 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = ((t17.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t19 = M_1 @ W_V
@@ -5365,7 +5365,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = M_2.permute(3, 2, 0, 1)
     t26 = (X.reshape((L*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_K))
     t27 = ((t26.reshape((n_batch, L, d_K, 1)) * t23.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t0[...] = ((t16.reshape((d_H*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t18.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t0 += ((t25.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     return out
 
@@ -5388,7 +5388,7 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = W_O.transpose(-1, -2)
@@ -5448,7 +5448,7 @@ def mse_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5457,7 +5457,7 @@ def mse_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = M_1 @ W_V
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
-    t15 = ((t14 @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t15 = ((t14 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t16 = (X.reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = ((t16.reshape((n_batch, L, d_K, 1)) * t12.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
     t18 = t12 @ W_O
@@ -5466,10 +5466,10 @@ def mse_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (2/(L*d_V)) * t19
     G = t20
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t22 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t22 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t23 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
     t24 = ((t23.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t0[...] = ((t17.reshape((d_H*d_K, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t22.reshape((d_H*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -5492,7 +5492,7 @@ def mse_causal0__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -5608,13 +5608,13 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t17 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t18 = ((t17.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t18 = ((W_K.permute(1, 0) @ t17.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t19 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t20 = t12.transpose(-1, -2)
     t21 = M_1 @ t20
@@ -5626,8 +5626,8 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = W_O @ t24
     t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * t26.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t28 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t0[...] = ((t18.reshape((d_H*d_K, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t28 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     t0 += ((t27.reshape((d_H*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -5656,7 +5656,7 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_H))
     t15 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5718,7 +5718,7 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5766,7 +5766,7 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_H))
     t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5826,7 +5826,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = W_O.transpose(-1, -2)
     t12 = W_O @ t11
     t13 = (2/(L*d_V*n_batch)) * t12
-    t0[...] = ((t13.reshape((d_H**2, 1)) * t10.sum((0,)).reshape((1, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t10.sum((0,)).reshape((d_V**2, 1)) * t13.reshape((1, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(0, 2, 1, 3)
     return out
 
 
@@ -5890,7 +5890,7 @@ def mse_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t18 = (1/n_batch) * t17
     t19 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t9.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t0[...] = ((t12.reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_H, d_V, d_H, d_V))).permute(1, 2, 0, 3)
+    t0[...] = ((t12.permute(1, 0).reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
     t13 += (t19.permute(1, 0).reshape((d_V**2, 1)) * t18.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     return out
 
@@ -6010,7 +6010,7 @@ def mse_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6028,10 +6028,10 @@ def mse_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = G.transpose(-1, -2)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
     t26 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t27 = ((t26.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t27 = ((W_K.permute(1, 0) @ t26.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t28 = ((X.reshape((n_batch, L, d_V, 1)) * t25.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t18.reshape((d_K*d_V, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_K, d_H, d_V))).permute(2, 0, 3, 1)
-    t0 += ((t27.reshape((d_H*d_K, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t19.reshape((d_H*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t0 += ((t28.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -6058,7 +6058,7 @@ def mse_causal0__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = W_O.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (t0.permute(1, 0) @ t11.permute(1, 0))
     t14 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6121,7 +6121,7 @@ def mse_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6168,7 +6168,7 @@ def mse_causal0__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = W_O.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t12.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t13 = (t0.permute(1, 0) @ t11.permute(1, 0))
     t14 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6240,7 +6240,7 @@ def mse_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = t20 @ M_1
     t22 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t23 = (1/n_batch) * t22
-    t0[...] = ((t14.reshape((d_H*d_V, 1)) * t12.sum((0,)).reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t12.sum((0,)).reshape((d_H*d_V, 1)) * t14.reshape((1, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
     t15 += (t21.sum((0,)).reshape((d_V**2, 1)) * t23.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     return out
 
@@ -6359,7 +6359,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_O.transpose(-1, -2)
     t9 = W_V.transpose(-1, -2)
     t10 = t8 @ t9
@@ -6392,7 +6392,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t34 = t33 - (A * t33).sum(-1, keepdim=True)
     t35 = A * t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t35.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t35.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t35.reshape((n_batch, L, 1, L)))
+    d2A = ((t35.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t35.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t35.reshape((n_batch, L, 1, L)))
     t36 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t37 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t38 = t17 * t37
@@ -6432,7 +6432,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_O.transpose(-1, -2)
     t9 = W_V.transpose(-1, -2)
     t10 = t8 @ t9
@@ -6467,7 +6467,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t36 = t35 @ X
     t37 = t1 @ t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t35.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t35.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t35.reshape((n_batch, L, 1, L)))
+    d2A = ((t35.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t35.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t35.reshape((n_batch, L, 1, L)))
     t38 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t37.sum((0,))).reshape((n_batch, L, d_V))
     t39 = (t38 @ X.permute(0, 2, 1))
     t40 = (t39.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -6517,7 +6517,7 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = W_O.transpose(-1, -2)
@@ -6579,7 +6579,7 @@ def mse_causal0__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -6641,7 +6641,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_O.transpose(-1, -2)
     t10 = W_V.transpose(-1, -2)
     t11 = t9 @ t10
@@ -6677,7 +6677,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t38 = t37 @ X
     t39 = t1 @ t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t36.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
+    d2A = ((t36.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
     t40 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t39.sum((0,))).reshape((n_batch, L, d_V))
     t41 = (t40 @ X.permute(0, 2, 1))
     t42 = (t41.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -6728,7 +6728,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_O.transpose(-1, -2)
     t10 = W_V.transpose(-1, -2)
     t11 = t9 @ t10
@@ -6761,7 +6761,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t35 = t34 - (A * t34).sum(-1, keepdim=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t36.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
+    d2A = ((t36.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
     t37 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t38 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t39 = (t37.reshape((L*n_batch, d_K)) @ t37.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6802,7 +6802,7 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = W_O.transpose(-1, -2)
@@ -6865,7 +6865,7 @@ def mse_causal0__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -6931,7 +6931,7 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_H))
     t15 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6996,7 +6996,7 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_H))
     t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7130,7 +7130,7 @@ def mse_causal0__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ t0
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V))
     t15 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7196,7 +7196,7 @@ def mse_causal0__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ t0
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t13.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t14 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V))
     t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7333,7 +7333,7 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
     t13 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t12.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t13.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t4[...] = ((t15.permute(0, 2, 1, 3).reshape((n_batch, L, d_K*d_V, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 2, 4, 3)
+    t4[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
     t18 = (t13.permute(1, 0, 2) @ A.permute(0, 2, 1))
@@ -7367,7 +7367,7 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
     t13 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t12.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t13.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t4[...] = ((t15.permute(0, 2, 1, 3).reshape((n_batch, L, d_K*d_V, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 2, 4, 3)
+    t4[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
     t18 = (t13.permute(1, 0, 2) @ A.permute(0, 2, 1))
@@ -7638,7 +7638,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7651,9 +7651,9 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t21 = (t20 @ t19)
-    t22 = ((t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t22 = ((W_K.permute(1, 0) @ t21.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t23 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t22.reshape((d_K**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t25 = t24.view((d_V, d_K, d_V, d_K))
     t26 = ((t20 @ t19)).permute(3, 2, 0, 1)
@@ -7667,16 +7667,16 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t32 = t16.transpose(-1, -2)
     t33 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t34 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t33.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t35 = ((t34.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t32).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t35 = ((t32.permute(1, 0) @ t34.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t36 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t30[...] = ((t35.reshape((d_H*d_K, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t30[...] = ((t36.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t37 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t38 = t37.view((d_V, d_K, d_H, d_V))
     t39 = M_1 @ W_V
     t40 = t15.transpose(-1, -2)
-    t41 = ((t34.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t40).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t41 = ((t40.permute(1, 0) @ t34.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t42 = ((t39.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t38[...] = ((t41.reshape((d_K*d_V, L*n_batch)) @ t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t38[...] = ((t42.reshape((d_H*d_V, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t44 = t43.view((d_V, d_K, d_V, d_K))
     t45 = W_Q.transpose(-1, -2)
@@ -7686,7 +7686,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t49 = ((t48.permute(1, 2, 0, 3) @ t47.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t50 = (X.reshape((L*n_batch, d_V)) @ t46.permute(1, 0)).reshape((n_batch, L, d_K))
     t51 = ((t50.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t44[...] = ((t49.reshape((d_K*d_V, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t44[...] = ((t51.reshape((d_K*d_V, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = t52.view((d_V, d_K, d_V, d_K))
     t54 = ((t47.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
@@ -7695,23 +7695,23 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t57 = t56.view((d_V, d_K, d_V, d_H))
     t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
-    t59 = ((t32.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t59 = ((t32.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t60 = (X.reshape((L*n_batch, d_V)) @ t58.permute(1, 0)).reshape((n_batch, L, d_K))
     t61 = ((t60.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t57[...] = ((t59.reshape((d_H*d_V, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t57[...] = ((t61.reshape((d_K*d_V, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t62 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t63 = t62.view((d_V, d_K, d_H, d_V))
-    t64 = ((t40.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t64 = ((t40.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t65 = ((t60.reshape((n_batch, L, d_K, 1)) * t39.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t63[...] = ((t64.reshape((d_V**2, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t63[...] = ((t65.reshape((d_H*d_K, L*n_batch)) @ t64.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t66 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t67 = t66.view((d_V, d_H, d_V, d_K))
     t68 = M_1.transpose(-1, -2)
     t69 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t68
     t70 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t71 = ((t70.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t71 = ((W_K.permute(1, 0) @ t70.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t72 = ((X.reshape((n_batch, L, d_V, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t67[...] = ((t71.reshape((d_H*d_K, L*n_batch)) @ t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t67[...] = ((t72.reshape((d_V**2, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     t73 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t74 = t73.view((d_V, d_H, d_V, d_K))
     t75 = (t16 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
@@ -7722,20 +7722,20 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t79 = t68 @ M_1
     t80 = W_O @ t13
     t81 = (2/(L*d_V*n_batch)) * t80
-    t78[...] = ((t81.reshape((d_H**2, 1)) * t79.sum((0,)).reshape((1, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t78[...] = ((t79.sum((0,)).reshape((d_V**2, 1)) * t81.reshape((1, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(0, 2, 1, 3)
     t82 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t83 = t82.view((d_V, d_H, d_H, d_V))
     t84 = t68 @ t39
     t85 = (2/(L*d_V*n_batch)) * W_O
-    t83[...] = ((t85.reshape((d_H*d_V, 1)) * t84.sum((0,)).reshape((1, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t83[...] = ((t84.sum((0,)).reshape((d_H*d_V, 1)) * t85.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
     t86 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t87 = t86.view((d_H, d_V, d_V, d_K))
     t88 = t39.transpose(-1, -2)
     t89 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t88
     t90 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t91 = ((t90.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t91 = ((W_K.permute(1, 0) @ t90.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t92 = ((X.reshape((n_batch, L, d_V, 1)) * t89.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t87[...] = ((t91.reshape((d_K*d_V, L*n_batch)) @ t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_K, d_H, d_V))).permute(2, 0, 3, 1)
+    t87[...] = ((t92.reshape((d_H*d_V, L*n_batch)) @ t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t93 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t94 = t93.view((d_H, d_V, d_V, d_K))
     t95 = (t15 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
@@ -7745,7 +7745,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t98 = t97.view((d_H, d_V, d_V, d_H))
     t99 = t84.transpose(-1, -2)
     t100 = (2/(L*d_V*n_batch)) * t13
-    t98[...] = ((t100.reshape((d_H*d_V, 1)) * t99.sum((0,)).reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(2, 0, 3, 1)
+    t98[...] = ((t99.sum((0,)).reshape((d_H*d_V, 1)) * t100.reshape((1, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
     t101 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t101[...] = 0
     t102 = t101.view((d_H, d_V, d_H, d_V))
@@ -7833,7 +7833,7 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_O.transpose(-1, -2)
     t11 = W_V.transpose(-1, -2)
     t12 = t10 @ t11
@@ -7983,7 +7983,7 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8021,7 +8021,7 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8059,7 +8059,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8072,9 +8072,9 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t19 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t20 = (t19 @ t18)
-    t21 = ((t20.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t21 = ((W_K.permute(1, 0) @ t20.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t22 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t21.reshape((d_K**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -8097,7 +8097,7 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_O.transpose(-1, -2)
     t11 = W_V.transpose(-1, -2)
     t12 = t10 @ t11
@@ -8142,7 +8142,7 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8180,7 +8180,7 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_O.transpose(-1, -2)
     t11 = W_V.transpose(-1, -2)
     t12 = t10 @ t11
@@ -8225,7 +8225,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8236,9 +8236,9 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_V @ t14
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t17 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t18 = ((t17.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t15).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t18 = ((t15.permute(1, 0) @ t17.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t19 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t18.reshape((d_H*d_K, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     return out
 
 
@@ -8261,7 +8261,7 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = W_O.transpose(-1, -2)
@@ -8303,7 +8303,7 @@ def mse_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8313,9 +8313,9 @@ def mse_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_V @ W_O
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t16 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t17 = ((t16.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t14).reshape((n_batch, L, d_K, d_V))).permute(2, 3, 0, 1)
+    t17 = ((t14.permute(1, 0) @ t16.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t18 = ((t13.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t0[...] = ((t18.reshape((d_H*d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -8338,7 +8338,7 @@ def mse_causal1__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -8380,7 +8380,7 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8419,7 +8419,7 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8458,7 +8458,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8473,7 +8473,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t21 = ((t20.permute(1, 2, 0, 3) @ t19.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t22 = (X.reshape((L*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_K))
     t23 = ((t22.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t23.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -8497,7 +8497,7 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_O.transpose(-1, -2)
     t12 = W_V.transpose(-1, -2)
     t13 = t11 @ t12
@@ -8543,7 +8543,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8582,7 +8582,7 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_O.transpose(-1, -2)
     t12 = W_V.transpose(-1, -2)
     t13 = t11 @ t12
@@ -8628,7 +8628,7 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8638,10 +8638,10 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = W_V @ t15
     t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t18 = ((t16.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t18 = ((t16.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t19 = (X.reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = ((t19.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t18.reshape((d_H*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t20.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     return out
 
 
@@ -8665,7 +8665,7 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = W_O.transpose(-1, -2)
@@ -8708,7 +8708,7 @@ def mse_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8717,10 +8717,10 @@ def mse_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = M_1 @ W_V
     t15 = W_V @ W_O
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t17 = ((t15.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t17 = ((t15.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t18 = (X.reshape((L*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = ((t18.reshape((n_batch, L, d_K, 1)) * t14.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t0[...] = ((t19.reshape((d_H*d_K, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -8744,7 +8744,7 @@ def mse_causal1__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -8848,15 +8848,15 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t19 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t20 = ((t19.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t20 = ((W_K.permute(1, 0) @ t19.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t21 = ((X.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t20.reshape((d_H*d_K, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -8886,7 +8886,7 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_H))
     t17 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8930,7 +8930,7 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8968,7 +8968,7 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_H))
     t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9010,7 +9010,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O.transpose(-1, -2)
     t14 = W_O @ t13
     t15 = (2/(L*d_V*n_batch)) * t14
-    t0[...] = ((t15.reshape((d_H**2, 1)) * t12.sum((0,)).reshape((1, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t12.sum((0,)).reshape((d_V**2, 1)) * t15.reshape((1, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(0, 2, 1, 3)
     return out
 
 
@@ -9069,7 +9069,7 @@ def mse_causal1__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = M_1 @ W_V
     t13 = t11 @ t12
     t14 = (2/(L*d_V*n_batch)) * W_O
-    t0[...] = ((t14.reshape((d_H*d_V, 1)) * t13.sum((0,)).reshape((1, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t0[...] = ((t13.sum((0,)).reshape((d_H*d_V, 1)) * t14.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -9189,15 +9189,15 @@ def mse_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ t1
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t13
     t19 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t20 = ((t19.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t20 = ((W_K.permute(1, 0) @ t19.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t21 = ((X.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t0[...] = ((t20.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_K, d_H, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t21.reshape((d_H*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -9227,7 +9227,7 @@ def mse_causal1__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ t0
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V))
     t17 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t18 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9271,7 +9271,7 @@ def mse_causal1__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ t1
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9309,7 +9309,7 @@ def mse_causal1__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ t0
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V))
     t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t18 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9352,7 +9352,7 @@ def mse_causal1__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ M_1
     t15 = W_O.transpose(-1, -2)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t0[...] = ((t16.reshape((d_H*d_V, 1)) * t14.sum((0,)).reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t14.sum((0,)).reshape((d_H*d_V, 1)) * t16.reshape((1, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
     return out
 
 
@@ -9487,15 +9487,15 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t2
     t26 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t27 = ((t26.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t27 = ((W_K.permute(1, 0) @ t26.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t28 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t27.reshape((d_K**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t28.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t30 = t29.view((d_V, d_K, d_V, d_K))
     t31 = (t25 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -9511,7 +9511,7 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t39 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t40 = t39.view((d_V, d_K, d_V, d_H))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t41 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t41.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9523,19 +9523,19 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t46 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t47 = t46.view((d_V, d_K, d_H, d_V))
     t48 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t43.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t49 = ((t48.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t49 = ((W_V.permute(1, 0) @ t48.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t50 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t47[...] = ((t49.reshape((d_H*d_K, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t51 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t52 = t51.view((d_V, d_K, d_V, d_K))
     t53 = W_Q.transpose(-1, -2)
     t54 = (1/(d_K*n_batch)) * t53
-    t55 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t55 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t56 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t54.permute(1, 0)).reshape((n_batch, L, d_K))
     t57 = ((t56.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t58 = t52.diagonal(0, 1, 3)
     t59 = t36.transpose(-1, -2)
-    t52[...] = ((t55.reshape((d_K*d_V, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t52[...] = ((t57.reshape((d_K*d_V, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t58 += (t59.sum((0,)).reshape((d_V**2, 1)) * t38.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t61 = t60.view((d_V, d_K, d_V, d_K))
@@ -9551,7 +9551,7 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t65[...] = ((t67.reshape((d_V**2, L*n_batch)) @ t69.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t70 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t71 = t70.view((d_V, d_K, d_H, d_V))
-    t72 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t72 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t73 = ((t68.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t71[...] = ((t72.reshape((d_H*d_V, L*n_batch)) @ t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
@@ -9559,7 +9559,7 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t76 = t42.transpose(-1, -2)
     t77 = (1/(math.sqrt(d_K)*n_batch)) * t76
     t78 = ((X.reshape((n_batch, L, d_V, 1)) * t77.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t79 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t79 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t75[...] = ((t78.reshape((d_H*d_V, L*n_batch)) @ t79.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t80 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t81 = t80.view((d_V, d_H, d_V, d_K))
@@ -9582,9 +9582,9 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t94 = G.transpose(-1, -2)
     t95 = (1/(math.sqrt(d_K)*n_batch)) * t94
     t96 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t97 = ((t96.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t97 = ((W_K.permute(1, 0) @ t96.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t98 = ((X.reshape((n_batch, L, d_V, 1)) * t95.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t93[...] = ((t97.reshape((d_H*d_K, L*n_batch)) @ t98.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t93[...] = ((t98.reshape((d_V**2, L*n_batch)) @ t97.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     t99 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t100 = t99.view((d_H, d_V, d_V, d_K))
     t101 = (t17 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
@@ -9714,7 +9714,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t23 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9742,7 +9742,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t46 = (n_batch**(-2)) * (t35.sum((0,)) * t35.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t40 * t38).sum() + (1/(d_K**2*n_batch**2)) * (t45 * t42.permute(0, 2, 3, 1)).sum()
     t47 = torch.sqrt(torch.clamp(t46, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t48 = G @ t14
     t49 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t50 = (t48.reshape((L*n_batch, d_H)) @ t48.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9865,7 +9865,7 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9911,7 +9911,7 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9957,15 +9957,15 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
     t25 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t26 = ((t25.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t26 = ((W_K.permute(1, 0) @ t25.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t26.reshape((d_K**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -10003,7 +10003,7 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t23 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10055,7 +10055,7 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10109,7 +10109,7 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = t0 @ t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
     t25 = (t24 @ X.permute(0, 2, 1))
     t26 = (t25.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -10150,7 +10150,7 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10190,7 +10190,7 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -10236,7 +10236,7 @@ def mse_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10250,7 +10250,7 @@ def mse_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t16
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t18 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t19 = ((t18.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t19 = ((W_V.permute(1, 0) @ t18.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t20 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t19.reshape((d_H*d_K, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -10275,7 +10275,7 @@ def mse_causal1__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -10336,7 +10336,7 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10384,7 +10384,7 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10431,12 +10431,12 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
-    t26 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t26 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t27 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_K))
     t28 = ((t27.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t29 = t0.diagonal(0, 1, 3)
@@ -10445,7 +10445,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t32 = t2 @ t31
     t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t0[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t29 += (t32.sum((0,)).reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -10488,7 +10488,7 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t24 = W_Q.transpose(-1, -2)
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t23.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
     t28 = (t27.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -10545,7 +10545,7 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10593,7 +10593,7 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t25 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10631,7 +10631,7 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10673,7 +10673,7 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -10720,7 +10720,7 @@ def mse_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10733,7 +10733,7 @@ def mse_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (2/(L*d_V)) * t16
     G = t17
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t19 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t19 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t20 = (X.reshape((L*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = ((t20.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t0[...] = ((t19.reshape((d_H*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
@@ -10760,7 +10760,7 @@ def mse_causal1__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -10837,13 +10837,13 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t16 = W_O @ t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t16
     t20 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t21 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t21 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t20.reshape((d_H*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -10877,7 +10877,7 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t18 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t15.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10923,7 +10923,7 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t16 = W_O @ t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10964,7 +10964,7 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t18 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t15.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11123,15 +11123,15 @@ def mse_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t16 = W_V.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t15
     t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t21 = ((t20.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t21 = ((W_K.permute(1, 0) @ t20.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t22 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t21.reshape((d_H*d_K, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -11164,7 +11164,7 @@ def mse_causal1__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_H))
     t18 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t14.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11211,7 +11211,7 @@ def mse_causal1__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t16 = W_V.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t17.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t18 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11252,7 +11252,7 @@ def mse_causal1__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_H))
     t18 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t14.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11381,7 +11381,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11394,7 +11394,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t21 = (t20 @ t19)
-    t22 = ((t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t22 = ((W_K.permute(1, 0) @ t21.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t23 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t24 = A @ X
     M_1 = t24
@@ -11409,21 +11409,21 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
+    d2A = ((t32.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
     t33 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t34 = (1/(d_K*n_batch)) * t2
     t35 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t34.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t36 = ((t35.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t36 = ((W_K.permute(1, 0) @ t35.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t37 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t38 = t22.reshape((d_K**2, L*n_batch))
-    t39 = t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t40 = t36.reshape((d_K**2, L*n_batch))
-    t41 = t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t38 = t23.reshape((d_V**2, L*n_batch))
+    t39 = t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t40 = t37.reshape((d_V**2, L*n_batch))
+    t41 = t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t42 = torch.cat([t38, t40], dim=-1)
     t43 = torch.cat([t39, t41], dim=-2)
-    t1[...] = ((t42 @ t43).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t42 @ t43).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t44 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t45 = t44.view((d_V, d_K, d_V, d_K))
     t46 = (t34 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -11449,30 +11449,30 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t64 = t16.transpose(-1, -2)
     t65 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t66 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t65.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t67 = ((t66.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t64).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t67 = ((t64.permute(1, 0) @ t66.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t68 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t69 = G @ t13
     t70 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t71 = (t70 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t72 = ((t69.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t63[...] = ((t67.reshape((d_H*d_K, L*n_batch)) @ t68.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t63[...] = ((t68.reshape((d_V**2, L*n_batch)) @ t67.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t63 += ((t71.reshape((d_K*d_V, L*n_batch)) @ t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t73 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t74 = t73.view((d_V, d_K, d_H, d_V))
     t75 = M_1 @ W_V
     t76 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
-    t77 = ((t76 @ t66.permute(2, 0, 1, 3).reshape((d_V, L*d_K*n_batch))).reshape((d_V, n_batch, L, d_K))).permute(3, 0, 1, 2)
+    t77 = ((t76 @ t66.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t78 = ((t75.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t79 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t70.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t80 = ((t79.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t80 = ((W_V.permute(1, 0) @ t79.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t81 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t74[...] = ((t77.reshape((d_K*d_V, L*n_batch)) @ t78.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t74[...] = ((t78.reshape((d_H*d_V, L*n_batch)) @ t77.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t74 += ((t80.reshape((d_H*d_K, L*n_batch)) @ t81.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t82 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t83 = t82.view((d_V, d_K, d_V, d_K))
     t84 = W_Q.transpose(-1, -2)
     t85 = (1/(d_K*n_batch)) * t84
-    t86 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t86 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t87 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t85.permute(1, 0)).reshape((n_batch, L, d_K))
     t88 = ((t87.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t89 = (2/(L*d_K*d_V*n_batch)) * t84
@@ -11483,13 +11483,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t94 = ((t93.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t95 = t83.diagonal(0, 1, 3)
     t96 = t53.transpose(-1, -2)
-    t97 = t86.reshape((d_K*d_V, L*n_batch))
-    t98 = t88.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t99 = t92.reshape((d_K*d_V, L*n_batch))
-    t100 = t94.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t97 = t88.reshape((d_K*d_V, L*n_batch))
+    t98 = t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t99 = t94.reshape((d_K*d_V, L*n_batch))
+    t100 = t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t101 = torch.cat([t97, t99], dim=-1)
     t102 = torch.cat([t98, t100], dim=-2)
-    t83[...] = ((t101 @ t102).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t83[...] = ((t101 @ t102).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t95 += (t96.sum((0,)).reshape((d_V**2, 1)) * t55.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t103 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t104 = t103.view((d_V, d_K, d_V, d_K))
@@ -11507,35 +11507,35 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t115 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t116 = t115.view((d_V, d_K, d_V, d_H))
     t117 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t84
-    t118 = ((t64.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t118 = ((t64.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t119 = (X.reshape((L*n_batch, d_V)) @ t117.permute(1, 0)).reshape((n_batch, L, d_K))
     t120 = ((t119.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t121 = (1/(math.sqrt(d_K)*n_batch)) * t84
     t122 = M_2.permute(3, 2, 0, 1)
     t123 = (X.reshape((L*n_batch, d_V)) @ t121.permute(1, 0)).reshape((n_batch, L, d_K))
     t124 = ((t123.reshape((n_batch, L, d_K, 1)) * t69.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t116[...] = ((t118.reshape((d_H*d_V, L*n_batch)) @ t120.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t116[...] = ((t120.reshape((d_K*d_V, L*n_batch)) @ t118.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t116 += ((t122.reshape((d_V**2, L*n_batch)) @ t124.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t125 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t126 = t125.view((d_V, d_K, d_H, d_V))
-    t127 = ((t76 @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t127 = ((t76 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t128 = ((t119.reshape((n_batch, L, d_K, 1)) * t75.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t129 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t129 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t130 = ((t123.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t126[...] = ((t127.reshape((d_V**2, L*n_batch)) @ t128.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t126[...] = ((t128.reshape((d_H*d_K, L*n_batch)) @ t127.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t126 += ((t129.reshape((d_H*d_V, L*n_batch)) @ t130.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t131 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t132 = t131.view((d_V, d_H, d_V, d_K))
     t133 = M_1.transpose(-1, -2)
     t134 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t133
     t135 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t136 = ((t135.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t136 = ((W_K.permute(1, 0) @ t135.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t137 = ((X.reshape((n_batch, L, d_V, 1)) * t134.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t138 = t69.transpose(-1, -2)
     t139 = (1/(math.sqrt(d_K)*n_batch)) * t138
     t140 = ((X.reshape((n_batch, L, d_V, 1)) * t139.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t141 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t132[...] = ((t136.reshape((d_H*d_K, L*n_batch)) @ t137.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t141 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t132[...] = ((t137.reshape((d_V**2, L*n_batch)) @ t136.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     t132 += ((t140.reshape((d_H*d_V, L*n_batch)) @ t141.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t142 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t143 = t142.view((d_V, d_H, d_V, d_K))
@@ -11550,7 +11550,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t150 = t133 @ M_1
     t151 = W_O @ t13
     t152 = (2/(L*d_V*n_batch)) * t151
-    t149[...] = ((t152.reshape((d_H**2, 1)) * t150.sum((0,)).reshape((1, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t149[...] = ((t150.sum((0,)).reshape((d_V**2, 1)) * t152.reshape((1, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(0, 2, 1, 3)
     t153 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t154 = t153.view((d_V, d_H, d_H, d_V))
     t155 = (2/(L*d_V*n_batch)) * t133
@@ -11559,7 +11559,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t158 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t159 = (1/n_batch) * t158
     t160 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t133.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t154[...] = ((t156.reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_H, d_V, d_H, d_V))).permute(1, 2, 0, 3)
+    t154[...] = ((t156.permute(1, 0).reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
     t157 += (t160.permute(1, 0).reshape((d_V**2, 1)) * t159.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     t161 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t162 = t161.view((d_H, d_V, d_V, d_K))
@@ -11571,10 +11571,10 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t168 = G.transpose(-1, -2)
     t169 = (1/(math.sqrt(d_K)*n_batch)) * t168
     t170 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t171 = ((t170.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t171 = ((W_K.permute(1, 0) @ t170.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t172 = ((X.reshape((n_batch, L, d_V, 1)) * t169.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t162[...] = ((t166.reshape((d_K*d_V, L*n_batch)) @ t167.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_K, d_H, d_V))).permute(2, 0, 3, 1)
-    t162 += ((t171.reshape((d_H*d_K, L*n_batch)) @ t172.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t162[...] = ((t167.reshape((d_H*d_V, L*n_batch)) @ t166.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t162 += ((t172.reshape((d_V**2, L*n_batch)) @ t171.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     t173 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t174 = t173.view((d_H, d_V, d_V, d_K))
     t175 = (t165.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
@@ -11589,7 +11589,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t182 = (2/(L*d_V*n_batch)) * t13
     t183 = t180.diagonal(0, 0, 3)
     t184 = t168 @ M_1
-    t180[...] = ((t182.reshape((d_H*d_V, 1)) * t181.sum((0,)).reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(2, 0, 3, 1)
+    t180[...] = ((t181.sum((0,)).reshape((d_H*d_V, 1)) * t182.reshape((1, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
     t183 += (t184.sum((0,)).reshape((d_V**2, 1)) * t159.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     t185 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t185[...] = 0
@@ -11713,7 +11713,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_O.transpose(-1, -2)
     t11 = W_V.transpose(-1, -2)
     t12 = t10 @ t11
@@ -11745,7 +11745,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t35 = t34 - (A * t34).sum(-1, keepdim=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t36.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
+    d2A = ((t36.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
     t37 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t38 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t39 = t19 * t37
@@ -12019,7 +12019,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12047,7 +12047,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
+    d2A = ((t31.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
     t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12079,7 +12079,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12106,7 +12106,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = t27 - (A * t27).sum(-1, keepdim=True)
     t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t29.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t29.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t29.reshape((n_batch, L, 1, L)))
+    d2A = ((t29.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t29.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t29.reshape((n_batch, L, 1, L)))
     t30 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12136,7 +12136,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12149,7 +12149,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t19 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t20 = (t19 @ t18)
-    t21 = ((t20.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t21 = ((W_K.permute(1, 0) @ t20.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t22 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t23 = A @ X
     M_1 = t23
@@ -12164,21 +12164,21 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t31.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
+    d2A = ((t31.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
     t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t33 = (1/(d_K*n_batch)) * t1
     t34 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t33.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t35 = ((t34.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t35 = ((W_K.permute(1, 0) @ t34.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t36 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t37 = t21.reshape((d_K**2, L*n_batch))
-    t38 = t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t39 = t35.reshape((d_K**2, L*n_batch))
-    t40 = t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t37 = t22.reshape((d_V**2, L*n_batch))
+    t38 = t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t39 = t36.reshape((d_V**2, L*n_batch))
+    t40 = t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t41 = torch.cat([t37, t39], dim=-1)
     t42 = torch.cat([t38, t40], dim=-2)
-    t0[...] = ((t41 @ t42).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t41 @ t42).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -12201,7 +12201,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_O.transpose(-1, -2)
     t11 = W_V.transpose(-1, -2)
     t12 = t10 @ t11
@@ -12233,7 +12233,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t35 = t34 - (A * t34).sum(-1, keepdim=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t36.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
+    d2A = ((t36.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
     t37 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t38 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t39 = t19 * t37
@@ -12288,7 +12288,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.reshape((L, L, 1)) * t21.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12297,7 +12297,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t27 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t28 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12361,7 +12361,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = t0 @ t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
     t25 = (t24 @ X.permute(0, 2, 1))
     t26 = (t25.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -12369,7 +12369,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t29 = (t28.permute(1, 2, 0) @ t27.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t30 = t14 @ t15
     t31 = W_O @ t30
     t32 = W_V @ t31
@@ -12428,7 +12428,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12439,7 +12439,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_V @ t14
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t17 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t18 = ((t17.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t15).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t18 = ((t15.permute(1, 0) @ t17.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t19 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t20 = M_1 @ W_V
     t21 = t20 @ W_O
@@ -12451,7 +12451,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t26 = (t25 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t27 = ((t24.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t18.reshape((d_H*d_K, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t0 += ((t26.reshape((d_K*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     return out
 
@@ -12475,7 +12475,7 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = W_O.transpose(-1, -2)
@@ -12536,7 +12536,7 @@ def mse_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12546,7 +12546,7 @@ def mse_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t15 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t16 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
-    t17 = ((t16 @ t15.permute(2, 0, 1, 3).reshape((d_V, L*d_K*n_batch))).reshape((d_V, n_batch, L, d_K))).permute(3, 0, 1, 2)
+    t17 = ((t16 @ t15.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t18 = ((t13.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t19 = t13 @ W_O
     F = t19
@@ -12555,9 +12555,9 @@ def mse_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t21
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t24 = ((t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t24 = ((W_V.permute(1, 0) @ t23.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t25 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t0[...] = ((t18.reshape((d_H*d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t24.reshape((d_H*d_K, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -12581,7 +12581,7 @@ def mse_causal1__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -12643,7 +12643,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12671,7 +12671,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
+    d2A = ((t32.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
     t33 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12704,7 +12704,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12731,7 +12731,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = t28 - (A * t28).sum(-1, keepdim=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t30.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
+    d2A = ((t30.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
     t31 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t31.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12778,16 +12778,16 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.reshape((L, L, 1)) * t22.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
-    t26 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t26 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t27 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_K))
     t28 = ((t27.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t29 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12806,13 +12806,13 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t42 = t2 @ t41
     t43 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t44 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t45 = t26.reshape((d_K*d_V, L*n_batch))
-    t46 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t47 = t36.reshape((d_K*d_V, L*n_batch))
-    t48 = t38.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t45 = t28.reshape((d_K*d_V, L*n_batch))
+    t46 = t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t47 = t38.reshape((d_K*d_V, L*n_batch))
+    t48 = t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t49 = torch.cat([t45, t47], dim=-1)
     t50 = torch.cat([t46, t48], dim=-2)
-    t0[...] = ((t49 @ t50).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t49 @ t50).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t39 += (t42.sum((0,)).reshape((d_V**2, 1)) * t44.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -12855,7 +12855,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = W_Q.transpose(-1, -2)
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t20.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t23.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
     t28 = (t27.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -12863,7 +12863,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t30 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t31 = (t30.permute(1, 2, 0) @ t29.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t25.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t32 = t14 @ t15
     t33 = W_O @ t32
     t34 = W_V @ t33
@@ -12924,7 +12924,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12952,7 +12952,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t32.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
+    d2A = ((t32.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
     t33 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12990,7 +12990,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_O.transpose(-1, -2)
     t12 = W_V.transpose(-1, -2)
     t13 = t11 @ t12
@@ -13022,7 +13022,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t39 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t40 = (t38.reshape((L*n_batch, d_K)) @ t16.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13063,7 +13063,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13073,7 +13073,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = W_V @ t15
     t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t18 = ((t16.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t18 = ((t16.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t19 = (X.reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = ((t19.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t21 = M_1 @ W_V
@@ -13087,7 +13087,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = M_2.permute(3, 2, 0, 1)
     t28 = (X.reshape((L*n_batch, d_V)) @ t26.permute(1, 0)).reshape((n_batch, L, d_K))
     t29 = ((t28.reshape((n_batch, L, d_K, 1)) * t25.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t0[...] = ((t18.reshape((d_H*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t20.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t0 += ((t27.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     return out
 
@@ -13112,7 +13112,7 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = W_O.transpose(-1, -2)
@@ -13174,7 +13174,7 @@ def mse_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13183,7 +13183,7 @@ def mse_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = M_1 @ W_V
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t16 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
-    t17 = ((t16 @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t17 = ((t16 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t18 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = ((t18.reshape((n_batch, L, d_K, 1)) * t14.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
     t20 = t14 @ W_O
@@ -13192,10 +13192,10 @@ def mse_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = (2/(L*d_V)) * t21
     G = t22
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t24 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t24 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t25 = (X.reshape((L*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_K))
     t26 = ((t25.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t0[...] = ((t19.reshape((d_H*d_K, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t24.reshape((d_H*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -13220,7 +13220,7 @@ def mse_causal1__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -13342,13 +13342,13 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t19 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t20 = ((t19.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t20 = ((W_K.permute(1, 0) @ t19.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t21 = ((X.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t22 = t14.transpose(-1, -2)
     t23 = M_1 @ t22
@@ -13360,8 +13360,8 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = W_O @ t26
     t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
     t29 = ((X.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t30 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t0[...] = ((t20.reshape((d_H*d_K, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t30 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     t0 += ((t29.reshape((d_H*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -13392,7 +13392,7 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_H))
     t17 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13456,7 +13456,7 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t16.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t17 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13506,7 +13506,7 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_H))
     t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13568,7 +13568,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O.transpose(-1, -2)
     t14 = W_O @ t13
     t15 = (2/(L*d_V*n_batch)) * t14
-    t0[...] = ((t15.reshape((d_H**2, 1)) * t12.sum((0,)).reshape((1, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t12.sum((0,)).reshape((d_V**2, 1)) * t15.reshape((1, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(0, 2, 1, 3)
     return out
 
 
@@ -13636,7 +13636,7 @@ def mse_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t20 = (1/n_batch) * t19
     t21 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t11.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t0[...] = ((t14.reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_H, d_V, d_H, d_V))).permute(1, 2, 0, 3)
+    t0[...] = ((t14.permute(1, 0).reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
     t15 += (t21.permute(1, 0).reshape((d_V**2, 1)) * t20.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     return out
 
@@ -13764,7 +13764,7 @@ def mse_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13782,10 +13782,10 @@ def mse_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = G.transpose(-1, -2)
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
     t28 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t29 = ((t28.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t29 = ((W_K.permute(1, 0) @ t28.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t30 = ((X.reshape((n_batch, L, d_V, 1)) * t27.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t20.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_K, d_H, d_V))).permute(2, 0, 3, 1)
-    t0 += ((t29.reshape((d_H*d_K, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t21.reshape((d_H*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t0 += ((t30.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -13814,7 +13814,7 @@ def mse_causal1__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (t0.permute(1, 0) @ t13.permute(1, 0))
     t16 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t17 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13879,7 +13879,7 @@ def mse_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13928,7 +13928,7 @@ def mse_causal1__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t14.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t15 = (t0.permute(1, 0) @ t13.permute(1, 0))
     t16 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t17 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14002,7 +14002,7 @@ def mse_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = t22 @ M_1
     t24 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t25 = (1/n_batch) * t24
-    t0[...] = ((t16.reshape((d_H*d_V, 1)) * t14.sum((0,)).reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t14.sum((0,)).reshape((d_H*d_V, 1)) * t16.reshape((1, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
     t17 += (t23.sum((0,)).reshape((d_V**2, 1)) * t25.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     return out
 
@@ -14129,7 +14129,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_O.transpose(-1, -2)
     t11 = W_V.transpose(-1, -2)
     t12 = t10 @ t11
@@ -14162,7 +14162,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t39 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t40 = t19 * t39
@@ -14204,7 +14204,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_O.transpose(-1, -2)
     t11 = W_V.transpose(-1, -2)
     t12 = t10 @ t11
@@ -14239,7 +14239,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t38 = t37 @ X
     t39 = t1 @ t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t40 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t39.sum((0,))).reshape((n_batch, L, d_V))
     t41 = (t40 @ X.permute(0, 2, 1))
     t42 = (t41.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -14291,7 +14291,7 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = W_O.transpose(-1, -2)
@@ -14355,7 +14355,7 @@ def mse_causal1__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -14419,7 +14419,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_O.transpose(-1, -2)
     t12 = W_V.transpose(-1, -2)
     t13 = t11 @ t12
@@ -14455,7 +14455,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t40 = t39 @ X
     t41 = t1 @ t40
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
+    d2A = ((t38.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
     t42 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t41.sum((0,))).reshape((n_batch, L, d_V))
     t43 = (t42 @ X.permute(0, 2, 1))
     t44 = (t43.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -14508,7 +14508,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_O.transpose(-1, -2)
     t12 = W_V.transpose(-1, -2)
     t13 = t11 @ t12
@@ -14541,7 +14541,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
+    d2A = ((t38.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
     t39 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t40 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t41 = (t39.reshape((L*n_batch, d_K)) @ t39.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14584,7 +14584,7 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = W_O.transpose(-1, -2)
@@ -14649,7 +14649,7 @@ def mse_causal1__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -14717,7 +14717,7 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_H))
     t17 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14784,7 +14784,7 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_H))
     t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14924,7 +14924,7 @@ def mse_causal1__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ t0
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V))
     t17 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t18 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14992,7 +14992,7 @@ def mse_causal1__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ t0
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t15.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t16 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V))
     t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t18 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -15135,7 +15135,7 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
     t15 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t14.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t17 = (t16.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t15.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t4[...] = ((t17.permute(0, 2, 1, 3).reshape((n_batch, L, d_K*d_V, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 2, 4, 3)
+    t4[...] = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t18 = (-1/math.sqrt(d_K)) * A
     t19 = (t14.permute(0, 2, 1) @ t18.permute(0, 2, 1))
     t20 = (t15.permute(1, 0, 2) @ A.permute(0, 2, 1))
@@ -15171,7 +15171,7 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
     t15 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t14.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t17 = (t16.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t15.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t4[...] = ((t17.permute(0, 2, 1, 3).reshape((n_batch, L, d_K*d_V, 1)) * X.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 2, 4, 3)
+    t4[...] = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t18 = (-1/math.sqrt(d_K)) * A
     t19 = (t14.permute(0, 2, 1) @ t18.permute(0, 2, 1))
     t20 = (t15.permute(1, 0, 2) @ A.permute(0, 2, 1))
@@ -15454,7 +15454,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15468,7 +15468,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t2
     t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -15477,9 +15477,9 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t25 = (t24 @ M_2)
     t26 = (t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t11).reshape((n_batch, L, d_K, d_V))
     t27 = (t26 @ t25)
-    t28 = ((t27.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t28 = ((W_K.permute(1, 0) @ t27.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t29 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t28.reshape((d_K**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t29.reshape((d_V**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t30 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t31 = t30.view((d_V, d_K, d_V, d_K))
     t32 = ((t26 @ t25)).permute(2, 3, 0, 1)
@@ -15495,13 +15495,13 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t41 = (t39.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t11).reshape((n_batch, L, d_K, d_V))
     t42 = ((t41 @ t40)).permute(2, 3, 0, 1)
     t43 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t36[...] = ((t42.reshape((d_H*d_K, L*n_batch)) @ t43.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t36[...] = ((t43.reshape((d_V**2, L*n_batch)) @ t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t44 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t45 = t44.view((d_V, d_K, d_H, d_V))
     t46 = M_1 @ W_V
     t47 = ((t41 @ t23)).permute(2, 3, 0, 1)
     t48 = ((t46.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t45[...] = ((t47.reshape((d_K*d_V, L*n_batch)) @ t48.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t45[...] = ((t48.reshape((d_H*d_V, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t49 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t50 = t49.view((d_V, d_K, d_V, d_K))
     t51 = W_Q.transpose(-1, -2)
@@ -15510,10 +15510,10 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t54 = (t23.permute(0, 1, 3, 2) @ t53.permute(1, 2, 0, 3))
     t55 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t56 = (t55 @ t54)
-    t57 = ((t56.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t57 = ((W_K.permute(1, 0) @ t56.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t58 = (X.reshape((L*n_batch, d_V)) @ t52.permute(1, 0)).reshape((n_batch, L, d_K))
     t59 = ((t58.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t50[...] = ((t57.reshape((d_K*d_V, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t50[...] = ((t59.reshape((d_K*d_V, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t61 = t60.view((d_V, d_K, d_V, d_K))
     t62 = ((t55 @ t54)).permute(3, 2, 0, 1)
@@ -15522,22 +15522,22 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t65 = t64.view((d_V, d_K, d_V, d_H))
     t66 = (1/(L*math.sqrt(d_K)*n_batch)) * t51
-    t67 = ((t54.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t37).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t67 = ((t37.permute(1, 0) @ t54.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t68 = (X.reshape((L*n_batch, d_V)) @ t66.permute(1, 0)).reshape((n_batch, L, d_K))
     t69 = ((t68.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t65[...] = ((t67.reshape((d_H*d_V, L*n_batch)) @ t69.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t65[...] = ((t69.reshape((d_K*d_V, L*n_batch)) @ t67.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t70 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t71 = t70.view((d_V, d_K, d_H, d_V))
     t72 = ((t23.permute(0, 1, 3, 2) @ t53.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t73 = ((t68.reshape((n_batch, L, d_K, 1)) * t46.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t71[...] = ((t72.reshape((d_V**2, L*n_batch)) @ t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t71[...] = ((t73.reshape((d_H*d_K, L*n_batch)) @ t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t75 = t74.view((d_V, d_H, d_V, d_K))
     t76 = M_1.transpose(-1, -2)
     t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t76
     t78 = ((X.reshape((n_batch, L, d_V, 1)) * t77.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t79 = (t25.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t80 = ((t79.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t80 = ((W_K.permute(1, 0) @ t79.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t75[...] = ((t78.reshape((d_V**2, L*n_batch)) @ t80.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     t81 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t82 = t81.view((d_V, d_H, d_V, d_K))
@@ -15565,7 +15565,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t101 = (t20.permute(1, 0) @ dA19.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t102 = (t101.permute(1, 2, 3, 0) @ M_2)
     t103 = (t102.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t104 = ((t103.reshape((n_batch, L, d_V, d_K, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t104 = ((t103.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
     t97[...] = ((t100.reshape((d_H*d_V, L*n_batch)) @ t104.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t105 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t106 = t105.view((d_H, d_V, d_V, d_K))
@@ -15576,13 +15576,13 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t110 = t109.view((d_H, d_V, d_V, d_H))
     t111 = (1/(L*n_batch)) * t98
     t112 = ((M_1.reshape((n_batch, L, d_V, 1)) * t111.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t113 = ((t23.reshape((L*d_V*n_batch, d_V)) @ t37).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t113 = ((t37.permute(1, 0) @ t23.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t110[...] = ((t112.reshape((d_H*d_V, L*n_batch)) @ t113.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
     t114 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t115 = t114.view((d_H, d_V, d_H, d_V))
-    t116 = ((dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t116 = ((dA19.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t117 = ((t46.reshape((n_batch, L, d_H, 1)) * t111.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t115[...] = ((t116.reshape((d_V**2, L*n_batch)) @ t117.permute(2, 3, 0, 1).reshape((L*n_batch, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(2, 0, 3, 1)
+    t115[...] = ((t117.reshape((d_H**2, L*n_batch)) @ t116.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -15667,7 +15667,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
@@ -15678,7 +15678,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = t8.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -15820,7 +15820,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15834,7 +15834,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (X * X).permute(2, 0, 1)
@@ -15866,7 +15866,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15880,7 +15880,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = t9.transpose(-1, -2)
     t19 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -15912,7 +15912,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15926,7 +15926,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -15935,9 +15935,9 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t24 = (t23 @ M_2)
     t25 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t10).reshape((n_batch, L, d_K, d_V))
     t26 = (t25 @ t24)
-    t27 = ((t26.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t27 = ((W_K.permute(1, 0) @ t26.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t28 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t27.reshape((d_K**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t28.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -15958,7 +15958,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
@@ -15969,7 +15969,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = t8.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -16014,7 +16014,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16028,7 +16028,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -16060,7 +16060,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
@@ -16071,7 +16071,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = t8.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -16116,7 +16116,7 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16130,7 +16130,7 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -16139,7 +16139,7 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t24 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t10).reshape((n_batch, L, d_K, d_V))
     t25 = ((t24 @ t23)).permute(2, 3, 0, 1)
     t26 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t25.reshape((d_H*d_K, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     return out
 
 
@@ -16160,7 +16160,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
@@ -16171,7 +16171,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_O.transpose(-1, -2)
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (t8.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -16210,7 +16210,7 @@ def ce_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16224,7 +16224,7 @@ def ce_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = M_1 @ W_V
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -16232,7 +16232,7 @@ def ce_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t23 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t10).reshape((n_batch, L, d_K, d_V))
     t24 = ((t23 @ t22)).permute(2, 3, 0, 1)
     t25 = ((t19.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t0[...] = ((t25.reshape((d_H*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -16253,7 +16253,7 @@ def ce_causal0__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
@@ -16264,7 +16264,7 @@ def ce_causal0__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = M_1 @ W_V
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (t8.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -16302,7 +16302,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16316,7 +16316,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -16349,7 +16349,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16363,7 +16363,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
     t20 = (M_2 @ M_2.permute(0, 1, 3, 2))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -16396,7 +16396,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16410,7 +16410,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -16418,10 +16418,10 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t24 = (t23.permute(0, 1, 3, 2) @ t22.permute(1, 2, 0, 3))
     t25 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t26 = (t25 @ t24)
-    t27 = ((t26.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t27 = ((W_K.permute(1, 0) @ t26.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t28 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
     t29 = ((t28.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t27.reshape((d_K*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t29.reshape((d_K*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -16443,7 +16443,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
@@ -16454,7 +16454,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = t9.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -16500,7 +16500,7 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16514,7 +16514,7 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -16547,7 +16547,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
@@ -16558,7 +16558,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = t9.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -16604,7 +16604,7 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16618,16 +16618,16 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_O.transpose(-1, -2)
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t23 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t24 = (t23.permute(0, 1, 3, 2) @ t22.permute(1, 2, 0, 3))
-    t25 = ((t24.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t25 = ((t20.permute(1, 0) @ t24.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t26 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
     t27 = ((t26.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t25.reshape((d_H*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t27.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     return out
 
 
@@ -16649,7 +16649,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
@@ -16660,7 +16660,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (t9.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -16700,7 +16700,7 @@ def ce_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16714,7 +16714,7 @@ def ce_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = M_1 @ W_V
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -16722,7 +16722,7 @@ def ce_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t24 = ((t23.permute(0, 1, 3, 2) @ t22.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t25 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
     t26 = ((t25.reshape((n_batch, L, d_K, 1)) * t20.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t0[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t0[...] = ((t26.reshape((d_H*d_K, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -16744,7 +16744,7 @@ def ce_causal0__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
@@ -16755,7 +16755,7 @@ def ce_causal0__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = M_1 @ W_V
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (t9.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -16801,7 +16801,7 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = W_O.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * t9
     t19 = (M_1 * t18.permute(0, 2, 1)).permute(2, 0, 1)
@@ -16838,7 +16838,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_O.transpose(-1, -2)
     t17 = (M_1.reshape((n_batch, L, 1, d_V)) @ t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -16875,13 +16875,13 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = W_O.transpose(-1, -2)
     t18 = W_V.transpose(-1, -2)
     t19 = t17 @ t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA21 = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA21 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (dA21.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16891,7 +16891,7 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (t25.reshape((L*d_V*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V, d_V))
     t27 = (t26 @ M_2)
     t28 = (t27.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t29 = ((t28.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t29 = ((W_K.permute(1, 0) @ t28.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -16922,13 +16922,13 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_O.transpose(-1, -2)
     t17 = W_V.transpose(-1, -2)
     t18 = t16 @ t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA20 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = (W_O.permute(1, 0) @ W_O)
@@ -16975,13 +16975,13 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = W_O.transpose(-1, -2)
     t18 = W_V.transpose(-1, -2)
     t19 = t17 @ t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA21 = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA21 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (dA21.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17022,13 +17022,13 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_O.transpose(-1, -2)
     t17 = W_V.transpose(-1, -2)
     t18 = t16 @ t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA20 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = (W_O.permute(1, 0) @ W_O)
@@ -17075,7 +17075,7 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = W_O.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * t9
     t19 = ((M_1.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
@@ -17112,7 +17112,7 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_O.transpose(-1, -2)
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17156,7 +17156,7 @@ def ce_causal0__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t9
     t18 = ((t12.reshape((n_batch, L, d_H, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t19 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -17191,7 +17191,7 @@ def ce_causal0__frobenius__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (W_O.permute(1, 0) @ W_O)
@@ -17234,7 +17234,7 @@ def ce_causal0__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = (1/(L*n_batch)) * t11
     t20 = (t14 * t19.permute(0, 2, 1)).permute(2, 0, 1)
     t21 = (oe.contract('abcc,abc->abc', dA, t13)).permute(2, 0, 1)
@@ -17270,7 +17270,7 @@ def ce_causal0__trace__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (t13.reshape((n_batch, L, 1, d_H)) @ t10.permute(0, 2, 1).reshape((n_batch, L, d_H, 1))).reshape((n_batch, L))
     t19 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t19 * t18).sum()
@@ -17306,12 +17306,12 @@ def ce_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = t19 @ t1
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA22 = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA22 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA22.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17320,7 +17320,7 @@ def ce_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (t20.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t27 = (t26.permute(1, 2, 3, 0) @ M_2)
     t28 = (t27.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t29 = ((t28.reshape((n_batch, L, d_V, d_K, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t29 = ((t28.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
     t0[...] = ((t25.reshape((d_H*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -17353,12 +17353,12 @@ def ce_causal0__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = t18 @ t0
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA21 = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA21 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t23 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -17405,12 +17405,12 @@ def ce_causal0__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = t19 @ t1
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA22 = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA22 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA22.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17452,12 +17452,12 @@ def ce_causal0__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = t18 @ t0
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA21 = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA21 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t23 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -17504,12 +17504,12 @@ def ce_causal0__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = (1/(L*n_batch)) * t11
     t21 = ((M_1.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
     t22 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t23 = ((t22.reshape((L*d_V*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t23 = ((t19.permute(1, 0) @ t22.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t21.reshape((d_H*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
     return out
 
@@ -17542,7 +17542,7 @@ def ce_causal0__frobenius__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17586,11 +17586,11 @@ def ce_causal0__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = (1/(L*n_batch)) * t11
-    t20 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t20 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t21 = ((t14.reshape((n_batch, L, d_H, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(2, 0, 3, 1)
+    t0[...] = ((t21.reshape((d_H**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -17622,7 +17622,7 @@ def ce_causal0__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t13.reshape((L*n_batch, d_H)) @ t13.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17673,15 +17673,15 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t26.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t2
     t29 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t30 = ((t29.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t30 = ((W_K.permute(1, 0) @ t29.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t31 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t30.reshape((d_K**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t31.reshape((d_V**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t32 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t33 = t32.view((d_V, d_K, d_V, d_K))
     t34 = (t28 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -17697,7 +17697,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t42 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t43 = t42.view((d_V, d_K, d_V, d_H))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t26.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t26.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t44 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t44.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17709,19 +17709,19 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t49 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t50 = t49.view((d_V, d_K, d_H, d_V))
     t51 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t46.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t52 = ((t51.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t52 = ((W_V.permute(1, 0) @ t51.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t53 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t50[...] = ((t52.reshape((d_H*d_K, L*n_batch)) @ t53.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t54 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t55 = t54.view((d_V, d_K, d_V, d_K))
     t56 = W_Q.transpose(-1, -2)
     t57 = (1/(d_K*n_batch)) * t56
-    t58 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t58 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t59 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t57.permute(1, 0)).reshape((n_batch, L, d_K))
     t60 = ((t59.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t61 = t55.diagonal(0, 1, 3)
     t62 = t39.transpose(-1, -2)
-    t55[...] = ((t58.reshape((d_K*d_V, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t55[...] = ((t60.reshape((d_K*d_V, L*n_batch)) @ t58.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t61 += (t62.sum((0,)).reshape((d_V**2, 1)) * t41.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t63 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t64 = t63.view((d_V, d_K, d_V, d_K))
@@ -17737,7 +17737,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t68[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t73 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t74 = t73.view((d_V, d_K, d_H, d_V))
-    t75 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t75 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t76 = ((t71.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t74[...] = ((t75.reshape((d_H*d_V, L*n_batch)) @ t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t77 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
@@ -17745,7 +17745,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t79 = t45.transpose(-1, -2)
     t80 = (1/(math.sqrt(d_K)*n_batch)) * t79
     t81 = ((X.reshape((n_batch, L, d_V, 1)) * t80.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t82 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t82 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t78[...] = ((t81.reshape((d_H*d_V, L*n_batch)) @ t82.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t84 = t83.view((d_V, d_H, d_V, d_K))
@@ -17768,9 +17768,9 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t97 = G.transpose(-1, -2)
     t98 = (1/(math.sqrt(d_K)*n_batch)) * t97
     t99 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t100 = ((t99.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t100 = ((W_K.permute(1, 0) @ t99.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t101 = ((X.reshape((n_batch, L, d_V, 1)) * t98.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t96[...] = ((t100.reshape((d_H*d_K, L*n_batch)) @ t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t96[...] = ((t101.reshape((d_V**2, L*n_batch)) @ t100.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     t102 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t103 = t102.view((d_H, d_V, d_V, d_K))
     t104 = (t20 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
@@ -17906,7 +17906,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t26 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t27 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17934,7 +17934,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t49 = (n_batch**(-2)) * (t38.sum((0,)) * t38.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t43 * t41).sum() + (1/(d_K**2*n_batch**2)) * (t48 * t45.permute(0, 2, 3, 1)).sum()
     t50 = torch.sqrt(torch.clamp(t49, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t24.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t51 = G @ t17
     t52 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t53 = (t51.reshape((L*n_batch, d_H)) @ t51.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -18060,7 +18060,7 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18109,7 +18109,7 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18158,15 +18158,15 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
     t28 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t29 = ((t28.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t29 = ((W_K.permute(1, 0) @ t28.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t30 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t29.reshape((d_K**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -18207,7 +18207,7 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t25 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t26 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t27 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -18262,7 +18262,7 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18319,7 +18319,7 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = t0 @ t24
     t26 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t26.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t27 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.sum((0,))).reshape((n_batch, L, d_V))
     t28 = (t27 @ X.permute(0, 2, 1))
     t29 = (t28.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -18358,7 +18358,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18401,7 +18401,7 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -18450,7 +18450,7 @@ def ce_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18469,7 +18469,7 @@ def ce_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t19
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t22 = ((t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t22 = ((W_V.permute(1, 0) @ t21.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t23 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t22.reshape((d_H*d_K, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -18492,7 +18492,7 @@ def ce_causal0__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -18561,7 +18561,7 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t26.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18612,7 +18612,7 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18662,12 +18662,12 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t26.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t1
-    t29 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t29 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t30 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_K))
     t31 = ((t30.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t32 = t0.diagonal(0, 1, 3)
@@ -18676,7 +18676,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t35 = t2 @ t34
     t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t0[...] = ((t29.reshape((d_K*d_V, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t31.reshape((d_K*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t32 += (t35.sum((0,)).reshape((d_V**2, 1)) * t37.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -18722,7 +18722,7 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = W_Q.transpose(-1, -2)
     t28 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t28.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t28.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t29 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t26.sum((0,))).reshape((n_batch, L, d_V))
     t30 = (t29 @ X.permute(0, 2, 1))
     t31 = (t30.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -18782,7 +18782,7 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t26.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18833,7 +18833,7 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t28 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -18869,7 +18869,7 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18914,7 +18914,7 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -18964,7 +18964,7 @@ def ce_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18982,7 +18982,7 @@ def ce_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (1/L) * t19
     G = t20
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t22 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t22 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t23 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
     t24 = ((t23.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t0[...] = ((t22.reshape((d_H*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
@@ -19007,7 +19007,7 @@ def ce_causal0__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -19092,13 +19092,13 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_O @ t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t23 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t24 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t24 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t23.reshape((d_H*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -19135,7 +19135,7 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_O @ t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t18.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19184,7 +19184,7 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_O @ t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -19228,7 +19228,7 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_O @ t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t18.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19396,15 +19396,15 @@ def ce_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t18
     t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t24 = ((t23.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t24 = ((W_K.permute(1, 0) @ t23.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t25 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t24.reshape((d_H*d_K, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -19440,7 +19440,7 @@ def ce_causal0__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_V.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_H))
     t21 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t22 = (t17.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19490,7 +19490,7 @@ def ce_causal0__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -19534,7 +19534,7 @@ def ce_causal0__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_V.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_H))
     t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t22 = (t17.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19667,7 +19667,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -19681,7 +19681,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t2
     t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -19690,7 +19690,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = (t24 @ M_2)
     t26 = (t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t11).reshape((n_batch, L, d_K, d_V))
     t27 = (t26 @ t25)
-    t28 = ((t27.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t28 = ((W_K.permute(1, 0) @ t27.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t29 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     F = t15
     t30 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -19704,21 +19704,21 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
+    d2A = ((t38.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
     t39 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t40 = (1/(d_K*n_batch)) * t2
     t41 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t40.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t42 = ((t41.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t42 = ((W_K.permute(1, 0) @ t41.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t43 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t44 = t28.reshape((d_K**2, L*n_batch))
-    t45 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t46 = t42.reshape((d_K**2, L*n_batch))
-    t47 = t43.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t44 = t29.reshape((d_V**2, L*n_batch))
+    t45 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t46 = t43.reshape((d_V**2, L*n_batch))
+    t47 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t48 = torch.cat([t44, t46], dim=-1)
     t49 = torch.cat([t45, t47], dim=-2)
-    t1[...] = ((t48 @ t49).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t48 @ t49).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t50 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t51 = t50.view((d_V, d_K, d_V, d_K))
     t52 = (t40 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -19752,7 +19752,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t78 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t79 = (t78 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t80 = ((t77.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t69[...] = ((t75.reshape((d_H*d_K, L*n_batch)) @ t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t69[...] = ((t76.reshape((d_V**2, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t69 += ((t79.reshape((d_K*d_V, L*n_batch)) @ t80.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t81 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t82 = t81.view((d_V, d_K, d_H, d_V))
@@ -19762,15 +19762,15 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t86 = ((t85.permute(1, 2, 3, 0) @ t23)).permute(2, 3, 0, 1)
     t87 = ((t83.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t88 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t78.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t89 = ((t88.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t89 = ((W_V.permute(1, 0) @ t88.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t90 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t82[...] = ((t86.reshape((d_K*d_V, L*n_batch)) @ t87.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t82[...] = ((t87.reshape((d_H*d_V, L*n_batch)) @ t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t82 += ((t89.reshape((d_H*d_K, L*n_batch)) @ t90.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t91 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t92 = t91.view((d_V, d_K, d_V, d_K))
     t93 = W_Q.transpose(-1, -2)
     t94 = (1/(d_K*n_batch)) * t93
-    t95 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t95 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t96 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t94.permute(1, 0)).reshape((n_batch, L, d_K))
     t97 = ((t96.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t98 = (1/(L*d_K*n_batch)) * t93
@@ -19778,18 +19778,18 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t100 = (t23.permute(0, 1, 3, 2) @ t99.permute(1, 2, 0, 3))
     t101 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t102 = (t101 @ t100)
-    t103 = ((t102.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t103 = ((W_K.permute(1, 0) @ t102.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t104 = (X.reshape((L*n_batch, d_V)) @ t98.permute(1, 0)).reshape((n_batch, L, d_K))
     t105 = ((t104.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t106 = t92.diagonal(0, 1, 3)
     t107 = t59.transpose(-1, -2)
-    t108 = t95.reshape((d_K*d_V, L*n_batch))
-    t109 = t97.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t110 = t103.reshape((d_K*d_V, L*n_batch))
-    t111 = t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t108 = t97.reshape((d_K*d_V, L*n_batch))
+    t109 = t95.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t110 = t105.reshape((d_K*d_V, L*n_batch))
+    t111 = t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t112 = torch.cat([t108, t110], dim=-1)
     t113 = torch.cat([t109, t111], dim=-2)
-    t92[...] = ((t112 @ t113).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t92[...] = ((t112 @ t113).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t106 += (t107.sum((0,)).reshape((d_V**2, 1)) * t61.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t114 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t115 = t114.view((d_V, d_K, d_V, d_K))
@@ -19807,35 +19807,35 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t126 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t127 = t126.view((d_V, d_K, d_V, d_H))
     t128 = (1/(L*math.sqrt(d_K)*n_batch)) * t93
-    t129 = ((t100.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t70).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t129 = ((t70.permute(1, 0) @ t100.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t130 = (X.reshape((L*n_batch, d_V)) @ t128.permute(1, 0)).reshape((n_batch, L, d_K))
     t131 = ((t130.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t132 = (1/(math.sqrt(d_K)*n_batch)) * t93
     t133 = M_2.permute(3, 2, 0, 1)
     t134 = (X.reshape((L*n_batch, d_V)) @ t132.permute(1, 0)).reshape((n_batch, L, d_K))
     t135 = ((t134.reshape((n_batch, L, d_K, 1)) * t77.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t127[...] = ((t129.reshape((d_H*d_V, L*n_batch)) @ t131.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t127[...] = ((t131.reshape((d_K*d_V, L*n_batch)) @ t129.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t127 += ((t133.reshape((d_V**2, L*n_batch)) @ t135.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t136 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t137 = t136.view((d_V, d_K, d_H, d_V))
     t138 = (t84 @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t139 = ((t138.permute(1, 2, 3, 0) @ t23)).permute(2, 3, 0, 1)
     t140 = ((t130.reshape((n_batch, L, d_K, 1)) * t83.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t141 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t141 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t142 = ((t134.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t137[...] = ((t139.reshape((d_V**2, L*n_batch)) @ t140.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t137[...] = ((t140.reshape((d_H*d_K, L*n_batch)) @ t139.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t137 += ((t141.reshape((d_H*d_V, L*n_batch)) @ t142.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t143 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t144 = t143.view((d_V, d_H, d_V, d_K))
     t145 = t77.transpose(-1, -2)
     t146 = (1/(math.sqrt(d_K)*n_batch)) * t145
     t147 = ((X.reshape((n_batch, L, d_V, 1)) * t146.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t148 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t148 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t149 = M_1.transpose(-1, -2)
     t150 = (1/(L*math.sqrt(d_K)*n_batch)) * t149
     t151 = ((X.reshape((n_batch, L, d_V, 1)) * t150.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t152 = (t25.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t153 = ((t152.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t153 = ((W_K.permute(1, 0) @ t152.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t144[...] = ((t147.reshape((d_H*d_V, L*n_batch)) @ t148.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t144 += ((t151.reshape((d_V**2, L*n_batch)) @ t153.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     t154 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -19870,7 +19870,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t178 = W_V.transpose(-1, -2)
     t179 = (1/(math.sqrt(d_K)*n_batch)) * t177
     t180 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t178.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t181 = ((t180.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t181 = ((W_K.permute(1, 0) @ t180.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t182 = ((X.reshape((n_batch, L, d_V, 1)) * t179.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t183 = t83.transpose(-1, -2)
     t184 = (1/(L*math.sqrt(d_K)*n_batch)) * t183
@@ -19879,7 +19879,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t187 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t188 = (t186 @ t23.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t189 = ((t188.permute(1, 2, 3, 0) @ t187.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
-    t176[...] = ((t181.reshape((d_H*d_K, L*n_batch)) @ t182.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t176[...] = ((t182.reshape((d_V**2, L*n_batch)) @ t181.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     t176 += ((t185.reshape((d_H*d_V, L*n_batch)) @ t189.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t190 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t191 = t190.view((d_H, d_V, d_V, d_K))
@@ -19889,21 +19889,21 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t195 = (t186.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t196 = ((t195.permute(1, 2, 3, 0) @ t23.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t191[...] = ((t192.reshape((d_H*d_V, L*n_batch)) @ t193.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t191 += ((t194.reshape((d_H*d_K, L*n_batch)) @ t196.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t191 += ((t196.reshape((d_V**2, L*n_batch)) @ t194.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     t197 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t198 = t197.view((d_H, d_V, d_V, d_H))
     t199 = (1/(L*n_batch)) * t183
     t200 = ((M_1.reshape((n_batch, L, d_V, 1)) * t199.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t201 = ((t23.reshape((L*d_V*n_batch, d_V)) @ t70).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t201 = ((t70.permute(1, 0) @ t23.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t202 = t198.diagonal(0, 0, 3)
     t203 = t177 @ M_1
     t198[...] = ((t200.reshape((d_H*d_V, L*n_batch)) @ t201.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
     t202 += (t203.sum((0,)).reshape((d_V**2, 1)) * t173.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     t204 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t205 = t204.view((d_H, d_V, d_H, d_V))
-    t206 = ((dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t206 = ((dA19.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t207 = ((t83.reshape((n_batch, L, d_H, 1)) * t199.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t205[...] = ((t206.reshape((d_V**2, L*n_batch)) @ t207.permute(2, 3, 0, 1).reshape((L*n_batch, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(2, 0, 3, 1)
+    t205[...] = ((t207.reshape((d_H**2, L*n_batch)) @ t206.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -20023,7 +20023,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
@@ -20034,7 +20034,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = t8.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -20067,7 +20067,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t44 = t43 - (A * t43).sum(-1, keepdim=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t45.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
+    d2A = ((t45.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
     t46 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t47 = t21 * t46
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -20351,7 +20351,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -20365,7 +20365,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (X * X).permute(2, 0, 1)
@@ -20388,7 +20388,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -20418,7 +20418,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -20432,7 +20432,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = t9.transpose(-1, -2)
     t19 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -20454,7 +20454,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t34 = t33 - (A * t33).sum(-1, keepdim=True)
     t35 = A * t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t35.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t35.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t35.reshape((n_batch, L, 1, L)))
+    d2A = ((t35.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t35.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t35.reshape((n_batch, L, 1, L)))
     t36 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t36.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -20482,7 +20482,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -20496,7 +20496,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -20505,7 +20505,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = (t23 @ M_2)
     t25 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t10).reshape((n_batch, L, d_K, d_V))
     t26 = (t25 @ t24)
-    t27 = ((t26.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t27 = ((W_K.permute(1, 0) @ t26.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t28 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     F = t14
     t29 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -20519,21 +20519,21 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t39 = (1/(d_K*n_batch)) * t1
     t40 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t41 = ((t40.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t41 = ((W_K.permute(1, 0) @ t40.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t42 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t43 = t27.reshape((d_K**2, L*n_batch))
-    t44 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t45 = t41.reshape((d_K**2, L*n_batch))
-    t46 = t42.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t43 = t28.reshape((d_V**2, L*n_batch))
+    t44 = t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t45 = t42.reshape((d_V**2, L*n_batch))
+    t46 = t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t47 = torch.cat([t43, t45], dim=-1)
     t48 = torch.cat([t44, t46], dim=-2)
-    t0[...] = ((t47 @ t48).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t47 @ t48).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -20554,7 +20554,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
@@ -20565,7 +20565,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = t8.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -20598,7 +20598,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t44 = t43 - (A * t43).sum(-1, keepdim=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t45.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
+    d2A = ((t45.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
     t46 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t47 = t21 * t46
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -20656,7 +20656,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.reshape((L, L, 1)) * t24.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -20665,7 +20665,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t30 = ((t29.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t25.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t31 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t31.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -20674,7 +20674,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A34 = t33 / t33.sum(-1, keepdim=True)
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = ((t35.reshape((d_V, d_V, 1)) * A34.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))
+    dA36 = ((A34.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t35.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))
     t37 = t32.transpose(-1, -2)
     t38 = (1/(L*d_K*n_batch)) * t1
     t39 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t38.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -20739,7 +20739,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = t0 @ t24
     t26 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t26.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t27 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.sum((0,))).reshape((n_batch, L, d_V))
     t28 = (t27 @ X.permute(0, 2, 1))
     t29 = (t28.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -20747,7 +20747,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t32 = (t31.permute(1, 2, 0) @ t30.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t26.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t26.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t33 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -20756,7 +20756,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A36 = t35 / t35.sum(-1, keepdim=True)
     t37 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = ((t37.reshape((d_V, d_V, 1)) * A36.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A36.reshape((n_batch, L, d_V, 1)) * A36.reshape((n_batch, L, 1, d_V)))
+    dA38 = ((A36.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t37.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A36.reshape((n_batch, L, d_V, 1)) * A36.reshape((n_batch, L, 1, d_V)))
     t39 = t34.transpose(-1, -2)
     t40 = (X.reshape((L*n_batch, d_V)) @ t25.sum((0,))).reshape((n_batch, L, d_V))
     t41 = (t40.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
@@ -20823,7 +20823,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -20837,7 +20837,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -20857,7 +20857,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t34 = (t33 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t35 = ((t32.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t25.reshape((d_H*d_K, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t0 += ((t34.reshape((d_K*d_V, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     return out
 
@@ -20879,7 +20879,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
@@ -20890,7 +20890,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_O.transpose(-1, -2)
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (t8.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -20949,7 +20949,7 @@ def ce_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -20963,7 +20963,7 @@ def ce_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t20 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t21 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
@@ -20980,9 +20980,9 @@ def ce_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t30
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t32 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t33 = ((t32.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t33 = ((W_V.permute(1, 0) @ t32.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t34 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t0[...] = ((t25.reshape((d_H*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t33.reshape((d_H*d_K, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -21004,7 +21004,7 @@ def ce_causal0__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -21015,7 +21015,7 @@ def ce_causal0__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
     t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -21072,7 +21072,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -21086,7 +21086,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -21109,7 +21109,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
+    d2A = ((t38.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
     t39 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -21140,7 +21140,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -21154,7 +21154,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
     t20 = (M_2 @ M_2.permute(0, 1, 3, 2))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -21176,7 +21176,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t35 = t34 - (A * t34).sum(-1, keepdim=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t36.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
+    d2A = ((t36.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
     t37 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -21226,16 +21226,16 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t26.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t1
-    t29 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t29 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t30 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_K))
     t31 = ((t30.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t26.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t26.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t32 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -21244,7 +21244,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A35 = t34 / t34.sum(-1, keepdim=True)
     t36 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA37 = ((t36.reshape((d_V, d_V, 1)) * A35.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A35.reshape((n_batch, L, d_V, 1)) * A35.reshape((n_batch, L, 1, d_V)))
+    dA37 = ((A35.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t36.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A35.reshape((n_batch, L, d_V, 1)) * A35.reshape((n_batch, L, 1, d_V)))
     t38 = t33.transpose(-1, -2)
     t39 = (1/(L*d_K*n_batch)) * t1
     t40 = (t33.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -21252,7 +21252,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t42 = (t41.permute(0, 1, 3, 2) @ t40.permute(1, 2, 0, 3))
     t43 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t38.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t44 = (t43 @ t42)
-    t45 = ((t44.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t45 = ((W_K.permute(1, 0) @ t44.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t46 = (X.reshape((L*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_K))
     t47 = ((t46.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t48 = t0.diagonal(0, 1, 3)
@@ -21261,13 +21261,13 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t51 = t2 @ t50
     t52 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t53 = (1/(math.sqrt(d_K)*n_batch)) * t52
-    t54 = t29.reshape((d_K*d_V, L*n_batch))
-    t55 = t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t56 = t45.reshape((d_K*d_V, L*n_batch))
-    t57 = t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t54 = t31.reshape((d_K*d_V, L*n_batch))
+    t55 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t56 = t47.reshape((d_K*d_V, L*n_batch))
+    t57 = t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t58 = torch.cat([t54, t56], dim=-1)
     t59 = torch.cat([t55, t57], dim=-2)
-    t0[...] = ((t58 @ t59).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t58 @ t59).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t48 += (t51.sum((0,)).reshape((d_V**2, 1)) * t53.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -21313,7 +21313,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = W_Q.transpose(-1, -2)
     t28 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t28.reshape((L, L, 1)) * t23.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t28.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
     t29 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t26.sum((0,))).reshape((n_batch, L, d_V))
     t30 = (t29 @ X.permute(0, 2, 1))
     t31 = (t30.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -21321,7 +21321,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t33 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t34 = (t33.permute(1, 2, 0) @ t32.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t28.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t28.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t35 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -21330,7 +21330,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A38 = t37 / t37.sum(-1, keepdim=True)
     t39 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA40 = ((t39.reshape((d_V, d_V, 1)) * A38.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A38.reshape((n_batch, L, d_V, 1)) * A38.reshape((n_batch, L, 1, d_V)))
+    dA40 = ((A38.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t39.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A38.reshape((n_batch, L, d_V, 1)) * A38.reshape((n_batch, L, 1, d_V)))
     t41 = t36.transpose(-1, -2)
     t42 = (X.reshape((L*n_batch, d_V)) @ t26.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
     t43 = (t42.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
@@ -21398,7 +21398,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -21412,7 +21412,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -21435,7 +21435,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
+    d2A = ((t38.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
     t39 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -21471,7 +21471,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
@@ -21482,7 +21482,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = t9.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -21515,7 +21515,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t45 = t44 - (A * t44).sum(-1, keepdim=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
+    d2A = ((t46.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t49 = (t48.reshape((L*n_batch, d_K)) @ t20.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -21554,7 +21554,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -21568,13 +21568,13 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_O.transpose(-1, -2)
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t23 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t24 = (t23.permute(0, 1, 3, 2) @ t22.permute(1, 2, 0, 3))
-    t25 = ((t24.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t25 = ((t20.permute(1, 0) @ t24.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t26 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
     t27 = ((t26.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     F = t15
@@ -21589,7 +21589,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t35 = M_2.permute(3, 2, 0, 1)
     t36 = (X.reshape((L*n_batch, d_V)) @ t34.permute(1, 0)).reshape((n_batch, L, d_K))
     t37 = ((t36.reshape((n_batch, L, d_K, 1)) * t33.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t0[...] = ((t25.reshape((d_H*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t27.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t0 += ((t35.reshape((d_V**2, L*n_batch)) @ t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     return out
 
@@ -21612,7 +21612,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
@@ -21623,7 +21623,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (t9.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -21685,7 +21685,7 @@ def ce_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -21699,7 +21699,7 @@ def ce_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
@@ -21715,10 +21715,10 @@ def ce_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = (1/L) * t30
     G = t31
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t33 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t33 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t34 = (X.reshape((L*n_batch, d_V)) @ t32.permute(1, 0)).reshape((n_batch, L, d_K))
     t35 = ((t34.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t0[...] = ((t26.reshape((d_H*d_K, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t33.reshape((d_H*d_V, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -21741,7 +21741,7 @@ def ce_causal0__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -21752,7 +21752,7 @@ def ce_causal0__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
     t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -21817,7 +21817,7 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = W_O.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * t9
     t19 = (M_1 * t18.permute(0, 2, 1)).permute(2, 0, 1)
@@ -21854,7 +21854,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_O.transpose(-1, -2)
     t17 = (M_1.reshape((n_batch, L, 1, d_V)) @ t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -21897,19 +21897,19 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_O @ t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t23 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t24 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t24 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t25 = M_1.transpose(-1, -2)
     t26 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
     t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA29 = ((t28.reshape((d_V, d_V, 1)) * A27.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A27.reshape((n_batch, L, d_V, 1)) * A27.reshape((n_batch, L, 1, d_V)))
+    dA29 = ((A27.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t28.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A27.reshape((n_batch, L, d_V, 1)) * A27.reshape((n_batch, L, 1, d_V)))
     t30 = W_O.transpose(-1, -2)
     t31 = W_V.transpose(-1, -2)
     t32 = t30 @ t31
@@ -21919,7 +21919,7 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t36 = (t35.reshape((L*d_V*n_batch, d_V)) @ t32).reshape((n_batch, L, d_V, d_V))
     t37 = (t36 @ M_2)
     t38 = (t37.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t39 = ((t38.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t39 = ((W_K.permute(1, 0) @ t38.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t23.reshape((d_H*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t0 += ((t34.reshape((d_V**2, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     return out
@@ -21957,7 +21957,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_O @ t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t18.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -21972,7 +21972,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A31 = t30 / t30.sum(-1, keepdim=True)
     t32 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = ((t32.reshape((d_V, d_V, 1)) * A31.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
+    dA33 = ((A31.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t32.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
     t34 = W_O.transpose(-1, -2)
     t35 = W_V.transpose(-1, -2)
     t36 = t34 @ t35
@@ -22031,7 +22031,7 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_O @ t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -22044,7 +22044,7 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A28 = t27 / t27.sum(-1, keepdim=True)
     t29 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA30 = ((t29.reshape((d_V, d_V, 1)) * A28.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A28.reshape((n_batch, L, d_V, 1)) * A28.reshape((n_batch, L, 1, d_V)))
+    dA30 = ((A28.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t29.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A28.reshape((n_batch, L, d_V, 1)) * A28.reshape((n_batch, L, 1, d_V)))
     t31 = W_O.transpose(-1, -2)
     t32 = W_V.transpose(-1, -2)
     t33 = t31 @ t32
@@ -22091,7 +22091,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_O @ t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t18.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -22106,7 +22106,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A31 = t30 / t30.sum(-1, keepdim=True)
     t32 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = ((t32.reshape((d_V, d_V, 1)) * A31.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
+    dA33 = ((A31.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t32.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
     t34 = W_O.transpose(-1, -2)
     t35 = W_V.transpose(-1, -2)
     t36 = t34 @ t35
@@ -22159,7 +22159,7 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = W_O.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * t9
     t19 = ((M_1.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
@@ -22196,7 +22196,7 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_O.transpose(-1, -2)
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -22240,7 +22240,7 @@ def ce_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t17 = (1/(L*n_batch)) * t9
     t18 = ((t12.reshape((n_batch, L, d_H, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t19 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -22287,7 +22287,7 @@ def ce_causal0__frobenius__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (W_O.permute(1, 0) @ W_O)
@@ -22341,7 +22341,7 @@ def ce_causal0__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = (1/(L*n_batch)) * t11
     t20 = (t14 * t19.permute(0, 2, 1)).permute(2, 0, 1)
     t21 = (oe.contract('abcc,abc->abc', dA, t13)).permute(2, 0, 1)
@@ -22377,7 +22377,7 @@ def ce_causal0__trace__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (t13.reshape((n_batch, L, 1, d_H)) @ t10.permute(0, 2, 1).reshape((n_batch, L, d_H, 1))).reshape((n_batch, L))
     t19 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t19 * t18).sum()
@@ -22417,20 +22417,20 @@ def ce_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t18
     t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t24 = ((t23.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t24 = ((W_K.permute(1, 0) @ t23.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t25 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t26 = t11.transpose(-1, -2)
     t27 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A28 = t27 / t27.sum(-1, keepdim=True)
     t29 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA30 = ((t29.reshape((d_V, d_V, 1)) * A28.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A28.reshape((n_batch, L, d_V, 1)) * A28.reshape((n_batch, L, 1, d_V)))
+    dA30 = ((A28.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t29.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A28.reshape((n_batch, L, d_V, 1)) * A28.reshape((n_batch, L, 1, d_V)))
     t31 = W_O.transpose(-1, -2)
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
     t33 = ((X.reshape((n_batch, L, d_V, 1)) * t32.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
@@ -22439,7 +22439,7 @@ def ce_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t36 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t37 = (t35 @ t34.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t38 = ((t37.permute(1, 2, 3, 0) @ t36.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
-    t0[...] = ((t24.reshape((d_H*d_K, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     t0 += ((t33.reshape((d_H*d_V, L*n_batch)) @ t38.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -22476,7 +22476,7 @@ def ce_causal0__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_V.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_H))
     t21 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t22 = (t17.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -22492,7 +22492,7 @@ def ce_causal0__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A32 = t31 / t31.sum(-1, keepdim=True)
     t33 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = ((t33.reshape((d_V, d_V, 1)) * A32.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A32.reshape((n_batch, L, d_V, 1)) * A32.reshape((n_batch, L, 1, d_V)))
+    dA34 = ((A32.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t33.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A32.reshape((n_batch, L, d_V, 1)) * A32.reshape((n_batch, L, 1, d_V)))
     t35 = W_O.transpose(-1, -2)
     t36 = (dA34.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t37 = (t20.reshape((L*n_batch, d_H)) @ t30.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -22547,7 +22547,7 @@ def ce_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -22560,7 +22560,7 @@ def ce_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A28 = t27 / t27.sum(-1, keepdim=True)
     t29 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA30 = ((t29.reshape((d_V, d_V, 1)) * A28.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A28.reshape((n_batch, L, d_V, 1)) * A28.reshape((n_batch, L, 1, d_V)))
+    dA30 = ((A28.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t29.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A28.reshape((n_batch, L, d_V, 1)) * A28.reshape((n_batch, L, 1, d_V)))
     t31 = W_O.transpose(-1, -2)
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
     t33 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t32.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
@@ -22569,7 +22569,7 @@ def ce_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t36 = (t35.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t37 = ((t36.permute(1, 2, 3, 0) @ t34.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t0[...] = ((t23.reshape((d_H*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t0 += ((t33.reshape((d_H*d_K, L*n_batch)) @ t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t37.reshape((d_V**2, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -22605,7 +22605,7 @@ def ce_causal0__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_V.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_H))
     t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t22 = (t17.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -22621,7 +22621,7 @@ def ce_causal0__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A32 = t31 / t31.sum(-1, keepdim=True)
     t33 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = ((t33.reshape((d_V, d_V, 1)) * A32.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A32.reshape((n_batch, L, d_V, 1)) * A32.reshape((n_batch, L, 1, d_V)))
+    dA34 = ((A32.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t33.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A32.reshape((n_batch, L, d_V, 1)) * A32.reshape((n_batch, L, 1, d_V)))
     t35 = W_O.transpose(-1, -2)
     t36 = (dA34.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t37 = (t20.reshape((L*n_batch, d_H)) @ t30.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -22672,12 +22672,12 @@ def ce_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = (1/(L*n_batch)) * t11
     t21 = ((M_1.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
     t22 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t23 = ((t22.reshape((L*d_V*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t23 = ((t19.permute(1, 0) @ t22.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t24 = t0.diagonal(0, 0, 3)
     F = t15
     t25 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -22730,7 +22730,7 @@ def ce_causal0__frobenius__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A21 = t20 / t20.sum(-1, keepdim=True)
     t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t22.reshape((d_V, d_V, 1)) * A21.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A21.reshape((n_batch, L, d_V, 1)) * A21.reshape((n_batch, L, 1, d_V)))
+    dA = ((A21.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A21.reshape((n_batch, L, d_V, 1)) * A21.reshape((n_batch, L, 1, d_V)))
     t23 = W_O.transpose(-1, -2)
     t24 = (M_1.reshape((L*n_batch, d_V)) @ t18.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
     t25 = t24 * t1
@@ -22778,11 +22778,11 @@ def ce_causal0__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = (1/(L*n_batch)) * t11
-    t20 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t20 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t21 = ((t14.reshape((n_batch, L, d_H, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(2, 0, 3, 1)
+    t0[...] = ((t21.reshape((d_H**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -22814,7 +22814,7 @@ def ce_causal0__frobenius__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t13.reshape((L*n_batch, d_H)) @ t13.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -22842,7 +22842,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
@@ -22853,7 +22853,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = t8.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -22887,7 +22887,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t45 = t44 - (A * t44).sum(-1, keepdim=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
+    d2A = ((t46.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t49 = t21 * t48
@@ -22927,7 +22927,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
@@ -22938,7 +22938,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = t8.transpose(-1, -2)
     t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -22974,7 +22974,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t47 = t46 @ X
     t48 = t1 @ t47
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t7.reshape((L, L, 1)) * t46.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
+    d2A = ((t46.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t48.sum((0,))).reshape((n_batch, L, d_V))
     t50 = (t49 @ X.permute(0, 2, 1))
     t51 = (t50.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -23029,7 +23029,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
@@ -23040,7 +23040,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_O.transpose(-1, -2)
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (t8.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -23102,7 +23102,7 @@ def ce_causal0__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t7.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t8 = W_V @ W_O
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
@@ -23113,7 +23113,7 @@ def ce_causal0__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = M_1 @ W_V
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (t8.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -23174,7 +23174,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
@@ -23185,7 +23185,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = t9.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -23222,7 +23222,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t49 = t48 @ X
     t50 = t1 @ t49
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t47.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
+    d2A = ((t47.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
     t51 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t50.sum((0,))).reshape((n_batch, L, d_V))
     t52 = (t51 @ X.permute(0, 2, 1))
     t53 = (t52.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -23277,7 +23277,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
@@ -23288,7 +23288,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = t9.transpose(-1, -2)
     t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -23322,7 +23322,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t46 = t45 - (A * t45).sum(-1, keepdim=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t8.reshape((L, L, 1)) * t47.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
+    d2A = ((t47.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t50 = (t48.reshape((L*n_batch, d_K)) @ t48.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -23363,7 +23363,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
@@ -23374,7 +23374,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (t9.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -23439,7 +23439,7 @@ def ce_causal0__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t8.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t9 = W_V @ W_O
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
@@ -23450,7 +23450,7 @@ def ce_causal0__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((t16.reshape((d_V, d_V, 1)) * A15.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = M_1 @ W_V
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (t9.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -23521,13 +23521,13 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_O.transpose(-1, -2)
     t17 = W_V.transpose(-1, -2)
     t18 = t16 @ t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA20 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = (W_O.permute(1, 0) @ W_O)
@@ -23598,13 +23598,13 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_O.transpose(-1, -2)
     t17 = W_V.transpose(-1, -2)
     t18 = t16 @ t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = ((t19.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA20 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = (W_O.permute(1, 0) @ W_O)
@@ -23675,7 +23675,7 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_O.transpose(-1, -2)
     t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -23719,7 +23719,7 @@ def ce_causal0__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t15.reshape((d_V, d_V, 1)) * A14.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t17 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (W_O.permute(1, 0) @ W_O)
@@ -23777,12 +23777,12 @@ def ce_causal0__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = t18 @ t0
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA21 = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA21 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t23 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -23853,12 +23853,12 @@ def ce_causal0__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = t18 @ t0
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA21 = ((t20.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA21 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t23 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -23929,7 +23929,7 @@ def ce_causal0__frobenius_split__W_O__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -23989,7 +23989,7 @@ def ce_causal0__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t10.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t13.reshape((L*n_batch, d_H)) @ t13.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -24105,7 +24105,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -24119,7 +24119,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA21 = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t22 = t13.transpose(-1, -2)
     t23 = (1/(L*d_K*n_batch)) * t2
     t24 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -24128,9 +24128,9 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t27 = (t26 @ M_2)
     t28 = (t24.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t13).reshape((n_batch, L, d_K, d_V))
     t29 = (t28 @ t27)
-    t30 = ((t29.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t30 = ((W_K.permute(1, 0) @ t29.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t31 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t30.reshape((d_K**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t31.reshape((d_V**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t32 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t33 = t32.view((d_V, d_K, d_V, d_K))
     t34 = ((t28 @ t27)).permute(2, 3, 0, 1)
@@ -24146,13 +24146,13 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t43 = (t41.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t13).reshape((n_batch, L, d_K, d_V))
     t44 = ((t43 @ t42)).permute(2, 3, 0, 1)
     t45 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t38[...] = ((t44.reshape((d_H*d_K, L*n_batch)) @ t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t38[...] = ((t45.reshape((d_V**2, L*n_batch)) @ t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t46 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t47 = t46.view((d_V, d_K, d_H, d_V))
     t48 = M_1 @ W_V
     t49 = ((t43 @ t25)).permute(2, 3, 0, 1)
     t50 = ((t48.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t47[...] = ((t49.reshape((d_K*d_V, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t47[...] = ((t50.reshape((d_H*d_V, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t51 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t52 = t51.view((d_V, d_K, d_V, d_K))
     t53 = W_Q.transpose(-1, -2)
@@ -24161,10 +24161,10 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t56 = (t25.permute(0, 1, 3, 2) @ t55.permute(1, 2, 0, 3))
     t57 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t58 = (t57 @ t56)
-    t59 = ((t58.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t59 = ((W_K.permute(1, 0) @ t58.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t60 = (X.reshape((L*n_batch, d_V)) @ t54.permute(1, 0)).reshape((n_batch, L, d_K))
     t61 = ((t60.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t52[...] = ((t59.reshape((d_K*d_V, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t52[...] = ((t61.reshape((d_K*d_V, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t62 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t63 = t62.view((d_V, d_K, d_V, d_K))
     t64 = ((t57 @ t56)).permute(3, 2, 0, 1)
@@ -24173,22 +24173,22 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t66 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t67 = t66.view((d_V, d_K, d_V, d_H))
     t68 = (1/(L*math.sqrt(d_K)*n_batch)) * t53
-    t69 = ((t56.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t39).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t69 = ((t39.permute(1, 0) @ t56.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t70 = (X.reshape((L*n_batch, d_V)) @ t68.permute(1, 0)).reshape((n_batch, L, d_K))
     t71 = ((t70.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t67[...] = ((t69.reshape((d_H*d_V, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t67[...] = ((t71.reshape((d_K*d_V, L*n_batch)) @ t69.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t72 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t73 = t72.view((d_V, d_K, d_H, d_V))
     t74 = ((t25.permute(0, 1, 3, 2) @ t55.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t75 = ((t70.reshape((n_batch, L, d_K, 1)) * t48.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t73[...] = ((t74.reshape((d_V**2, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t73[...] = ((t75.reshape((d_H*d_K, L*n_batch)) @ t74.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t76 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t77 = t76.view((d_V, d_H, d_V, d_K))
     t78 = M_1.transpose(-1, -2)
     t79 = (1/(L*math.sqrt(d_K)*n_batch)) * t78
     t80 = ((X.reshape((n_batch, L, d_V, 1)) * t79.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t81 = (t27.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t82 = ((t81.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t82 = ((W_K.permute(1, 0) @ t81.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t77[...] = ((t80.reshape((d_V**2, L*n_batch)) @ t82.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t84 = t83.view((d_V, d_H, d_V, d_K))
@@ -24216,7 +24216,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t103 = (t22.permute(1, 0) @ dA21.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t104 = (t103.permute(1, 2, 3, 0) @ M_2)
     t105 = (t104.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t106 = ((t105.reshape((n_batch, L, d_V, d_K, 1)) * t15.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t106 = ((t105.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t15.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
     t99[...] = ((t102.reshape((d_H*d_V, L*n_batch)) @ t106.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t107 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t108 = t107.view((d_H, d_V, d_V, d_K))
@@ -24227,13 +24227,13 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t112 = t111.view((d_H, d_V, d_V, d_H))
     t113 = (1/(L*n_batch)) * t100
     t114 = ((M_1.reshape((n_batch, L, d_V, 1)) * t113.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t115 = ((t25.reshape((L*d_V*n_batch, d_V)) @ t39).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t115 = ((t39.permute(1, 0) @ t25.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t112[...] = ((t114.reshape((d_H*d_V, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
     t116 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t117 = t116.view((d_H, d_V, d_H, d_V))
-    t118 = ((dA21.reshape((n_batch, L, d_V, d_V, 1)) * t15.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t118 = ((dA21.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t119 = ((t48.reshape((n_batch, L, d_H, 1)) * t113.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t117[...] = ((t118.reshape((d_V**2, L*n_batch)) @ t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(2, 0, 3, 1)
+    t117[...] = ((t119.reshape((d_H**2, L*n_batch)) @ t118.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -24322,7 +24322,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
@@ -24333,7 +24333,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -24477,7 +24477,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -24491,7 +24491,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = t12.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (X * X).permute(2, 0, 1)
@@ -24525,7 +24525,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -24539,7 +24539,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t22 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -24573,7 +24573,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -24587,7 +24587,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = t12.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -24596,9 +24596,9 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (t25 @ M_2)
     t27 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t12).reshape((n_batch, L, d_K, d_V))
     t28 = (t27 @ t26)
-    t29 = ((t28.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t29 = ((W_K.permute(1, 0) @ t28.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t30 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t29.reshape((d_K**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -24621,7 +24621,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
@@ -24632,7 +24632,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -24679,7 +24679,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -24693,7 +24693,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = t12.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -24727,7 +24727,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
@@ -24738,7 +24738,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -24785,7 +24785,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -24799,7 +24799,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_O.transpose(-1, -2)
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -24808,7 +24808,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t12).reshape((n_batch, L, d_K, d_V))
     t27 = ((t26 @ t25)).permute(2, 3, 0, 1)
     t28 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t27.reshape((d_H*d_K, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t28.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     return out
 
 
@@ -24831,7 +24831,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
@@ -24842,7 +24842,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (t10.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -24883,7 +24883,7 @@ def ce_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -24897,7 +24897,7 @@ def ce_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = M_1 @ W_V
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -24905,7 +24905,7 @@ def ce_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t25 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t12).reshape((n_batch, L, d_K, d_V))
     t26 = ((t25 @ t24)).permute(2, 3, 0, 1)
     t27 = ((t21.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t0[...] = ((t27.reshape((d_H*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -24928,7 +24928,7 @@ def ce_causal1__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
@@ -24939,7 +24939,7 @@ def ce_causal1__frobenius__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = M_1 @ W_V
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (t10.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -24979,7 +24979,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -24993,7 +24993,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA21 = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t22 = t13.transpose(-1, -2)
     t23 = (1/(L*d_K*n_batch)) * t1
     t24 = (t13.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -25028,7 +25028,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -25042,7 +25042,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = t12.transpose(-1, -2)
     t22 = (M_2 @ M_2.permute(0, 1, 3, 2))
     t23 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -25077,7 +25077,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -25091,7 +25091,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA21 = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t22 = t13.transpose(-1, -2)
     t23 = (1/(L*d_K*n_batch)) * t1
     t24 = (t13.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -25099,10 +25099,10 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (t25.permute(0, 1, 3, 2) @ t24.permute(1, 2, 0, 3))
     t27 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t28 = (t27 @ t26)
-    t29 = ((t28.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t29 = ((W_K.permute(1, 0) @ t28.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t30 = (X.reshape((L*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_K))
     t31 = ((t30.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t29.reshape((d_K*d_V, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t31.reshape((d_K*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -25126,7 +25126,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdim=True)
     t13 = t12.expand(*t12.shape[:-1], d_V)
@@ -25137,7 +25137,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -25185,7 +25185,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -25199,7 +25199,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA21 = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t22 = t13.transpose(-1, -2)
     t23 = (1/(L*d_K*n_batch)) * t1
     t24 = (t13.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -25234,7 +25234,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdim=True)
     t13 = t12.expand(*t12.shape[:-1], d_V)
@@ -25245,7 +25245,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -25293,7 +25293,7 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -25307,16 +25307,16 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA21 = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t22 = W_O.transpose(-1, -2)
     t23 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t24 = (t13.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t25 = (dA21.reshape((n_batch, L, d_V, d_V, 1)) * t15.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t26 = (t25.permute(0, 1, 3, 2) @ t24.permute(1, 2, 0, 3))
-    t27 = ((t26.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t27 = ((t22.permute(1, 0) @ t26.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t28 = (X.reshape((L*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_K))
     t29 = ((t28.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t27.reshape((d_H*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t29.reshape((d_K*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     return out
 
 
@@ -25340,7 +25340,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdim=True)
     t13 = t12.expand(*t12.shape[:-1], d_V)
@@ -25351,7 +25351,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_O.transpose(-1, -2)
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t22 = (t11.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -25393,7 +25393,7 @@ def ce_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -25407,7 +25407,7 @@ def ce_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA21 = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t22 = M_1 @ W_V
     t23 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t24 = (t13.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -25415,7 +25415,7 @@ def ce_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t26 = ((t25.permute(0, 1, 3, 2) @ t24.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t27 = (X.reshape((L*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_K))
     t28 = ((t27.reshape((n_batch, L, d_K, 1)) * t22.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t0[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t0[...] = ((t28.reshape((d_H*d_K, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -25439,7 +25439,7 @@ def ce_causal1__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdim=True)
     t13 = t12.expand(*t12.shape[:-1], d_V)
@@ -25450,7 +25450,7 @@ def ce_causal1__frobenius__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = M_1 @ W_V
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t22 = (t11.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -25498,7 +25498,7 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = (1/(L*n_batch)) * t11
     t21 = (M_1 * t20.permute(0, 2, 1)).permute(2, 0, 1)
@@ -25537,7 +25537,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = (M_1.reshape((n_batch, L, 1, d_V)) @ t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -25576,13 +25576,13 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = W_V.transpose(-1, -2)
     t21 = t19 @ t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA23 = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA23 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t24 = (dA23.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -25592,7 +25592,7 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t28 = (t27.reshape((L*d_V*n_batch, d_V)) @ t21).reshape((n_batch, L, d_V, d_V))
     t29 = (t28 @ M_2)
     t30 = (t29.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t31 = ((t30.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t31 = ((W_K.permute(1, 0) @ t30.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -25625,13 +25625,13 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = W_V.transpose(-1, -2)
     t20 = t18 @ t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA22 = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA22 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t24 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = (W_O.permute(1, 0) @ W_O)
@@ -25680,13 +25680,13 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = W_V.transpose(-1, -2)
     t21 = t19 @ t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA23 = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA23 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t24 = (dA23.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -25729,13 +25729,13 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = W_V.transpose(-1, -2)
     t20 = t18 @ t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA22 = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA22 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t24 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = (W_O.permute(1, 0) @ W_O)
@@ -25784,7 +25784,7 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = (1/(L*n_batch)) * t11
     t21 = ((M_1.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
@@ -25823,7 +25823,7 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -25869,7 +25869,7 @@ def ce_causal1__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = (1/(L*n_batch)) * t11
     t20 = ((t14.reshape((n_batch, L, d_H, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -25906,7 +25906,7 @@ def ce_causal1__frobenius__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (W_O.permute(1, 0) @ W_O)
@@ -25951,7 +25951,7 @@ def ce_causal1__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t21 = (1/(L*n_batch)) * t13
     t22 = (t16 * t21.permute(0, 2, 1)).permute(2, 0, 1)
     t23 = (oe.contract('abcc,abc->abc', dA, t15)).permute(2, 0, 1)
@@ -25989,7 +25989,7 @@ def ce_causal1__trace__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t20 = (t15.reshape((n_batch, L, 1, d_H)) @ t12.permute(0, 2, 1).reshape((n_batch, L, d_H, 1))).reshape((n_batch, L))
     t21 = oe.contract('abcc,abc->ab', dA, t14)
     return (1/(L*n_batch)) * (t21 * t20).sum()
@@ -26027,12 +26027,12 @@ def ce_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t21 = W_O.transpose(-1, -2)
     t22 = t21 @ t1
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA24 = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA24 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t25 = (dA24.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -26041,7 +26041,7 @@ def ce_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t28 = (t22.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t29 = (t28.permute(1, 2, 3, 0) @ M_2)
     t30 = (t29.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t31 = ((t30.reshape((n_batch, L, d_V, d_K, 1)) * t15.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t31 = ((t30.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t15.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
     t0[...] = ((t27.reshape((d_H*d_V, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -26076,12 +26076,12 @@ def ce_causal1__frobenius__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t20 = W_O.transpose(-1, -2)
     t21 = t20 @ t0
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA23 = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA23 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t24 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t25 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t26 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -26130,12 +26130,12 @@ def ce_causal1__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t21 = W_O.transpose(-1, -2)
     t22 = t21 @ t1
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA24 = ((t23.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA24 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t25 = (dA24.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -26179,12 +26179,12 @@ def ce_causal1__frobenius__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t20 = W_O.transpose(-1, -2)
     t21 = t20 @ t0
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA23 = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA23 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t24 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t25 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t26 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -26233,12 +26233,12 @@ def ce_causal1__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t21 = W_O.transpose(-1, -2)
     t22 = (1/(L*n_batch)) * t13
     t23 = ((M_1.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
     t24 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t15.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t25 = ((t24.reshape((L*d_V*n_batch, d_V)) @ t21).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t25 = ((t21.permute(1, 0) @ t24.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t23.reshape((d_H*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
     return out
 
@@ -26273,7 +26273,7 @@ def ce_causal1__frobenius__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t20 = W_O.transpose(-1, -2)
     t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -26319,11 +26319,11 @@ def ce_causal1__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t21 = (1/(L*n_batch)) * t13
-    t22 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t15.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t22 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t23 = ((t16.reshape((n_batch, L, d_H, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(2, 0, 3, 1)
+    t0[...] = ((t23.reshape((d_H**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -26357,7 +26357,7 @@ def ce_causal1__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t15.reshape((L*n_batch, d_H)) @ t15.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -26410,15 +26410,15 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     t28 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t28.reshape((L, L, 1)) * t27.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
+    d2A = ((t27.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t28.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t2
     t31 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t32 = ((t31.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t32 = ((W_K.permute(1, 0) @ t31.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t33 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1[...] = ((t32.reshape((d_K**2, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t33.reshape((d_V**2, L*n_batch)) @ t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t34 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t35 = t34.view((d_V, d_K, d_V, d_K))
     t36 = (t30 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -26434,7 +26434,7 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t44 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t45 = t44.view((d_V, d_K, d_V, d_H))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t28.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t28.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t46 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t46.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -26446,19 +26446,19 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t51 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t52 = t51.view((d_V, d_K, d_H, d_V))
     t53 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t48.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t54 = ((t53.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t54 = ((W_V.permute(1, 0) @ t53.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t55 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t52[...] = ((t54.reshape((d_H*d_K, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t56 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t57 = t56.view((d_V, d_K, d_V, d_K))
     t58 = W_Q.transpose(-1, -2)
     t59 = (1/(d_K*n_batch)) * t58
-    t60 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t60 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t61 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t59.permute(1, 0)).reshape((n_batch, L, d_K))
     t62 = ((t61.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t63 = t57.diagonal(0, 1, 3)
     t64 = t41.transpose(-1, -2)
-    t57[...] = ((t60.reshape((d_K*d_V, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t57[...] = ((t62.reshape((d_K*d_V, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t63 += (t64.sum((0,)).reshape((d_V**2, 1)) * t43.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t65 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t66 = t65.view((d_V, d_K, d_V, d_K))
@@ -26474,7 +26474,7 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t70[...] = ((t72.reshape((d_V**2, L*n_batch)) @ t74.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t75 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t76 = t75.view((d_V, d_K, d_H, d_V))
-    t77 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t77 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t78 = ((t73.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t76[...] = ((t77.reshape((d_H*d_V, L*n_batch)) @ t78.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t79 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
@@ -26482,7 +26482,7 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t81 = t47.transpose(-1, -2)
     t82 = (1/(math.sqrt(d_K)*n_batch)) * t81
     t83 = ((X.reshape((n_batch, L, d_V, 1)) * t82.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t84 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t84 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t80[...] = ((t83.reshape((d_H*d_V, L*n_batch)) @ t84.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t85 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t86 = t85.view((d_V, d_H, d_V, d_K))
@@ -26505,9 +26505,9 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t99 = G.transpose(-1, -2)
     t100 = (1/(math.sqrt(d_K)*n_batch)) * t99
     t101 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t102 = ((t101.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t102 = ((W_K.permute(1, 0) @ t101.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t103 = ((X.reshape((n_batch, L, d_V, 1)) * t100.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t98[...] = ((t102.reshape((d_H*d_K, L*n_batch)) @ t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t98[...] = ((t103.reshape((d_V**2, L*n_batch)) @ t102.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     t104 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t105 = t104.view((d_H, d_V, d_V, d_K))
     t106 = (t22 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))
@@ -26647,7 +26647,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t26.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t27 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t28 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t29 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -26675,7 +26675,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t51 = (n_batch**(-2)) * (t40.sum((0,)) * t40.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t45 * t43).sum() + (1/(d_K**2*n_batch**2)) * (t50 * t47.permute(0, 2, 3, 1)).sum()
     t52 = torch.sqrt(torch.clamp(t51, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t26.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t26.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t53 = G @ t19
     t54 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t55 = (t53.reshape((L*n_batch, d_H)) @ t53.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -26803,7 +26803,7 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t27.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t27.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t28 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -26854,7 +26854,7 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t26.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -26905,15 +26905,15 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t27.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t27.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t28 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t29 = (1/(d_K*n_batch)) * t1
     t30 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t31 = ((t30.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t31 = ((W_K.permute(1, 0) @ t30.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t32 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t31.reshape((d_K**2, L*n_batch)) @ t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t32.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -26956,7 +26956,7 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     t26 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t26.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t27 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t28 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t29 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -27013,7 +27013,7 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t27.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t27.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t28 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -27072,7 +27072,7 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = t0 @ t26
     t28 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t28.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t28.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t29 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.sum((0,))).reshape((n_batch, L, d_V))
     t30 = (t29 @ X.permute(0, 2, 1))
     t31 = (t30.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -27113,7 +27113,7 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -27158,7 +27158,7 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -27209,7 +27209,7 @@ def ce_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -27228,7 +27228,7 @@ def ce_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t21
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t24 = ((t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t24 = ((W_V.permute(1, 0) @ t23.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t25 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t24.reshape((d_H*d_K, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -27253,7 +27253,7 @@ def ce_causal1__frobenius__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -27324,7 +27324,7 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     t28 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t28.reshape((L, L, 1)) * t27.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
+    d2A = ((t27.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t28.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -27377,7 +27377,7 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t27.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t27.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t28 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -27429,12 +27429,12 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     t28 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t28.reshape((L, L, 1)) * t27.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
+    d2A = ((t27.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t28.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t1
-    t31 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t31 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t32 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = ((t32.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t34 = t0.diagonal(0, 1, 3)
@@ -27443,7 +27443,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t37 = t2 @ t36
     t38 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t0[...] = ((t31.reshape((d_K*d_V, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t33.reshape((d_K*d_V, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t34 += (t37.sum((0,)).reshape((d_V**2, 1)) * t39.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -27491,7 +27491,7 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t29 = W_Q.transpose(-1, -2)
     t30 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t30.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t30.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t31 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t28.sum((0,))).reshape((n_batch, L, d_V))
     t32 = (t31 @ X.permute(0, 2, 1))
     t33 = (t32.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -27553,7 +27553,7 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     t28 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t28.reshape((L, L, 1)) * t27.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
+    d2A = ((t27.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t28.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -27606,7 +27606,7 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t27.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t27.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t28 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t29 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t30 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -27644,7 +27644,7 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -27691,7 +27691,7 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -27743,7 +27743,7 @@ def ce_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -27761,7 +27761,7 @@ def ce_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = (1/L) * t21
     G = t22
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t24 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t24 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t25 = (X.reshape((L*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_K))
     t26 = ((t25.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t0[...] = ((t24.reshape((d_H*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
@@ -27788,7 +27788,7 @@ def ce_causal1__frobenius__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -27875,13 +27875,13 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = W_O @ t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t21
     t25 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t26 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t26 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t25.reshape((d_H*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -27920,7 +27920,7 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t23 = (t20.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t20.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -27971,7 +27971,7 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = W_O @ t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -28017,7 +28017,7 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t23 = (t20.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t20.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -28191,15 +28191,15 @@ def ce_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = W_V.transpose(-1, -2)
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t20
     t25 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t26 = ((t25.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t26 = ((W_K.permute(1, 0) @ t25.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t26.reshape((d_H*d_K, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -28237,7 +28237,7 @@ def ce_causal1__frobenius__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_V.transpose(-1, -2)
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_H))
     t23 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -28289,7 +28289,7 @@ def ce_causal1__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = W_V.transpose(-1, -2)
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -28335,7 +28335,7 @@ def ce_causal1__frobenius__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_V.transpose(-1, -2)
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_H))
     t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -28474,7 +28474,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -28488,7 +28488,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA21 = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t22 = t13.transpose(-1, -2)
     t23 = (1/(L*d_K*n_batch)) * t2
     t24 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -28497,7 +28497,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = (t26 @ M_2)
     t28 = (t24.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t13).reshape((n_batch, L, d_K, d_V))
     t29 = (t28 @ t27)
-    t30 = ((t29.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t30 = ((W_K.permute(1, 0) @ t29.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t31 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     F = t17
     t32 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -28511,21 +28511,21 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t39 = t38 - (A * t38).sum(-1, keepdim=True)
     t40 = A * t39
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t40.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t40.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t40.reshape((n_batch, L, 1, L)))
+    d2A = ((t40.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t40.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t40.reshape((n_batch, L, 1, L)))
     t41 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t41.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t42 = (1/(d_K*n_batch)) * t2
     t43 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t42.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t44 = ((t43.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t44 = ((W_K.permute(1, 0) @ t43.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t45 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t46 = t30.reshape((d_K**2, L*n_batch))
-    t47 = t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t48 = t44.reshape((d_K**2, L*n_batch))
-    t49 = t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t46 = t31.reshape((d_V**2, L*n_batch))
+    t47 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t48 = t45.reshape((d_V**2, L*n_batch))
+    t49 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t50 = torch.cat([t46, t48], dim=-1)
     t51 = torch.cat([t47, t49], dim=-2)
-    t1[...] = ((t50 @ t51).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t1[...] = ((t50 @ t51).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t52 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = t52.view((d_V, d_K, d_V, d_K))
     t54 = (t42 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
@@ -28559,7 +28559,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t80 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t81 = (t80 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t82 = ((t79.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t71[...] = ((t77.reshape((d_H*d_K, L*n_batch)) @ t78.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t71[...] = ((t78.reshape((d_V**2, L*n_batch)) @ t77.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t71 += ((t81.reshape((d_K*d_V, L*n_batch)) @ t82.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t83 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t84 = t83.view((d_V, d_K, d_H, d_V))
@@ -28569,15 +28569,15 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t88 = ((t87.permute(1, 2, 3, 0) @ t25)).permute(2, 3, 0, 1)
     t89 = ((t85.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t90 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t80.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t91 = ((t90.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t91 = ((W_V.permute(1, 0) @ t90.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t92 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t84[...] = ((t88.reshape((d_K*d_V, L*n_batch)) @ t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t84[...] = ((t89.reshape((d_H*d_V, L*n_batch)) @ t88.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t84 += ((t91.reshape((d_H*d_K, L*n_batch)) @ t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t93 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t94 = t93.view((d_V, d_K, d_V, d_K))
     t95 = W_Q.transpose(-1, -2)
     t96 = (1/(d_K*n_batch)) * t95
-    t97 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t97 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t98 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t96.permute(1, 0)).reshape((n_batch, L, d_K))
     t99 = ((t98.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t100 = (1/(L*d_K*n_batch)) * t95
@@ -28585,18 +28585,18 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t102 = (t25.permute(0, 1, 3, 2) @ t101.permute(1, 2, 0, 3))
     t103 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t104 = (t103 @ t102)
-    t105 = ((t104.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t105 = ((W_K.permute(1, 0) @ t104.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t106 = (X.reshape((L*n_batch, d_V)) @ t100.permute(1, 0)).reshape((n_batch, L, d_K))
     t107 = ((t106.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t108 = t94.diagonal(0, 1, 3)
     t109 = t61.transpose(-1, -2)
-    t110 = t97.reshape((d_K*d_V, L*n_batch))
-    t111 = t99.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t112 = t105.reshape((d_K*d_V, L*n_batch))
-    t113 = t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t110 = t99.reshape((d_K*d_V, L*n_batch))
+    t111 = t97.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t112 = t107.reshape((d_K*d_V, L*n_batch))
+    t113 = t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t114 = torch.cat([t110, t112], dim=-1)
     t115 = torch.cat([t111, t113], dim=-2)
-    t94[...] = ((t114 @ t115).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t94[...] = ((t114 @ t115).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t108 += (t109.sum((0,)).reshape((d_V**2, 1)) * t63.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t116 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t117 = t116.view((d_V, d_K, d_V, d_K))
@@ -28614,35 +28614,35 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t128 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t129 = t128.view((d_V, d_K, d_V, d_H))
     t130 = (1/(L*math.sqrt(d_K)*n_batch)) * t95
-    t131 = ((t102.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t72).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t131 = ((t72.permute(1, 0) @ t102.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t132 = (X.reshape((L*n_batch, d_V)) @ t130.permute(1, 0)).reshape((n_batch, L, d_K))
     t133 = ((t132.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t134 = (1/(math.sqrt(d_K)*n_batch)) * t95
     t135 = M_2.permute(3, 2, 0, 1)
     t136 = (X.reshape((L*n_batch, d_V)) @ t134.permute(1, 0)).reshape((n_batch, L, d_K))
     t137 = ((t136.reshape((n_batch, L, d_K, 1)) * t79.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t129[...] = ((t131.reshape((d_H*d_V, L*n_batch)) @ t133.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t129[...] = ((t133.reshape((d_K*d_V, L*n_batch)) @ t131.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t129 += ((t135.reshape((d_V**2, L*n_batch)) @ t137.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t138 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t139 = t138.view((d_V, d_K, d_H, d_V))
     t140 = (t86 @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t141 = ((t140.permute(1, 2, 3, 0) @ t25)).permute(2, 3, 0, 1)
     t142 = ((t132.reshape((n_batch, L, d_K, 1)) * t85.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t143 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t143 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t144 = ((t136.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t139[...] = ((t141.reshape((d_V**2, L*n_batch)) @ t142.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t139[...] = ((t142.reshape((d_H*d_K, L*n_batch)) @ t141.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t139 += ((t143.reshape((d_H*d_V, L*n_batch)) @ t144.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t145 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t146 = t145.view((d_V, d_H, d_V, d_K))
     t147 = t79.transpose(-1, -2)
     t148 = (1/(math.sqrt(d_K)*n_batch)) * t147
     t149 = ((X.reshape((n_batch, L, d_V, 1)) * t148.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t150 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t150 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t151 = M_1.transpose(-1, -2)
     t152 = (1/(L*math.sqrt(d_K)*n_batch)) * t151
     t153 = ((X.reshape((n_batch, L, d_V, 1)) * t152.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t154 = (t27.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t155 = ((t154.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t155 = ((W_K.permute(1, 0) @ t154.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t146[...] = ((t149.reshape((d_H*d_V, L*n_batch)) @ t150.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t146 += ((t153.reshape((d_V**2, L*n_batch)) @ t155.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     t156 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -28677,7 +28677,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t180 = W_V.transpose(-1, -2)
     t181 = (1/(math.sqrt(d_K)*n_batch)) * t179
     t182 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t180.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t183 = ((t182.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t183 = ((W_K.permute(1, 0) @ t182.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t184 = ((X.reshape((n_batch, L, d_V, 1)) * t181.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t185 = t85.transpose(-1, -2)
     t186 = (1/(L*math.sqrt(d_K)*n_batch)) * t185
@@ -28686,7 +28686,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t189 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t190 = (t188 @ t25.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t191 = ((t190.permute(1, 2, 3, 0) @ t189.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
-    t178[...] = ((t183.reshape((d_H*d_K, L*n_batch)) @ t184.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t178[...] = ((t184.reshape((d_V**2, L*n_batch)) @ t183.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     t178 += ((t187.reshape((d_H*d_V, L*n_batch)) @ t191.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t192 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t193 = t192.view((d_H, d_V, d_V, d_K))
@@ -28696,21 +28696,21 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t197 = (t188.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t198 = ((t197.permute(1, 2, 3, 0) @ t25.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t193[...] = ((t194.reshape((d_H*d_V, L*n_batch)) @ t195.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t193 += ((t196.reshape((d_H*d_K, L*n_batch)) @ t198.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t193 += ((t198.reshape((d_V**2, L*n_batch)) @ t196.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     t199 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t200 = t199.view((d_H, d_V, d_V, d_H))
     t201 = (1/(L*n_batch)) * t185
     t202 = ((M_1.reshape((n_batch, L, d_V, 1)) * t201.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t203 = ((t25.reshape((L*d_V*n_batch, d_V)) @ t72).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t203 = ((t72.permute(1, 0) @ t25.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t204 = t200.diagonal(0, 0, 3)
     t205 = t179 @ M_1
     t200[...] = ((t202.reshape((d_H*d_V, L*n_batch)) @ t203.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_H, d_V, d_V, d_H))).permute(0, 2, 1, 3)
     t204 += (t205.sum((0,)).reshape((d_V**2, 1)) * t175.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     t206 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t207 = t206.view((d_H, d_V, d_H, d_V))
-    t208 = ((dA21.reshape((n_batch, L, d_V, d_V, 1)) * t15.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t208 = ((dA21.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t209 = ((t85.reshape((n_batch, L, d_H, 1)) * t201.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t207[...] = ((t208.reshape((d_V**2, L*n_batch)) @ t209.permute(2, 3, 0, 1).reshape((L*n_batch, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(2, 0, 3, 1)
+    t207[...] = ((t209.reshape((d_H**2, L*n_batch)) @ t208.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -28834,7 +28834,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
@@ -28845,7 +28845,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -28878,7 +28878,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t46 = t45 - (A * t45).sum(-1, keepdim=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t47.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
+    d2A = ((t47.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t49 = t23 * t48
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -29164,7 +29164,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -29178,7 +29178,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = t12.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (X * X).permute(2, 0, 1)
@@ -29201,7 +29201,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
+    d2A = ((t39.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
     t40 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t40.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -29233,7 +29233,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -29247,7 +29247,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t22 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -29269,7 +29269,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t37.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -29299,7 +29299,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -29313,7 +29313,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = t12.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -29322,7 +29322,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (t25 @ M_2)
     t27 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t12).reshape((n_batch, L, d_K, d_V))
     t28 = (t27 @ t26)
-    t29 = ((t28.reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t29 = ((W_K.permute(1, 0) @ t28.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t30 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     F = t16
     t31 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -29336,21 +29336,21 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t39.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
+    d2A = ((t39.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
     t40 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t40.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t41 = (1/(d_K*n_batch)) * t1
     t42 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t43 = ((t42.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K, d_K))).permute(2, 3, 0, 1)
+    t43 = ((W_K.permute(1, 0) @ t42.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t44 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t45 = t29.reshape((d_K**2, L*n_batch))
-    t46 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t47 = t43.reshape((d_K**2, L*n_batch))
-    t48 = t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t45 = t30.reshape((d_V**2, L*n_batch))
+    t46 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t47 = t44.reshape((d_V**2, L*n_batch))
+    t48 = t43.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
     t49 = torch.cat([t45, t47], dim=-1)
     t50 = torch.cat([t46, t48], dim=-2)
-    t0[...] = ((t49 @ t50).reshape((d_K, d_K, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t49 @ t50).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -29373,7 +29373,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
@@ -29384,7 +29384,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -29417,7 +29417,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t46 = t45 - (A * t45).sum(-1, keepdim=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t47.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
+    d2A = ((t47.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t49 = t23 * t48
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -29477,7 +29477,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t27.reshape((L, L, 1)) * t26.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t27.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
     t28 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -29486,7 +29486,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t32 = ((t31.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t27.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t27.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t33 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -29495,7 +29495,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A36 = t35 / t35.sum(-1, keepdim=True)
     t37 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = ((t37.reshape((d_V, d_V, 1)) * A36.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A36.reshape((n_batch, L, d_V, 1)) * A36.reshape((n_batch, L, 1, d_V)))
+    dA38 = ((A36.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t37.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A36.reshape((n_batch, L, d_V, 1)) * A36.reshape((n_batch, L, 1, d_V)))
     t39 = t34.transpose(-1, -2)
     t40 = (1/(L*d_K*n_batch)) * t1
     t41 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t40.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -29562,7 +29562,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = t0 @ t26
     t28 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t28.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t28.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t29 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.sum((0,))).reshape((n_batch, L, d_V))
     t30 = (t29 @ X.permute(0, 2, 1))
     t31 = (t30.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -29570,7 +29570,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t33 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t34 = (t33.permute(1, 2, 0) @ t32.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t28.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t28.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t35 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -29579,7 +29579,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A38 = t37 / t37.sum(-1, keepdim=True)
     t39 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA40 = ((t39.reshape((d_V, d_V, 1)) * A38.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A38.reshape((n_batch, L, d_V, 1)) * A38.reshape((n_batch, L, 1, d_V)))
+    dA40 = ((A38.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t39.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A38.reshape((n_batch, L, d_V, 1)) * A38.reshape((n_batch, L, 1, d_V)))
     t41 = t36.transpose(-1, -2)
     t42 = (X.reshape((L*n_batch, d_V)) @ t27.sum((0,))).reshape((n_batch, L, d_V))
     t43 = (t42.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
@@ -29648,7 +29648,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -29662,7 +29662,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = W_O.transpose(-1, -2)
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
@@ -29682,7 +29682,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t35 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t36 = (t35 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t37 = ((t34.reshape((n_batch, L, d_H, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t27.reshape((d_H*d_K, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 3, 1)
+    t0[...] = ((t28.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     t0 += ((t36.reshape((d_K*d_V, L*n_batch)) @ t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     return out
 
@@ -29706,7 +29706,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
@@ -29717,7 +29717,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (t10.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -29778,7 +29778,7 @@ def ce_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -29792,7 +29792,7 @@ def ce_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t23 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
@@ -29809,9 +29809,9 @@ def ce_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t32
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t34 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t33.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t35 = ((t34.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_H))).permute(2, 3, 0, 1)
+    t35 = ((W_V.permute(1, 0) @ t34.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_H, d_K, n_batch, L))).permute(1, 0, 2, 3)
     t36 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 3, 1)
+    t0[...] = ((t27.reshape((d_H*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t35.reshape((d_H*d_K, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -29835,7 +29835,7 @@ def ce_causal1__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -29846,7 +29846,7 @@ def ce_causal1__frobenius__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
     t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -29905,7 +29905,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -29919,7 +29919,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA21 = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t22 = t13.transpose(-1, -2)
     t23 = (1/(L*d_K*n_batch)) * t1
     t24 = (t13.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -29942,7 +29942,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t39 = t38 - (A * t38).sum(-1, keepdim=True)
     t40 = A * t39
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t40.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t40.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t40.reshape((n_batch, L, 1, L)))
+    d2A = ((t40.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t40.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t40.reshape((n_batch, L, 1, L)))
     t41 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t41.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -29975,7 +29975,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -29989,7 +29989,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = t12.transpose(-1, -2)
     t22 = (M_2 @ M_2.permute(0, 1, 3, 2))
     t23 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -30011,7 +30011,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t38.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
+    d2A = ((t38.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
     t39 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -30063,16 +30063,16 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     t28 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t28.reshape((L, L, 1)) * t27.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
+    d2A = ((t27.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t28.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t1
-    t31 = ((W_K.permute(1, 0) @ M_3.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t31 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t32 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = ((t32.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t28.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t28.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t34 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -30081,7 +30081,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A37 = t36 / t36.sum(-1, keepdim=True)
     t38 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA39 = ((t38.reshape((d_V, d_V, 1)) * A37.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A37.reshape((n_batch, L, d_V, 1)) * A37.reshape((n_batch, L, 1, d_V)))
+    dA39 = ((A37.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t38.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A37.reshape((n_batch, L, d_V, 1)) * A37.reshape((n_batch, L, 1, d_V)))
     t40 = t35.transpose(-1, -2)
     t41 = (1/(L*d_K*n_batch)) * t1
     t42 = (t35.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -30089,7 +30089,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t44 = (t43.permute(0, 1, 3, 2) @ t42.permute(1, 2, 0, 3))
     t45 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t40.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t46 = (t45 @ t44)
-    t47 = ((t46.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))).permute(2, 3, 0, 1)
+    t47 = ((W_K.permute(1, 0) @ t46.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t48 = (X.reshape((L*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_K))
     t49 = ((t48.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     t50 = t0.diagonal(0, 1, 3)
@@ -30098,13 +30098,13 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t53 = t2 @ t52
     t54 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t55 = (1/(math.sqrt(d_K)*n_batch)) * t54
-    t56 = t31.reshape((d_K*d_V, L*n_batch))
-    t57 = t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t58 = t47.reshape((d_K*d_V, L*n_batch))
-    t59 = t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t56 = t33.reshape((d_K*d_V, L*n_batch))
+    t57 = t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t58 = t49.reshape((d_K*d_V, L*n_batch))
+    t59 = t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t60 = torch.cat([t56, t58], dim=-1)
     t61 = torch.cat([t57, t59], dim=-2)
-    t0[...] = ((t60 @ t61).reshape((d_V, d_K, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t60 @ t61).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t50 += (t53.sum((0,)).reshape((d_V**2, 1)) * t55.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
@@ -30152,7 +30152,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = W_Q.transpose(-1, -2)
     t30 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t30.reshape((L, L, 1)) * t25.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t30.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
     t31 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t28.sum((0,))).reshape((n_batch, L, d_V))
     t32 = (t31 @ X.permute(0, 2, 1))
     t33 = (t32.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -30160,7 +30160,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t35 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t36 = (t35.permute(1, 2, 0) @ t34.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t30.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t30.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t37 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -30169,7 +30169,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A40 = t39 / t39.sum(-1, keepdim=True)
     t41 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA42 = ((t41.reshape((d_V, d_V, 1)) * A40.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A40.reshape((n_batch, L, d_V, 1)) * A40.reshape((n_batch, L, 1, d_V)))
+    dA42 = ((A40.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t41.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A40.reshape((n_batch, L, d_V, 1)) * A40.reshape((n_batch, L, 1, d_V)))
     t43 = t38.transpose(-1, -2)
     t44 = (X.reshape((L*n_batch, d_V)) @ t28.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
     t45 = (t44.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
@@ -30239,7 +30239,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -30253,7 +30253,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA21 = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t22 = t13.transpose(-1, -2)
     t23 = (1/(L*d_K*n_batch)) * t1
     t24 = (t13.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
@@ -30276,7 +30276,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t39 = t38 - (A * t38).sum(-1, keepdim=True)
     t40 = A * t39
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t11.reshape((L, L, 1)) * t40.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t40.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t40.reshape((n_batch, L, 1, L)))
+    d2A = ((t40.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t40.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t40.reshape((n_batch, L, 1, L)))
     t41 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t41.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -30314,7 +30314,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdim=True)
     t13 = t12.expand(*t12.shape[:-1], d_V)
@@ -30325,7 +30325,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -30358,7 +30358,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t47 = t46 - (A * t46).sum(-1, keepdim=True)
     t48 = A * t47
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t48.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))
+    d2A = ((t48.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t51 = (t50.reshape((L*n_batch, d_K)) @ t22.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -30399,7 +30399,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -30413,13 +30413,13 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA21 = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t22 = W_O.transpose(-1, -2)
     t23 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t24 = (t13.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t25 = (dA21.reshape((n_batch, L, d_V, d_V, 1)) * t15.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t26 = (t25.permute(0, 1, 3, 2) @ t24.permute(1, 2, 0, 3))
-    t27 = ((t26.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t27 = ((t22.permute(1, 0) @ t26.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t28 = (X.reshape((L*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_K))
     t29 = ((t28.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
     F = t17
@@ -30434,7 +30434,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t37 = M_2.permute(3, 2, 0, 1)
     t38 = (X.reshape((L*n_batch, d_V)) @ t36.permute(1, 0)).reshape((n_batch, L, d_K))
     t39 = ((t38.reshape((n_batch, L, d_K, 1)) * t35.reshape((n_batch, L, 1, d_H)))).permute(2, 3, 0, 1)
-    t0[...] = ((t27.reshape((d_H*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t29.reshape((d_K*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_K, d_V, d_V, d_H))).permute(2, 0, 1, 3)
     t0 += ((t37.reshape((d_V**2, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 1, 3)
     return out
 
@@ -30459,7 +30459,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdim=True)
     t13 = t12.expand(*t12.shape[:-1], d_V)
@@ -30470,7 +30470,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_O.transpose(-1, -2)
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t22 = (t11.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -30534,7 +30534,7 @@ def ce_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t11.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -30548,7 +30548,7 @@ def ce_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA21 = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA21 = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t23 = (dA21.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t24 = (W_O.permute(1, 0) @ W_V.permute(1, 0))
@@ -30564,10 +30564,10 @@ def ce_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t33 = (1/L) * t32
     G = t33
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t35 = ((W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_H, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t35 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t36 = (X.reshape((L*n_batch, d_V)) @ t34.permute(1, 0)).reshape((n_batch, L, d_K))
     t37 = ((t36.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t0[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_K, d_H))).permute(0, 2, 3, 1)
+    t0[...] = ((t28.reshape((d_H*d_K, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_H, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t35.reshape((d_H*d_V, L*n_batch)) @ t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_H, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -30592,7 +30592,7 @@ def ce_causal1__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -30603,7 +30603,7 @@ def ce_causal1__frobenius__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
     t22 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -30670,7 +30670,7 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = (1/(L*n_batch)) * t11
     t21 = (M_1 * t20.permute(0, 2, 1)).permute(2, 0, 1)
@@ -30709,7 +30709,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = (M_1.reshape((n_batch, L, 1, d_V)) @ t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -30754,19 +30754,19 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = W_O @ t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t21
     t25 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t26 = ((W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t26 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t27 = M_1.transpose(-1, -2)
     t28 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A29 = t28 / t28.sum(-1, keepdim=True)
     t30 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA31 = ((t30.reshape((d_V, d_V, 1)) * A29.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A29.reshape((n_batch, L, d_V, 1)) * A29.reshape((n_batch, L, 1, d_V)))
+    dA31 = ((A29.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t30.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A29.reshape((n_batch, L, d_V, 1)) * A29.reshape((n_batch, L, 1, d_V)))
     t32 = W_O.transpose(-1, -2)
     t33 = W_V.transpose(-1, -2)
     t34 = t32 @ t33
@@ -30776,7 +30776,7 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t38 = (t37.reshape((L*d_V*n_batch, d_V)) @ t34).reshape((n_batch, L, d_V, d_V))
     t39 = (t38 @ M_2)
     t40 = (t39.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t41 = ((t40.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t41 = ((W_K.permute(1, 0) @ t40.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t25.reshape((d_H*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t0 += ((t36.reshape((d_V**2, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(0, 2, 1, 3)
     return out
@@ -30816,7 +30816,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t23 = (t20.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t20.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -30831,7 +30831,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A33 = t32 / t32.sum(-1, keepdim=True)
     t34 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA35 = ((t34.reshape((d_V, d_V, 1)) * A33.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A33.reshape((n_batch, L, d_V, 1)) * A33.reshape((n_batch, L, 1, d_V)))
+    dA35 = ((A33.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t34.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A33.reshape((n_batch, L, d_V, 1)) * A33.reshape((n_batch, L, 1, d_V)))
     t36 = W_O.transpose(-1, -2)
     t37 = W_V.transpose(-1, -2)
     t38 = t36 @ t37
@@ -30892,7 +30892,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = W_O @ t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -30905,7 +30905,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A30 = t29 / t29.sum(-1, keepdim=True)
     t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA32 = ((t31.reshape((d_V, d_V, 1)) * A30.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
+    dA32 = ((A30.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
     t33 = W_O.transpose(-1, -2)
     t34 = W_V.transpose(-1, -2)
     t35 = t33 @ t34
@@ -30954,7 +30954,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t23 = (t20.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t20.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -30969,7 +30969,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A33 = t32 / t32.sum(-1, keepdim=True)
     t34 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA35 = ((t34.reshape((d_V, d_V, 1)) * A33.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A33.reshape((n_batch, L, d_V, 1)) * A33.reshape((n_batch, L, 1, d_V)))
+    dA35 = ((A33.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t34.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A33.reshape((n_batch, L, d_V, 1)) * A33.reshape((n_batch, L, 1, d_V)))
     t36 = W_O.transpose(-1, -2)
     t37 = W_V.transpose(-1, -2)
     t38 = t36 @ t37
@@ -31024,7 +31024,7 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = (1/(L*n_batch)) * t11
     t21 = ((M_1.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
@@ -31063,7 +31063,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -31109,7 +31109,7 @@ def ce_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t19 = (1/(L*n_batch)) * t11
     t20 = ((t14.reshape((n_batch, L, d_H, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
@@ -31158,7 +31158,7 @@ def ce_causal1__frobenius__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (W_O.permute(1, 0) @ W_O)
@@ -31214,7 +31214,7 @@ def ce_causal1__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t21 = (1/(L*n_batch)) * t13
     t22 = (t16 * t21.permute(0, 2, 1)).permute(2, 0, 1)
     t23 = (oe.contract('abcc,abc->abc', dA, t15)).permute(2, 0, 1)
@@ -31252,7 +31252,7 @@ def ce_causal1__trace__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t20 = (t15.reshape((n_batch, L, 1, d_H)) @ t12.permute(0, 2, 1).reshape((n_batch, L, d_H, 1))).reshape((n_batch, L))
     t21 = oe.contract('abcc,abc->ab', dA, t14)
     return (1/(L*n_batch)) * (t21 * t20).sum()
@@ -31294,20 +31294,20 @@ def ce_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = W_V.transpose(-1, -2)
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t20
     t25 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_H))
-    t26 = ((t25.permute(0, 1, 3, 2).reshape((L*d_H*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_H, d_K))).permute(2, 3, 0, 1)
+    t26 = ((W_K.permute(1, 0) @ t25.permute(2, 3, 0, 1).reshape((d_V, L*d_H*n_batch))).reshape((d_K, d_H, n_batch, L))).permute(1, 0, 2, 3)
     t27 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t28 = t13.transpose(-1, -2)
     t29 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A30 = t29 / t29.sum(-1, keepdim=True)
     t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA32 = ((t31.reshape((d_V, d_V, 1)) * A30.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
+    dA32 = ((A30.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
     t33 = W_O.transpose(-1, -2)
     t34 = (1/(L*math.sqrt(d_K)*n_batch)) * t28
     t35 = ((X.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
@@ -31316,7 +31316,7 @@ def ce_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t38 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t39 = (t37 @ t36.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t40 = ((t39.permute(1, 2, 3, 0) @ t38.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
-    t0[...] = ((t26.reshape((d_H*d_K, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     t0 += ((t35.reshape((d_H*d_V, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -31355,7 +31355,7 @@ def ce_causal1__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_V.transpose(-1, -2)
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_H))
     t23 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -31371,7 +31371,7 @@ def ce_causal1__frobenius__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     A34 = t33 / t33.sum(-1, keepdim=True)
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = ((t35.reshape((d_V, d_V, 1)) * A34.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))
+    dA36 = ((A34.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t35.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))
     t37 = W_O.transpose(-1, -2)
     t38 = (dA36.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t39 = (t22.reshape((L*n_batch, d_H)) @ t32.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -31428,7 +31428,7 @@ def ce_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = W_V.transpose(-1, -2)
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -31441,7 +31441,7 @@ def ce_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A30 = t29 / t29.sum(-1, keepdim=True)
     t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA32 = ((t31.reshape((d_V, d_V, 1)) * A30.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
+    dA32 = ((A30.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
     t33 = W_O.transpose(-1, -2)
     t34 = (1/(L*math.sqrt(d_K)*n_batch)) * t28
     t35 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
@@ -31450,7 +31450,7 @@ def ce_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t38 = (t37.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t39 = ((t38.permute(1, 2, 3, 0) @ t36.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t0[...] = ((t25.reshape((d_H*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_H, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t0 += ((t35.reshape((d_H*d_K, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_K, d_V, d_V))).permute(0, 2, 3, 1)
+    t0 += ((t39.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_K))).reshape((d_V, d_V, d_H, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -31488,7 +31488,7 @@ def ce_causal1__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_V.transpose(-1, -2)
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_H))
     t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -31504,7 +31504,7 @@ def ce_causal1__frobenius__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A34 = t33 / t33.sum(-1, keepdim=True)
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = ((t35.reshape((d_V, d_V, 1)) * A34.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))
+    dA36 = ((A34.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t35.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))
     t37 = W_O.transpose(-1, -2)
     t38 = (dA36.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t39 = (t22.reshape((L*n_batch, d_H)) @ t32.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -31557,12 +31557,12 @@ def ce_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t21 = W_O.transpose(-1, -2)
     t22 = (1/(L*n_batch)) * t13
     t23 = ((M_1.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
     t24 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t15.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t25 = ((t24.reshape((L*d_V*n_batch, d_V)) @ t21).reshape((n_batch, L, d_V, d_H))).permute(2, 3, 0, 1)
+    t25 = ((t21.permute(1, 0) @ t24.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t26 = t0.diagonal(0, 0, 3)
     F = t17
     t27 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -31617,7 +31617,7 @@ def ce_causal1__frobenius__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A23 = t22 / t22.sum(-1, keepdim=True)
     t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t24.reshape((d_V, d_V, 1)) * A23.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A23.reshape((n_batch, L, d_V, 1)) * A23.reshape((n_batch, L, 1, d_V)))
+    dA = ((A23.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t24.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A23.reshape((n_batch, L, d_V, 1)) * A23.reshape((n_batch, L, 1, d_V)))
     t25 = W_O.transpose(-1, -2)
     t26 = (M_1.reshape((L*n_batch, d_V)) @ t20.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
     t27 = t26 * t1
@@ -31667,11 +31667,11 @@ def ce_causal1__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t20.reshape((d_V, d_V, 1)) * A19.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
+    dA = ((A19.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t20.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A19.reshape((n_batch, L, d_V, 1)) * A19.reshape((n_batch, L, 1, d_V)))
     t21 = (1/(L*n_batch)) * t13
-    t22 = ((dA.reshape((n_batch, L, d_V, d_V, 1)) * t15.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(2, 3, 0, 1)
+    t22 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t15.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
     t23 = ((t16.reshape((n_batch, L, d_H, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_H)))).permute(3, 2, 0, 1)
-    t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_H**2))).reshape((d_V, d_V, d_H, d_H))).permute(2, 0, 3, 1)
+    t0[...] = ((t23.reshape((d_H**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_H, d_H, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -31705,7 +31705,7 @@ def ce_causal1__frobenius__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t15.reshape((L*n_batch, d_H)) @ t15.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -31735,7 +31735,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
@@ -31746,7 +31746,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -31780,7 +31780,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t47 = t46 - (A * t46).sum(-1, keepdim=True)
     t48 = A * t47
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t48.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))
+    d2A = ((t48.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t51 = t23 * t50
@@ -31822,7 +31822,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
@@ -31833,7 +31833,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
     t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -31869,7 +31869,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t49 = t48 @ X
     t50 = t1 @ t49
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t9.reshape((L, L, 1)) * t48.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))
+    d2A = ((t48.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))
     t51 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t50.sum((0,))).reshape((n_batch, L, d_V))
     t52 = (t51 @ X.permute(0, 2, 1))
     t53 = (t52.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -31926,7 +31926,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
@@ -31937,7 +31937,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_O.transpose(-1, -2)
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (t10.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -32001,7 +32001,7 @@ def ce_causal1__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t9.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t10 = W_V @ W_O
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
@@ -32012,7 +32012,7 @@ def ce_causal1__frobenius_split__W_Q__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = M_1 @ W_V
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (t10.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -32075,7 +32075,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdim=True)
     t13 = t12.expand(*t12.shape[:-1], d_V)
@@ -32086,7 +32086,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -32123,7 +32123,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     t51 = t50 @ X
     t52 = t1 @ t51
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t49.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t49.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t49.reshape((n_batch, L, 1, L)))
+    d2A = ((t49.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t49.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t49.reshape((n_batch, L, 1, L)))
     t53 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t52.sum((0,))).reshape((n_batch, L, d_V))
     t54 = (t53 @ X.permute(0, 2, 1))
     t55 = (t54.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -32180,7 +32180,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdim=True)
     t13 = t12.expand(*t12.shape[:-1], d_V)
@@ -32191,7 +32191,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -32225,7 +32225,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, W_O, Y):
     t48 = t47 - (A * t47).sum(-1, keepdim=True)
     t49 = A * t48
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t10.reshape((L, L, 1)) * t49.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (t49.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t49.reshape((n_batch, L, 1, L)))
+    d2A = ((t49.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t49.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t49.reshape((n_batch, L, 1, L)))
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t51 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t52 = (t50.reshape((L*n_batch, d_K)) @ t50.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -32268,7 +32268,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdim=True)
     t13 = t12.expand(*t12.shape[:-1], d_V)
@@ -32279,7 +32279,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_O.transpose(-1, -2)
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t22 = (t11.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -32346,7 +32346,7 @@ def ce_causal1__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((t10.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t11 = W_V @ W_O
     t12 = Y.sum(-1, keepdim=True)
     t13 = t12.expand(*t12.shape[:-1], d_V)
@@ -32357,7 +32357,7 @@ def ce_causal1__frobenius_split__W_K__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((t18.reshape((d_V, d_V, 1)) * A17.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = M_1 @ W_V
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t22 = (t11.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -32430,13 +32430,13 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = W_V.transpose(-1, -2)
     t20 = t18 @ t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA22 = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA22 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t24 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = (W_O.permute(1, 0) @ W_O)
@@ -32509,13 +32509,13 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = W_V.transpose(-1, -2)
     t20 = t18 @ t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA22 = ((t21.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA22 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t23 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t24 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = (W_O.permute(1, 0) @ W_O)
@@ -32588,7 +32588,7 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t20 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -32634,7 +32634,7 @@ def ce_causal1__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t17.reshape((d_V, d_V, 1)) * A16.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t19 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (W_O.permute(1, 0) @ W_O)
@@ -32694,12 +32694,12 @@ def ce_causal1__frobenius_split__W_O__W_Q(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t20 = W_O.transpose(-1, -2)
     t21 = t20 @ t0
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA23 = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA23 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t24 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t25 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t26 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -32772,12 +32772,12 @@ def ce_causal1__frobenius_split__W_O__W_K(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t20 = W_O.transpose(-1, -2)
     t21 = t20 @ t0
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA23 = ((t22.reshape((L, L, 1)) * A.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))).permute(2, 3, 0, 1) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA23 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t24 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t25 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t26 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -32850,7 +32850,7 @@ def ce_causal1__frobenius_split__W_O__W_V(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t20 = W_O.transpose(-1, -2)
     t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t22 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -32912,7 +32912,7 @@ def ce_causal1__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((t19.reshape((d_V, d_V, 1)) * A18.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(2, 3, 0, 1) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t21 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t12.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t15.reshape((L*n_batch, d_H)) @ t15.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))

@@ -674,8 +674,13 @@ def _arrangement(lx, ly, out):
     order, else the natural order (shared labels, then each operand's free labels)."""
     split = _out_split(lx, ly, out)
     if split is None:
-        split = (False, [a for a in lx if a in ly and a in out], [a for a in lx if a not in ly],
-                 [a for a in ly if a not in lx])
+        # free labels in the output's order, and the operand holding the output's innermost
+        # label on the right: the permuted copy after the GEMM then moves contiguous runs
+        fx = [a for a in out if a in lx and a not in ly]
+        fy = [a for a in out if a in ly and a not in lx]
+        swap = bool(out) and out[-1] in fx
+        split = (swap, [a for a in out if a in lx and a in ly], fy if swap else fx,
+                 fx if swap else fy)
     return split
 
 
