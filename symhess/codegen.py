@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import multiprocessing
 import os
 import shutil
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -449,13 +451,27 @@ def render_routine(layer_name, backend, loss, options, key):
     return ns["VARIANTS"][(loss, options)]
 
 
+def _render_layer(name):
+    """{relative path: source} of one layer's modules (both backends share its derivation)."""
+    return {f"{backend}/{name}.py": render_module(name, backend) for backend in TARGETS}
+
+
 def render_all():
-    """{relative path: source} for every registered layer and backend."""
-    out = {}
-    for name in sorted(n for n in LAYERS if n not in ON_DEMAND):
-        for backend in TARGETS:
-            out[f"{backend}/{name}.py"] = render_module(name, backend)
-    return out
+    """{relative path: source} for every registered layer and backend.
+
+    Layers are independent, so with several CPUs they render in forked worker processes
+    (layers registered at run time are inherited); the result does not depend on it.
+    """
+    names = sorted(n for n in LAYERS if n not in ON_DEMAND)
+    workers = min(len(names), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                  else (os.cpu_count() or 1))
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            parts = list(pool.map(_render_layer, names))
+    else:
+        parts = [_render_layer(n) for n in names]
+    return {path: src for part in parts for path, src in part.items()}
 
 
 def generate(out_dir="generated", check=False) -> list:

@@ -1449,9 +1449,9 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t19 = np.reshape((np.reshape(t18, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    t20 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t20 * t19.transpose(1, 0)).sum()
+    t19 = (W_K @ t0)
+    t20 = np.reshape((np.reshape(t19, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t20 * t18).sum()
 
 
 def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1789,10 +1789,11 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t20 = oe.contract('abc,abdd->abc', X, M_3)
-    t21 = np.reshape((np.reshape(t20, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t21 * t19).sum()
+    t19 = oe.contract('abcc->ab', M_3)
+    t20 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t22 = np.reshape((np.reshape(t21, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t22 * t19).sum()
 
 
 def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -2794,8 +2795,8 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t26 = np.reshape((np.reshape(t25, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    return (2/(L*d_K*d_V*n_batch)) * (t15 * t11).sum() + (1/(d_K*n_batch)) * (t12 * t26.transpose(1, 0)).sum()
+    t26 = np.reshape((np.reshape(t12, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (2/(L*d_K*d_V*n_batch)) * (t15 * t11).sum() + (1/(d_K*n_batch)) * (t26 * t25).sum()
 
 
 def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -3252,9 +3253,9 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t26 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t27 = oe.contract('abc,abdd->abc', X, M_3)
-    t28 = np.reshape((np.reshape(t27, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
+    t26 = oe.contract('abcc->ab', M_3)
+    t27 = np.reshape((np.reshape(t15.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t28 = np.reshape((np.reshape(t27, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     return (2/(L*d_K*d_V*n_batch)) * (t16 * t13).sum() + (1/(d_K*n_batch)) * (t28 * t26).sum()
 
 
@@ -6137,9 +6138,9 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t21 = np.reshape((np.reshape(t20, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    t22 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t22 * t21.transpose(1, 0)).sum()
+    t21 = (W_K @ t0)
+    t22 = np.reshape((np.reshape(t21, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t22 * t20).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -6493,10 +6494,11 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t21 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t22 = oe.contract('abc,abdd->abc', X, M_3)
-    t23 = np.reshape((np.reshape(t22, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t23 * t21).sum()
+    t21 = oe.contract('abcc->ab', M_3)
+    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t24 = np.reshape((np.reshape(t23, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t24 * t21).sum()
 
 
 def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -7528,8 +7530,8 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t27 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t28 = np.reshape((np.reshape(t27, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    return (2/(L*d_K*d_V*n_batch)) * (t17 * t13).sum() + (1/(d_K*n_batch)) * (t14 * t28.transpose(1, 0)).sum()
+    t28 = np.reshape((np.reshape(t14, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (2/(L*d_K*d_V*n_batch)) * (t17 * t13).sum() + (1/(d_K*n_batch)) * (t28 * t27).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8002,9 +8004,9 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t28 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t29 = oe.contract('abc,abdd->abc', X, M_3)
-    t30 = np.reshape((np.reshape(t29, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
+    t28 = oe.contract('abcc->ab', M_3)
+    t29 = np.reshape((np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t30 = np.reshape((np.reshape(t29, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     return (2/(L*d_K*d_V*n_batch)) * (t18 * t15).sum() + (1/(d_K*n_batch)) * (t30 * t28).sum()
 
 
@@ -9859,13 +9861,13 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
-    t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t20 = (W_K @ t0)
-    t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t22 = (t21.transpose(1, 2, 3, 0) @ t19)
-    t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t24 = (t23 @ t22.transpose(0, 1, 3, 2))
-    t25 = np.reshape((np.reshape(t24, (L*n_batch, d_V**2)) @ np.reshape(t20, (d_V**2, 1))), (n_batch, L))
+    t19 = (W_K @ t0)
+    t20 = np.reshape((t19.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t21 = np.reshape((np.reshape(t20, (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (d_V, n_batch, L, d_V))
+    t22 = (t21.transpose(1, 2, 0, 3) @ dA16.transpose(0, 1, 3, 2))
+    t23 = (t22.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t24 = np.reshape((np.reshape(t23.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(W_V.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t25 = np.reshape((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t10, (n_batch, L, d_V, 1))), (n_batch, L))
     return (1/(L*d_K*n_batch)) * (t25 * t18).sum()
 
 
@@ -10229,15 +10231,15 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
-    t19 = (M_2 @ M_2.transpose(0, 1, 3, 2))
-    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t21 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t22 = np.reshape((np.reshape(t21, (L*d_V*n_batch, d_V)) @ t18), (n_batch, L, d_V, d_V))
-    t23 = (t22 @ t19)
-    t24 = np.reshape((np.reshape(t23, (L*n_batch, d_V**2)) @ np.reshape(W_V.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
-    t25 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t26 = np.reshape((np.reshape(t25.transpose(1, 2, 0), (n_batch, L, 1, d_K)) @ np.reshape(t20, (n_batch, L, d_K, 1))), (n_batch, L))
-    return (1/(L*d_K*n_batch)) * (t26 * t24).sum()
+    t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t20 = np.reshape((np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t21 = np.reshape((np.reshape(t20, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t23 = (t22 @ dA17.transpose(0, 1, 3, 2))
+    t24 = (t23.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t25 = np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(W_V.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t11, (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t26 * t21).sum()
 
 
 def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -11207,9 +11209,9 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t23 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t24 = np.reshape((np.reshape(t23, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    t25 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t25 * t24.transpose(1, 0)).sum()
+    t24 = (W_K @ t0)
+    t25 = np.reshape((np.reshape(t24, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t25 * t23).sum()
 
 
 def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -11587,10 +11589,11 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t25 = oe.contract('abc,abdd->abc', X, M_3)
-    t26 = np.reshape((np.reshape(t25, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t26 * t24).sum()
+    t24 = oe.contract('abcc->ab', M_3)
+    t25 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t27 = np.reshape((np.reshape(t26, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t27 * t24).sum()
 
 
 def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -12686,13 +12689,13 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
-    t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t20 = (W_K @ t0)
-    t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t22 = (t21.transpose(1, 2, 3, 0) @ t19)
-    t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t24 = (t23 @ t22.transpose(0, 1, 3, 2))
-    t25 = np.reshape((np.reshape(t24, (L*n_batch, d_V**2)) @ np.reshape(t20, (d_V**2, 1))), (n_batch, L))
+    t19 = (W_K @ t0)
+    t20 = np.reshape((t19.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t21 = np.reshape((np.reshape(t20, (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (d_V, n_batch, L, d_V))
+    t22 = (t21.transpose(1, 2, 0, 3) @ dA16.transpose(0, 1, 3, 2))
+    t23 = (t22.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t24 = np.reshape((np.reshape(t23.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(W_V.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t25 = np.reshape((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t10, (n_batch, L, d_V, 1))), (n_batch, L))
     F = t12
     t26 = np.exp(F - F.max(-1, keepdims=True))
     A27 = t26 / t26.sum(-1, keepdims=True)
@@ -12710,8 +12713,8 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t36 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t37 = np.reshape((np.reshape(t36, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    return (1/(L*d_K*n_batch)) * (t25 * t18).sum() + (1/(d_K*n_batch)) * (t20 * t37.transpose(1, 0)).sum()
+    t37 = np.reshape((np.reshape(t19, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t25 * t18).sum() + (1/(d_K*n_batch)) * (t37 * t36).sum()
 
 
 def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -13253,14 +13256,14 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_V, -1, -2)
-    t19 = (M_2 @ M_2.transpose(0, 1, 3, 2))
-    t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t21 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t22 = np.reshape((np.reshape(t21, (L*d_V*n_batch, d_V)) @ t18), (n_batch, L, d_V, d_V))
-    t23 = (t22 @ t19)
-    t24 = np.reshape((np.reshape(t23, (L*n_batch, d_V**2)) @ np.reshape(W_V.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
-    t25 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t26 = np.reshape((np.reshape(t25.transpose(1, 2, 0), (n_batch, L, 1, d_K)) @ np.reshape(t20, (n_batch, L, d_K, 1))), (n_batch, L))
+    t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t20 = np.reshape((np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t21 = np.reshape((np.reshape(t20, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t23 = (t22 @ dA17.transpose(0, 1, 3, 2))
+    t24 = (t23.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t25 = np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(W_V.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t11, (n_batch, L, d_V, 1))), (n_batch, L))
     F = t13
     t27 = np.exp(F - F.max(-1, keepdims=True))
     A28 = t27 / t27.sum(-1, keepdims=True)
@@ -13277,10 +13280,9 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t36.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t37 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t38 = oe.contract('abc,abdd->abc', X, M_3)
-    t39 = np.reshape((np.reshape(t38, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
-    return (1/(L*d_K*n_batch)) * (t26 * t24).sum() + (1/(d_K*n_batch)) * (t39 * t37).sum()
+    t37 = oe.contract('abcc->ab', M_3)
+    t38 = np.reshape((np.reshape(t20, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t26 * t21).sum() + (1/(d_K*n_batch)) * (t38 * t37).sum()
 
 
 def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -15210,13 +15212,13 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
-    t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t22 = (W_K @ t0)
-    t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t24 = (t23.transpose(1, 2, 3, 0) @ t21)
-    t25 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t26 = (t25 @ t24.transpose(0, 1, 3, 2))
-    t27 = np.reshape((np.reshape(t26, (L*n_batch, d_V**2)) @ np.reshape(t22, (d_V**2, 1))), (n_batch, L))
+    t21 = (W_K @ t0)
+    t22 = np.reshape((t21.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t23 = np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (d_V, n_batch, L, d_V))
+    t24 = (t23.transpose(1, 2, 0, 3) @ dA18.transpose(0, 1, 3, 2))
+    t25 = (t24.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t26 = np.reshape((np.reshape(t25.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(W_V.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t12, (n_batch, L, d_V, 1))), (n_batch, L))
     return (1/(L*d_K*n_batch)) * (t27 * t20).sum()
 
 
@@ -15596,15 +15598,15 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
-    t21 = (M_2 @ M_2.transpose(0, 1, 3, 2))
-    t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t23 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_V))
-    t25 = (t24 @ t21)
-    t26 = np.reshape((np.reshape(t25, (L*n_batch, d_V**2)) @ np.reshape(W_V.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
-    t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t28 = np.reshape((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, 1, d_K)) @ np.reshape(t22, (n_batch, L, d_K, 1))), (n_batch, L))
-    return (1/(L*d_K*n_batch)) * (t28 * t26).sum()
+    t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t22 = np.reshape((np.reshape(t21.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t23 = np.reshape((np.reshape(t22, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t25 = (t24 @ dA19.transpose(0, 1, 3, 2))
+    t26 = (t25.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t27 = np.reshape((np.reshape(t26.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(W_V.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t13, (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t28 * t23).sum()
 
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -16612,9 +16614,9 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t26 = np.reshape((np.reshape(t25, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    t27 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t27 * t26.transpose(1, 0)).sum()
+    t26 = (W_K @ t0)
+    t27 = np.reshape((np.reshape(t26, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t27 * t25).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -17008,10 +17010,11 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t26 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t27 = oe.contract('abc,abdd->abc', X, M_3)
-    t28 = np.reshape((np.reshape(t27, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t28 * t26).sum()
+    t26 = oe.contract('abcc->ab', M_3)
+    t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t29 = np.reshape((np.reshape(t28, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t29 * t26).sum()
 
 
 def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -18137,13 +18140,13 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
-    t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t22 = (W_K @ t0)
-    t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t24 = (t23.transpose(1, 2, 3, 0) @ t21)
-    t25 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t26 = (t25 @ t24.transpose(0, 1, 3, 2))
-    t27 = np.reshape((np.reshape(t26, (L*n_batch, d_V**2)) @ np.reshape(t22, (d_V**2, 1))), (n_batch, L))
+    t21 = (W_K @ t0)
+    t22 = np.reshape((t21.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t23 = np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (d_V, n_batch, L, d_V))
+    t24 = (t23.transpose(1, 2, 0, 3) @ dA18.transpose(0, 1, 3, 2))
+    t25 = (t24.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t26 = np.reshape((np.reshape(t25.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(W_V.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t12, (n_batch, L, d_V, 1))), (n_batch, L))
     F = t14
     t28 = np.exp(F - F.max(-1, keepdims=True))
     A29 = t28 / t28.sum(-1, keepdims=True)
@@ -18161,8 +18164,8 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t38 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t39 = np.reshape((np.reshape(t38, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    return (1/(L*d_K*n_batch)) * (t27 * t20).sum() + (1/(d_K*n_batch)) * (t22 * t39.transpose(1, 0)).sum()
+    t39 = np.reshape((np.reshape(t21, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t27 * t20).sum() + (1/(d_K*n_batch)) * (t39 * t38).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -18720,14 +18723,14 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(W_V, -1, -2)
-    t21 = (M_2 @ M_2.transpose(0, 1, 3, 2))
-    t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t23 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_V))
-    t25 = (t24 @ t21)
-    t26 = np.reshape((np.reshape(t25, (L*n_batch, d_V**2)) @ np.reshape(W_V.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
-    t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t28 = np.reshape((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, 1, d_K)) @ np.reshape(t22, (n_batch, L, d_K, 1))), (n_batch, L))
+    t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t22 = np.reshape((np.reshape(t21.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t23 = np.reshape((np.reshape(t22, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t25 = (t24 @ dA19.transpose(0, 1, 3, 2))
+    t26 = (t25.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t27 = np.reshape((np.reshape(t26.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(W_V.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t13, (n_batch, L, d_V, 1))), (n_batch, L))
     F = t15
     t29 = np.exp(F - F.max(-1, keepdims=True))
     A30 = t29 / t29.sum(-1, keepdims=True)
@@ -18744,10 +18747,9 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t39 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t40 = oe.contract('abc,abdd->abc', X, M_3)
-    t41 = np.reshape((np.reshape(t40, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
-    return (1/(L*d_K*n_batch)) * (t28 * t26).sum() + (1/(d_K*n_batch)) * (t41 * t39).sum()
+    t39 = oe.contract('abcc->ab', M_3)
+    t40 = np.reshape((np.reshape(t22, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t28 * t23).sum() + (1/(d_K*n_batch)) * (t40 * t39).sum()
 
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):

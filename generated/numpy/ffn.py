@@ -1423,35 +1423,33 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = X.transpose(2, 0, 1)
+    t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
     t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t17 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t18 = np.reshape((np.reshape(t16, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t4, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t19 = ((np.reshape(t18.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t17.transpose(2, 0, 1, 3), (d_ff, n_batch, L, 1, d_V)))).transpose(4, 0, 3, 1, 2)
-    t1[...] = (np.reshape((np.reshape(t13, (d_V, L*n_batch)) @ np.reshape(t19.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(1, 2, 0, 3)
-    t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t21 = np.reshape(t20, (d_V, d_ff, d_ff, d_V), copy=False)
-    t22 = t7.transpose(2, 0, 1)
-    t23 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t24 = ((np.reshape(t17.transpose(2, 0, 1, 3), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t23.transpose(3, 0, 1, 2), (d_ff, n_batch, L, 1, d_V)))).transpose(3, 0, 4, 1, 2)
-    t21[...] = (np.reshape((np.reshape(t22, (d_ff, L*n_batch)) @ np.reshape(t24.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V**2*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(1, 2, 0, 3)
-    t25 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t26 = np.reshape(t25, (d_ff, d_V, d_V, d_ff), copy=False)
-    t27 = np.swapaxes(t3, -1, -2)
-    t28 = np.swapaxes(t7, -1, -2)
-    t29 = (1/(L*n_batch)) * t28
-    t30 = np.reshape((t11.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
-    t31 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t32 = np.reshape((np.reshape(t30, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
-    t33 = ((np.reshape(t32.transpose(3, 1, 2, 0), (d_V, n_batch, L, d_ff, 1)) * np.reshape(t31.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_ff)))).transpose(4, 0, 3, 1, 2)
-    t26[...] = (np.reshape((np.reshape(t13, (d_V, L*n_batch)) @ np.reshape(t33.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_ff, d_V, d_ff))).transpose(1, 2, 0, 3)
-    t34 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t35 = np.reshape(t34, (d_ff, d_V, d_ff, d_V), copy=False)
-    t36 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t6.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t37 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t35[...] = (np.reshape((np.reshape(t37, (d_ff**2, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
+    t17 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t4, (n_batch, L, 1, d_ff)))
+    t18 = (t17 * t16).transpose(3, 2, 0, 1)
+    t1[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
+    t19 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t20 = np.reshape(t19, (d_V, d_ff, d_ff, d_V), copy=False)
+    t21 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t23 = (np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t20[...] = (np.reshape((np.reshape(t21, (d_V*d_ff, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))).transpose(0, 2, 1, 3)
+    t24 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t25 = np.reshape(t24, (d_ff, d_V, d_V, d_ff), copy=False)
+    t26 = np.swapaxes(t3, -1, -2)
+    t27 = np.swapaxes(t7, -1, -2)
+    t28 = (1/(L*n_batch)) * t27
+    t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t30 = np.reshape((np.reshape(t4.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t31 = ((t30.transpose(1, 2, 0, 3) @ t14.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t25[...] = (np.reshape((np.reshape(t29, (d_V*d_ff, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
+    t32 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t33 = np.reshape(t32, (d_ff, d_V, d_ff, d_V), copy=False)
+    t34 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t6.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t35 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t33[...] = (np.reshape((np.reshape(t35, (d_ff**2, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -1566,13 +1564,13 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = X * t11.transpose(0, 2, 1)
+    t12 = (X * t11.transpose(0, 2, 1)).transpose(2, 0, 1)
     t13 = t3 * t3
-    t14 = ((np.reshape(t13, (n_batch, L, d_ff, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = (np.reshape(t10.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(W_2, (d_ff, 1, d_V)))
-    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t17 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (d_ff, d_V**2)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
-    t0[...] = (np.reshape((np.reshape(t14.transpose(1, 0, 2, 3), (d_ff, d_V, L*n_batch)) @ np.reshape(t17, (d_ff, L*n_batch, 1))), (d_ff, d_V))).transpose(1, 0)
+    t16 = np.reshape((np.reshape(t15, (d_ff, d_V**2)) @ np.reshape(t14.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
+    t17 = t16 * t13.transpose(2, 0, 1)
+    t0[...] = (np.reshape(t12, (d_V, L*n_batch)) @ np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_ff)))
     return out
 
 
@@ -1626,14 +1624,13 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = X.transpose(2, 0, 1)
+    t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t13 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t14 = np.reshape((np.reshape(t13, (L*d_V*n_batch, d_V)) @ t10), (n_batch, L, d_V, d_ff))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t16 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t17 = np.reshape((np.reshape(t15, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t3, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t18 = ((np.reshape(t17.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t16.transpose(2, 0, 1, 3), (d_ff, n_batch, L, 1, d_V)))).transpose(4, 0, 3, 1, 2)
-    t0[...] = (np.reshape((np.reshape(t12, (d_V, L*n_batch)) @ np.reshape(t18.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(1, 2, 0, 3)
+    t16 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t3, (n_batch, L, 1, d_ff)))
+    t17 = (t16 * t15).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -1692,12 +1689,11 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = (1/(L*n_batch)) * t1
-    t11 = t6.transpose(2, 0, 1)
+    t11 = ((np.reshape(t6, (n_batch, L, d_ff, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t13 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t14 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t15 = ((np.reshape(t14.transpose(2, 0, 1, 3), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t13.transpose(3, 0, 1, 2), (d_ff, n_batch, L, 1, d_V)))).transpose(3, 0, 4, 1, 2)
-    t0[...] = (np.reshape((np.reshape(t11, (d_ff, L*n_batch)) @ np.reshape(t15.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V**2*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(1, 2, 0, 3)
+    t14 = (np.reshape((np.reshape(t13.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t0[...] = (np.reshape((np.reshape(t11, (d_V*d_ff, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -1811,12 +1807,11 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t13 = np.heaviside(t3, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
     t15 = (1/(L*n_batch)) * t4
-    t16 = X.transpose(2, 0, 1)
-    t17 = np.reshape((t12.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
-    t18 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t19 = np.reshape((np.reshape(t17, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
-    t20 = ((np.reshape(t19.transpose(3, 1, 2, 0), (d_V, n_batch, L, d_ff, 1)) * np.reshape(t18.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_ff)))).transpose(4, 0, 3, 1, 2)
-    t0[...] = (np.reshape((np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t20.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_ff, d_V, d_ff))).transpose(1, 2, 0, 3)
+    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = np.reshape((np.reshape(t14.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t12.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t19 = ((t18.transpose(1, 2, 0, 3) @ t17.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V*d_ff, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -2259,53 +2254,52 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = X.transpose(2, 0, 1)
+    t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = np.reshape((np.reshape(t14, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
     t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t17 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t18 = np.reshape((np.reshape(t16, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t4, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t19 = ((np.reshape(t18.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t17.transpose(2, 0, 1, 3), (d_ff, n_batch, L, 1, d_V)))).transpose(4, 0, 3, 1, 2)
-    t1[...] = (np.reshape((np.reshape(t13, (d_V, L*n_batch)) @ np.reshape(t19.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(1, 2, 0, 3)
-    t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t21 = np.reshape(t20, (d_V, d_ff, d_ff, d_V), copy=False)
-    t22 = t7.transpose(2, 0, 1)
-    t23 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t24 = ((np.reshape(t17.transpose(2, 0, 1, 3), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t23.transpose(3, 0, 1, 2), (d_ff, n_batch, L, 1, d_V)))).transpose(3, 0, 4, 1, 2)
-    t25 = np.einsum('abbc->abc', t21)
+    t17 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t4, (n_batch, L, 1, d_ff)))
+    t18 = (t17 * t16).transpose(3, 2, 0, 1)
+    t1[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
+    t19 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t20 = np.reshape(t19, (d_V, d_ff, d_ff, d_V), copy=False)
+    t21 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t23 = (np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t24 = np.einsum('abbc->abc', t20)
     F = t8
-    t26 = np.exp(F - F.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
-    t28 = t6 * A27
-    t29 = t28 - Y
-    t30 = (1/L) * t29
-    G = t30
-    t31 = (1/n_batch) * t2
-    t32 = G.transpose(2, 0, 1)
-    t33 = ((np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t21[...] = (np.reshape((np.reshape(t22, (d_ff, L*n_batch)) @ np.reshape(t24.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V**2*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(1, 2, 0, 3)
-    t25 += np.reshape((np.reshape(t33, (d_V*d_ff, L*n_batch)) @ np.reshape(t32.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
-    t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t35 = np.reshape(t34, (d_ff, d_V, d_V, d_ff), copy=False)
-    t36 = np.swapaxes(t3, -1, -2)
-    t37 = np.swapaxes(t7, -1, -2)
-    t38 = (1/(L*n_batch)) * t37
-    t39 = np.reshape((t11.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
-    t40 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t38.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t41 = np.reshape((np.reshape(t39, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
-    t42 = ((np.reshape(t41.transpose(3, 1, 2, 0), (d_V, n_batch, L, d_ff, 1)) * np.reshape(t40.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_ff)))).transpose(4, 0, 3, 1, 2)
-    t43 = np.einsum('abca->abc', t35)
-    t44 = np.swapaxes(G, -1, -2)
-    t45 = np.swapaxes(t4, -1, -2)
-    t46 = (1/n_batch) * t44
-    t47 = ((np.reshape(t45.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t35[...] = (np.reshape((np.reshape(t13, (d_V, L*n_batch)) @ np.reshape(t42.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_ff, d_V, d_ff))).transpose(1, 2, 0, 3)
-    t43 += np.reshape((np.reshape(t47, (d_V*d_ff, L*n_batch)) @ np.reshape(t13.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
-    t48 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t49 = np.reshape(t48, (d_ff, d_V, d_ff, d_V), copy=False)
-    t50 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t6.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t51 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t38.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t49[...] = (np.reshape((np.reshape(t51, (d_ff**2, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
+    t25 = np.exp(F - F.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = t6 * A26
+    t28 = t27 - Y
+    t29 = (1/L) * t28
+    G = t29
+    t30 = (1/n_batch) * t2
+    t31 = G.transpose(2, 0, 1)
+    t32 = ((np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t30.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20[...] = (np.reshape((np.reshape(t21, (d_V*d_ff, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))).transpose(0, 2, 1, 3)
+    t24 += np.reshape((np.reshape(t32, (d_V*d_ff, L*n_batch)) @ np.reshape(t31.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
+    t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t34 = np.reshape(t33, (d_ff, d_V, d_V, d_ff), copy=False)
+    t35 = np.swapaxes(t3, -1, -2)
+    t36 = np.swapaxes(t7, -1, -2)
+    t37 = (1/(L*n_batch)) * t36
+    t38 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t37.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t39 = np.reshape((np.reshape(t4.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t40 = ((t39.transpose(1, 2, 0, 3) @ t14.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t41 = np.einsum('abca->abc', t34)
+    t42 = np.swapaxes(G, -1, -2)
+    t43 = np.swapaxes(t4, -1, -2)
+    t44 = (1/n_batch) * t42
+    t45 = X.transpose(2, 0, 1)
+    t46 = ((np.reshape(t43.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t34[...] = (np.reshape((np.reshape(t38, (d_V*d_ff, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
+    t41 += np.reshape((np.reshape(t46, (d_V*d_ff, L*n_batch)) @ np.reshape(t45.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
+    t47 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t48 = np.reshape(t47, (d_ff, d_V, d_ff, d_V), copy=False)
+    t49 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t6.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t50 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t37.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t48[...] = (np.reshape((np.reshape(t50, (d_ff**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -2456,13 +2450,13 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = X * t11.transpose(0, 2, 1)
+    t12 = (X * t11.transpose(0, 2, 1)).transpose(2, 0, 1)
     t13 = t3 * t3
-    t14 = ((np.reshape(t13, (n_batch, L, d_ff, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t15 = (np.reshape(t10.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(W_2, (d_ff, 1, d_V)))
-    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t17 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (d_ff, d_V**2)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
-    t0[...] = (np.reshape((np.reshape(t14.transpose(1, 0, 2, 3), (d_ff, d_V, L*n_batch)) @ np.reshape(t17, (d_ff, L*n_batch, 1))), (d_ff, d_V))).transpose(1, 0)
+    t16 = np.reshape((np.reshape(t15, (d_ff, d_V**2)) @ np.reshape(t14.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
+    t17 = t16 * t13.transpose(2, 0, 1)
+    t0[...] = (np.reshape(t12, (d_V, L*n_batch)) @ np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_ff)))
     return out
 
 
@@ -2516,14 +2510,13 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = X.transpose(2, 0, 1)
+    t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t13 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t14 = np.reshape((np.reshape(t13, (L*d_V*n_batch, d_V)) @ t10), (n_batch, L, d_V, d_ff))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t16 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t17 = np.reshape((np.reshape(t15, (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t3, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t18 = ((np.reshape(t17.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t16.transpose(2, 0, 1, 3), (d_ff, n_batch, L, 1, d_V)))).transpose(4, 0, 3, 1, 2)
-    t0[...] = (np.reshape((np.reshape(t12, (d_V, L*n_batch)) @ np.reshape(t18.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(1, 2, 0, 3)
+    t16 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t3, (n_batch, L, 1, d_ff)))
+    t17 = (t16 * t15).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -2582,24 +2575,23 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t10 = (1/(L*n_batch)) * t1
-    t11 = t6.transpose(2, 0, 1)
+    t11 = ((np.reshape(t6, (n_batch, L, d_ff, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t13 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t14 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t15 = ((np.reshape(t14.transpose(2, 0, 1, 3), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t13.transpose(3, 0, 1, 2), (d_ff, n_batch, L, 1, d_V)))).transpose(3, 0, 4, 1, 2)
-    t16 = np.einsum('abbc->abc', t0)
+    t14 = (np.reshape((np.reshape(t13.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t15 = np.einsum('abbc->abc', t0)
     F = t7
-    t17 = np.exp(F - F.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = t5 * A18
-    t20 = t19 - Y
-    t21 = (1/L) * t20
-    G = t21
-    t22 = (1/n_batch) * t1
-    t23 = G.transpose(2, 0, 1)
-    t24 = ((np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t11, (d_ff, L*n_batch)) @ np.reshape(t15.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V**2*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(1, 2, 0, 3)
-    t16 += np.reshape((np.reshape(t24, (d_V*d_ff, L*n_batch)) @ np.reshape(t23.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
+    t16 = np.exp(F - F.max(-1, keepdims=True))
+    A17 = t16 / t16.sum(-1, keepdims=True)
+    t18 = t5 * A17
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = (1/n_batch) * t1
+    t22 = G.transpose(2, 0, 1)
+    t23 = ((np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t11, (d_V*d_ff, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))).transpose(0, 2, 1, 3)
+    t15 += np.reshape((np.reshape(t23, (d_V*d_ff, L*n_batch)) @ np.reshape(t22.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
     return out
 
 
@@ -2728,24 +2720,24 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t13 = np.heaviside(t3, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
     t15 = (1/(L*n_batch)) * t4
-    t16 = X.transpose(2, 0, 1)
-    t17 = np.reshape((t12.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_ff, n_batch, L, d_V))
-    t18 = (np.reshape(t6, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t19 = np.reshape((np.reshape(t17, (d_ff, n_batch, L, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))
-    t20 = ((np.reshape(t19.transpose(3, 1, 2, 0), (d_V, n_batch, L, d_ff, 1)) * np.reshape(t18.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_ff)))).transpose(4, 0, 3, 1, 2)
-    t21 = np.einsum('abca->abc', t0)
+    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = np.reshape((np.reshape(t14.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t12.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t19 = ((t18.transpose(1, 2, 0, 3) @ t17.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t20 = np.einsum('abca->abc', t0)
     F = t9
-    t22 = np.exp(F - F.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = t6 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = np.swapaxes(G, -1, -2)
-    t28 = (1/n_batch) * t27
-    t29 = ((np.reshape(t13.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t20.transpose(3, 4, 0, 1, 2), (L*n_batch, d_V*d_ff**2))), (d_V, d_ff, d_V, d_ff))).transpose(1, 2, 0, 3)
-    t21 += np.reshape((np.reshape(t29, (d_V*d_ff, L*n_batch)) @ np.reshape(t16.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
+    t21 = np.exp(F - F.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = t6 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = np.swapaxes(G, -1, -2)
+    t27 = (1/n_batch) * t26
+    t28 = X.transpose(2, 0, 1)
+    t29 = ((np.reshape(t13.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V*d_ff, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
+    t20 += np.reshape((np.reshape(t29, (d_V*d_ff, L*n_batch)) @ np.reshape(t28.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
     return out
 
 

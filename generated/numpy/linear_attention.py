@@ -3425,9 +3425,9 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t9 = (t7 @ t2)
     t10 = t9 * t6.transpose(0, 2, 1)
-    t11 = (np.reshape(t8.transpose(1, 0), (L, n_batch, 1)) * np.reshape(Mcausal, (L, 1, L)))
-    t12 = (np.reshape(t11, (L, L*n_batch)) @ np.reshape(t10.transpose(0, 2, 1), (L*n_batch, L)))
-    return (2/(L*d_K*d_V*n_batch)) * (t12 * Mcausal).sum()
+    t11 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, L))
+    t12 = np.reshape((t11.transpose(2, 0, 1) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch))
+    return (2/(L*d_K*d_V*n_batch)) * (t12 * t8.transpose(1, 0)).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3648,9 +3648,9 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t2.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
     t10 = (X @ t0)
     t11 = t10 * t7.transpose(0, 2, 1)
-    t12 = (np.reshape(t9.transpose(1, 0), (L, n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, 1, L)))
-    t13 = (np.reshape(t12, (L, L*n_batch)) @ np.reshape(t11.transpose(0, 2, 1), (L*n_batch, L)))
-    return (2/(L*d_K*d_V*n_batch)) * (t13 * t3.transpose(1, 0)).sum()
+    t12 = np.reshape((np.reshape(t11.transpose(0, 2, 1), (L*n_batch, L)) @ t3), (n_batch, L, L))
+    t13 = np.reshape((t12.transpose(2, 0, 1) @ np.reshape(t3.transpose(1, 0), (L, L, 1))), (L, n_batch))
+    return (2/(L*d_K*d_V*n_batch)) * (t13 * t9.transpose(1, 0)).sum()
 
 
 def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -5223,9 +5223,9 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t9 = (t7 @ t2)
     t10 = t9 * t6.transpose(0, 2, 1)
-    t11 = (np.reshape(t8.transpose(1, 0), (L, n_batch, 1)) * np.reshape(Mcausal, (L, 1, L)))
-    t12 = (np.reshape(t11, (L, L*n_batch)) @ np.reshape(t10.transpose(0, 2, 1), (L*n_batch, L)))
-    return (2/(L*d_K*d_V*n_batch)) * (t12 * Mcausal).sum()
+    t11 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, L))
+    t12 = np.reshape((t11.transpose(2, 0, 1) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch))
+    return (2/(L*d_K*d_V*n_batch)) * (t12 * t8.transpose(1, 0)).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -5510,9 +5510,9 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t2.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
     t10 = (X @ t0)
     t11 = t10 * t7.transpose(0, 2, 1)
-    t12 = (np.reshape(t9.transpose(1, 0), (L, n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, 1, L)))
-    t13 = (np.reshape(t12, (L, L*n_batch)) @ np.reshape(t11.transpose(0, 2, 1), (L*n_batch, L)))
-    return (2/(L*d_K*d_V*n_batch)) * (t13 * t3.transpose(1, 0)).sum()
+    t12 = np.reshape((np.reshape(t11.transpose(0, 2, 1), (L*n_batch, L)) @ t3), (n_batch, L, L))
+    t13 = np.reshape((t12.transpose(2, 0, 1) @ np.reshape(t3.transpose(1, 0), (L, L, 1))), (L, n_batch))
+    return (2/(L*d_K*d_V*n_batch)) * (t13 * t9.transpose(1, 0)).sum()
 
 
 def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -10525,83 +10525,81 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(t5, -1, -2)
     t16 = np.swapaxes(t4, -1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = X.transpose(2, 0, 1)
+    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t19 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t20 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
     t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
     t22 = np.reshape((np.reshape(t21.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t17, (L, L, 1, 1))), (L, L, n_batch, L))
     t23 = np.reshape((np.reshape(t22.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
     t24 = np.reshape((np.reshape(t23.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t16), (n_batch, L, d_K, d_K))
-    t26 = (np.reshape((np.reshape(t25, (n_batch, L, d_K**2, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t26.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
-    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
-    t29 = X @ W_Q
-    t30 = t29.transpose(2, 0, 1)
-    t31 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
-    t32 = (np.reshape((np.reshape(t31, (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
-    t28[...] = np.reshape((np.reshape(t32, (d_K*d_V**2, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
-    t33 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_V), copy=False)
-    t35 = t11 @ X
-    t36 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t37 = t35.transpose(2, 0, 1)
-    t38 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t39 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, L))
-    t40 = np.reshape((np.reshape(t39.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t36, (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t41 = np.reshape((np.reshape(t40.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
-    t42 = (np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
-    t34[...] = (np.reshape((np.reshape(t37, (d_V, L*n_batch)) @ np.reshape(t42.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
-    t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
-    t45 = np.swapaxes(t29, -1, -2)
-    t46 = np.swapaxes(Mcausal, -1, -2)
-    t47 = np.swapaxes(Y, -1, -2)
-    t48 = t47.sum(-2, keepdims=True)
-    t49 = np.broadcast_to(t48, t48.shape[:-2] + (d_V, t48.shape[-1]))
-    t50 = (1/(L*d_K*n_batch)) * t46
-    t51 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t52 = np.reshape((np.reshape(t51.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t53 = np.reshape((np.reshape(t52.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t50.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t54 = np.reshape((np.reshape(t53.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
-    t55 = np.reshape((np.reshape(t54.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t56 = np.reshape((np.reshape(t55.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
-    t57 = (np.reshape((np.reshape(t56, (n_batch, L, d_K*d_V, 1)) * np.reshape(t45.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_K, d_K))).transpose(2, 4, 3, 0, 1)
-    t44[...] = (np.reshape((np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t57.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
-    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t59 = np.reshape(t58, (d_V, d_K, d_V, d_K), copy=False)
-    t60 = np.reshape((np.reshape(t55.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t61 = (np.reshape((np.reshape(t60, (n_batch, L, d_V**2, 1)) * np.reshape(t45.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
-    t59[...] = np.reshape((np.reshape(t61, (d_K*d_V**2, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
-    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t63 = np.reshape(t62, (d_V, d_K, d_V, d_V), copy=False)
-    t64 = (1/(L*math.sqrt(d_K)*n_batch)) * t46
-    t65 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t66 = np.reshape((np.reshape(t65.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, L))
-    t67 = np.reshape((np.reshape(t66.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t64.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t68 = np.reshape((np.reshape(t67.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
-    t69 = (np.reshape((np.reshape(t68.transpose(0, 1, 3, 2), (n_batch, L, d_V**2, 1)) * np.reshape(t45.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
-    t63[...] = (np.reshape((np.reshape(t37, (d_V, L*n_batch)) @ np.reshape(t69.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
-    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t71 = np.reshape(t70, (d_V, d_V, d_V, d_K), copy=False)
-    t72 = np.swapaxes(t35, -1, -2)
-    t73 = np.reshape((np.reshape(t19.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t36.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t74 = np.reshape((np.reshape(t73.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
-    t75 = (np.reshape(t7, (n_batch, L, d_V, 1)) * np.reshape(t72.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t76 = ((np.reshape(t75.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t74.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_K)))).transpose(3, 0, 4, 1, 2)
-    t71[...] = (np.reshape((np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t76.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_V, d_K))).transpose(1, 2, 0, 3)
-    t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t78 = np.reshape(t77, (d_V, d_V, d_V, d_K), copy=False)
-    t79 = np.reshape((np.reshape(t73.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t80 = ((np.reshape(t75.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t79.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)))).transpose(3, 0, 4, 1, 2)
-    t78[...] = np.reshape((np.reshape(t80, (d_V**3, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_V, d_V, d_K))
-    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t82 = np.reshape(t81, (d_V, d_V, d_V, d_V), copy=False)
-    t83 = (1/(L*n_batch)) * t72
-    t84 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t85 = ((np.reshape(t35, (n_batch, L, d_V, 1)) * np.reshape(t83.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t82[...] = (np.reshape((np.reshape(t85, (d_V**2, L*n_batch)) @ np.reshape(t84.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t25 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
+    t1[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
+    t28 = X @ W_Q
+    t29 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t30 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
+    t27[...] = (np.reshape((np.reshape(t30, (d_K*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_V), copy=False)
+    t33 = t11 @ X
+    t34 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t35 = ((np.reshape(t33, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t36 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, L)))
+    t37 = (t36.transpose(0, 2, 3, 1) @ dA)
+    t38 = np.reshape((np.reshape(t37.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t34, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t39 = (np.reshape((t4 @ np.reshape(t38.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
+    t32[...] = (np.reshape((np.reshape(t35, (d_V**2, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
+    t42 = np.swapaxes(t28, -1, -2)
+    t43 = np.swapaxes(Mcausal, -1, -2)
+    t44 = np.swapaxes(Y, -1, -2)
+    t45 = t44.sum(-2, keepdims=True)
+    t46 = np.broadcast_to(t45, t45.shape[:-2] + (d_V, t45.shape[-1]))
+    t47 = (1/(L*d_K*n_batch)) * t43
+    t48 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t49 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t50 = np.reshape((np.reshape(t49.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t51 = np.reshape((np.reshape(t50.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t47.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t52 = np.reshape((np.reshape(t51.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t53 = np.reshape((np.reshape(t52.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t54 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t53.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
+    t41[...] = (np.reshape((np.reshape(t48, (d_K*d_V, L*n_batch)) @ np.reshape(t54.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t55 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t56 = np.reshape(t55, (d_V, d_K, d_V, d_K), copy=False)
+    t57 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t58 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t53.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+    t56[...] = (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t59 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t60 = np.reshape(t59, (d_V, d_K, d_V, d_V), copy=False)
+    t61 = (1/(L*math.sqrt(d_K)*n_batch)) * t43
+    t62 = ((np.reshape(t33, (n_batch, L, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t63 = (np.reshape(t46, (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, L)))
+    t64 = (t63.transpose(0, 2, 3, 1) @ dA)
+    t65 = np.reshape((np.reshape(t64.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t61.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t66 = (np.reshape((t2 @ np.reshape(t65.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
+    t60[...] = (np.reshape((np.reshape(t62, (d_K*d_V, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t68 = np.reshape(t67, (d_V, d_V, d_V, d_K), copy=False)
+    t69 = np.swapaxes(t33, -1, -2)
+    t70 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t71 = np.reshape((np.reshape(t19.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t34.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t72 = np.reshape((np.reshape(t71.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
+    t73 = (np.reshape((np.reshape(t72.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t68[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t75 = np.reshape(t74, (d_V, d_V, d_V, d_K), copy=False)
+    t76 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t77 = np.reshape((np.reshape(t71.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t78 = (np.reshape((np.reshape(t77.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t75[...] = (np.reshape((np.reshape(t78, (d_V**2, L*n_batch)) @ np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t80 = np.reshape(t79, (d_V, d_V, d_V, d_V), copy=False)
+    t81 = (1/(L*n_batch)) * t69
+    t82 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t83 = ((np.reshape(t33, (n_batch, L, d_V, 1)) * np.reshape(t81.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t80[...] = (np.reshape((np.reshape(t83, (d_V**2, L*n_batch)) @ np.reshape(t82.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -10835,14 +10833,14 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t16 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t16 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(Mcausal, (L, 1, L)))
     t17 = (t14 @ t2)
-    t18 = np.reshape((np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t20 = np.reshape((np.reshape(t19, (n_batch, L, L**2, 1)) * np.reshape(t15, (n_batch, L, 1, 1))), (n_batch, L, L, L))
-    t21 = np.reshape((t20.transpose(2, 3, 1, 0) @ np.reshape(t17.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L, L))
-    t22 = np.reshape((t21.transpose(2, 0, 1) @ np.reshape(Mcausal, (L, L, 1))), (L, L))
-    return (1/(L*d_K*n_batch)) * (t22 * Mcausal).sum()
+    t18 = (np.reshape(t17.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(t16.transpose(1, 2, 0), (L, L, 1, L)))
+    t19 = np.reshape((np.reshape(t18.transpose(2, 1, 3, 0), (n_batch, L**2, L)) @ t13.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t20 = (t19.transpose(0, 2, 1, 3) @ dA.transpose(0, 1, 3, 2))
+    t21 = np.reshape((t20.transpose(0, 3, 1, 2) @ np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, L, 1))), (n_batch, d_V, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)) @ np.reshape(t5, (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t22 * t15).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -10874,16 +10872,15 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = X.transpose(2, 0, 1)
+    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
     t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
     t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
     t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
     t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t15), (n_batch, L, d_K, d_K))
-    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_K**2, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t17, (d_V, L*n_batch)) @ np.reshape(t25.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
+    t24 = (np.reshape((t15.transpose(0, 2, 1) @ np.reshape(t23.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -10960,16 +10957,15 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(t4, -1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = t15.transpose(2, 0, 1)
+    t17 = ((np.reshape(t15, (n_batch, L, d_K, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
     t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
     t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
     t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
     t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
-    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
-    t0[...] = np.reshape((np.reshape(t25, (d_K*d_V**2, L*n_batch)) @ np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
+    t24 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t23.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
+    t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -11045,13 +11041,12 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = t10 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = t14.transpose(2, 0, 1)
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t18 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, L))
-    t19 = np.reshape((np.reshape(t18.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t15, (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t20 = np.reshape((np.reshape(t19.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
-    t21 = (np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t21.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
+    t16 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(t6.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, d_V, 1, L)))
+    t18 = (t17.transpose(0, 2, 3, 1) @ dA)
+    t19 = np.reshape((np.reshape(t18.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t15, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t20 = (np.reshape((t3 @ np.reshape(t19.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -11168,14 +11163,14 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t2.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
-    t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t3.transpose(1, 0), (L, 1, L)))
     t20 = (X @ t0)
-    t21 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t23 = np.reshape((np.reshape(t22, (n_batch, L, L**2, 1)) * np.reshape(t18, (n_batch, L, 1, 1))), (n_batch, L, L, L))
-    t24 = np.reshape((t23.transpose(2, 3, 1, 0) @ np.reshape(t20.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L, L))
-    t25 = np.reshape((t24.transpose(2, 0, 1) @ np.reshape(t3.transpose(1, 0), (L, L, 1))), (L, L))
-    return (1/(L*d_K*n_batch)) * (t25 * Mcausal).sum()
+    t21 = (np.reshape(t20.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(t19.transpose(1, 2, 0), (L, L, 1, L)))
+    t22 = np.reshape((np.reshape(t21.transpose(2, 1, 3, 0), (n_batch, L**2, L)) @ t17.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t23 = (t22.transpose(0, 2, 1, 3) @ dA.transpose(0, 1, 3, 2))
+    t24 = np.reshape((t23.transpose(0, 3, 1, 2) @ np.reshape(t4.transpose(0, 2, 1), (n_batch, d_V, L, 1))), (n_batch, d_V, L))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t25 * t18).sum()
 
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -11211,16 +11206,15 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(t5, -1, -2)
     t19 = np.swapaxes(t11, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = X.transpose(2, 0, 1)
+    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t22 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t23 = np.reshape((np.reshape(t22.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
     t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
     t25 = np.reshape((np.reshape(t24.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
     t26 = np.reshape((np.reshape(t25.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
     t27 = np.reshape((np.reshape(t26.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t28 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ t19), (n_batch, L, d_V, d_K))
-    t29 = (np.reshape((np.reshape(t28, (n_batch, L, d_K*d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_K, d_K))).transpose(2, 4, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t21, (d_V, L*n_batch)) @ np.reshape(t29.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
+    t28 = (np.reshape((t19.transpose(0, 2, 1) @ np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
+    t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -11304,16 +11298,15 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = t9.transpose(2, 0, 1)
+    t20 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
     t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
     t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
     t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
     t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t27 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t28 = (np.reshape((np.reshape(t27, (n_batch, L, d_V**2, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
-    t0[...] = np.reshape((np.reshape(t28, (d_K*d_V**2, L*n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
+    t27 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t26.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+    t0[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -11396,13 +11389,12 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = t14 @ X
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t20 = t18.transpose(2, 0, 1)
-    t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, d_V, L))
-    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t24 = np.reshape((np.reshape(t23.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
-    t25 = (np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L, d_V**2, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t20, (d_V, L*n_batch)) @ np.reshape(t25.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
+    t20 = ((np.reshape(t18, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, L)))
+    t22 = (t21.transpose(0, 2, 3, 1) @ dA)
+    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t24 = (np.reshape((t1 @ np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
+    t0[...] = (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -11550,13 +11542,12 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ t1
     t19 = np.swapaxes(t4, -1, -2)
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = X.transpose(2, 0, 1)
+    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t22 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
     t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t19), (n_batch, L, d_V, d_K))
-    t25 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t26 = ((np.reshape(t25.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_K)))).transpose(3, 0, 4, 1, 2)
-    t0[...] = (np.reshape((np.reshape(t21, (d_V, L*n_batch)) @ np.reshape(t26.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_V, d_K))).transpose(1, 2, 0, 3)
+    t25 = (np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -11637,13 +11628,12 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ t1
     t19 = X @ W_Q
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = t19.transpose(2, 0, 1)
+    t21 = ((np.reshape(t19, (n_batch, L, d_K, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t22 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
     t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t25 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t26 = ((np.reshape(t25.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)))).transpose(3, 0, 4, 1, 2)
-    t0[...] = np.reshape((np.reshape(t26, (d_V**3, L*n_batch)) @ np.reshape(t21.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_V, d_V, d_K))
+    t25 = (np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -12611,125 +12601,122 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(t5, -1, -2)
     t16 = np.swapaxes(t4, -1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = X.transpose(2, 0, 1)
+    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t19 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t20 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
     t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
     t22 = np.reshape((np.reshape(t21.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t17, (L, L, 1, 1))), (L, L, n_batch, L))
     t23 = np.reshape((np.reshape(t22.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
     t24 = np.reshape((np.reshape(t23.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t16), (n_batch, L, d_K, d_K))
-    t26 = (np.reshape((np.reshape(t25, (n_batch, L, d_K**2, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
-    t1[...] = (np.reshape((np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t26.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
-    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
-    t29 = X @ W_Q
-    t30 = t29.transpose(2, 0, 1)
-    t31 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
-    t32 = (np.reshape((np.reshape(t31, (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
-    t33 = np.einsum('abcb->abc', t28)
+    t25 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
+    t1[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
+    t28 = X @ W_Q
+    t29 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t30 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
+    t31 = np.einsum('abcb->abc', t27)
     F = t12
-    t34 = np.exp(F - F.max(-1, keepdims=True))
-    A35 = t34 / t34.sum(-1, keepdims=True)
-    t36 = t7 * A35
-    t37 = t36 - Y
-    t38 = (1/L) * t37
-    G = t38
-    t39 = G @ t15
-    t40 = Mcausal * t39
-    t41 = t40 @ X
-    t42 = np.ones((d_K,), dtype=X.dtype)
-    t43 = (1/(math.sqrt(d_K)*n_batch)) * t42
-    t44 = (np.reshape(t41.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
-    t28[...] = np.reshape((np.reshape(t32, (d_K*d_V**2, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
-    t33 += (np.reshape((np.reshape(t43, (d_K, 1)) * np.reshape(t44.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
-    t45 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46 = np.reshape(t45, (d_V, d_K, d_V, d_V), copy=False)
-    t47 = t11 @ X
-    t48 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t49 = t47.transpose(2, 0, 1)
-    t50 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t51 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t52 = np.reshape((np.reshape(t51.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t50.transpose(1, 0, 2)), (n_batch, L, d_V, L))
-    t53 = np.reshape((np.reshape(t52.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t48, (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t54 = np.reshape((np.reshape(t53.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
-    t55 = (np.reshape((np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L, d_K*d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
-    t56 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t57 = np.reshape((np.reshape(t56, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t58 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t57.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t59 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t46[...] = (np.reshape((np.reshape(t49, (d_V, L*n_batch)) @ np.reshape(t55.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
-    t46 += (np.reshape((np.reshape(t59, (d_K*d_V, L*n_batch)) @ np.reshape(t58.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t60 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t61 = np.reshape(t60, (d_V, d_K, d_V, d_K), copy=False)
-    t62 = np.swapaxes(t29, -1, -2)
-    t63 = np.swapaxes(Mcausal, -1, -2)
-    t64 = np.swapaxes(Y, -1, -2)
-    t65 = t64.sum(-2, keepdims=True)
-    t66 = np.broadcast_to(t65, t65.shape[:-2] + (d_V, t65.shape[-1]))
-    t67 = (1/(L*d_K*n_batch)) * t63
-    t68 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t69 = np.reshape((np.reshape(t68.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t70 = np.reshape((np.reshape(t69.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t67.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t71 = np.reshape((np.reshape(t70.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
-    t72 = np.reshape((np.reshape(t71.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t73 = np.reshape((np.reshape(t72.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
-    t74 = (np.reshape((np.reshape(t73, (n_batch, L, d_K*d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_K, d_K))).transpose(2, 4, 3, 0, 1)
-    t75 = np.einsum('abcb->abc', t61)
-    t76 = np.swapaxes(t39, -1, -2)
-    t77 = t76 * t63
-    t78 = (t77.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
-    t79 = (np.reshape(t78.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
-    t61[...] = (np.reshape((np.reshape(t18, (d_V, L*n_batch)) @ np.reshape(t74.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
-    t75 += (np.reshape((np.reshape(t43, (d_K, 1)) * np.reshape(t79, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
-    t80 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t81 = np.reshape(t80, (d_V, d_K, d_V, d_K), copy=False)
-    t82 = np.reshape((np.reshape(t72.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t83 = (np.reshape((np.reshape(t82, (n_batch, L, d_V**2, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
-    t81[...] = np.reshape((np.reshape(t83, (d_K*d_V**2, L*n_batch)) @ np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
-    t84 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t85 = np.reshape(t84, (d_V, d_K, d_V, d_V), copy=False)
-    t86 = (1/(math.sqrt(d_K)*n_batch)) * t63
-    t87 = np.reshape((np.reshape(t86, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t88 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t87.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t89 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t90 = (1/(L*math.sqrt(d_K)*n_batch)) * t63
-    t91 = ((np.reshape(t47, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t92 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t93 = np.reshape((np.reshape(t92.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t50.transpose(1, 0, 2)), (n_batch, L, d_V, L))
-    t94 = np.reshape((np.reshape(t93.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t90.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t95 = (np.reshape((t2 @ np.reshape(t94.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
-    t85[...] = (np.reshape((np.reshape(t88, (d_V**2, L*n_batch)) @ np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
-    t85 += (np.reshape((np.reshape(t91, (d_K*d_V, L*n_batch)) @ np.reshape(t95.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
-    t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t97 = np.reshape(t96, (d_V, d_V, d_V, d_K), copy=False)
-    t98 = np.swapaxes(T, -1, -2)
-    t99 = t63 * t98
-    t100 = (t99.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
-    t101 = ((np.reshape(t100, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t102 = np.reshape((np.reshape(t19.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t48.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t103 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
-    t104 = (np.reshape((np.reshape(t103.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
-    t105 = np.swapaxes(G, -1, -2)
-    t106 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t87.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t107 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t105.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t97[...] = (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t104.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t97 += (np.reshape((np.reshape(t107, (d_V**2, L*n_batch)) @ np.reshape(t106.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t109 = np.reshape(t108, (d_V, d_V, d_V, d_K), copy=False)
-    t110 = ((np.reshape(t100, (n_batch, L, d_V, 1)) * np.reshape(t29, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
-    t111 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t112 = (np.reshape((np.reshape(t111.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t113 = ((np.reshape(t29, (n_batch, L, d_K, 1)) * np.reshape(t105.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t109[...] = (np.reshape((np.reshape(t112, (d_V**2, L*n_batch)) @ np.reshape(t110.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t109 += (np.reshape((np.reshape(t88, (d_V**2, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
-    t114 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t115 = np.reshape(t114, (d_V, d_V, d_V, d_V), copy=False)
-    t116 = np.swapaxes(t47, -1, -2)
-    t117 = (1/(L*n_batch)) * t116
-    t118 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t119 = ((np.reshape(t47, (n_batch, L, d_V, 1)) * np.reshape(t117.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t115[...] = (np.reshape((np.reshape(t119, (d_V**2, L*n_batch)) @ np.reshape(t118.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+    t32 = np.exp(F - F.max(-1, keepdims=True))
+    A33 = t32 / t32.sum(-1, keepdims=True)
+    t34 = t7 * A33
+    t35 = t34 - Y
+    t36 = (1/L) * t35
+    G = t36
+    t37 = G @ t15
+    t38 = Mcausal * t37
+    t39 = t38 @ X
+    t40 = np.ones((d_K,), dtype=X.dtype)
+    t41 = (1/(math.sqrt(d_K)*n_batch)) * t40
+    t42 = (np.reshape(t39.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t27[...] = (np.reshape((np.reshape(t30, (d_K*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t31 += (np.reshape((np.reshape(t41, (d_K, 1)) * np.reshape(t42.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t43 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44 = np.reshape(t43, (d_V, d_K, d_V, d_V), copy=False)
+    t45 = t11 @ X
+    t46 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t47 = ((np.reshape(t45, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t48 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+    t49 = (np.reshape(t48, (d_V, n_batch, L, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, 1, L)))
+    t50 = (t49.transpose(1, 3, 2, 0) @ dA)
+    t51 = np.reshape((np.reshape(t50.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t46, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t52 = (np.reshape((t4 @ np.reshape(t51.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
+    t53 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t54 = np.reshape((np.reshape(t53, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t55 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t54.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+    t56 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t44[...] = (np.reshape((np.reshape(t47, (d_V**2, L*n_batch)) @ np.reshape(t52.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t44 += (np.reshape((np.reshape(t56, (d_K*d_V, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t57 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t58 = np.reshape(t57, (d_V, d_K, d_V, d_K), copy=False)
+    t59 = np.swapaxes(t28, -1, -2)
+    t60 = np.swapaxes(Mcausal, -1, -2)
+    t61 = np.swapaxes(Y, -1, -2)
+    t62 = t61.sum(-2, keepdims=True)
+    t63 = np.broadcast_to(t62, t62.shape[:-2] + (d_V, t62.shape[-1]))
+    t64 = (1/(L*d_K*n_batch)) * t60
+    t65 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t66 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t63.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t67 = np.reshape((np.reshape(t66.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
+    t68 = np.reshape((np.reshape(t67.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t64.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
+    t69 = np.reshape((np.reshape(t68.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t70 = np.reshape((np.reshape(t69.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t71 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t70.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
+    t72 = np.einsum('abcb->abc', t58)
+    t73 = np.swapaxes(t37, -1, -2)
+    t74 = t73 * t60
+    t75 = (t74.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
+    t76 = (np.reshape(t75.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
+    t58[...] = (np.reshape((np.reshape(t65, (d_K*d_V, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t72 += (np.reshape((np.reshape(t41, (d_K, 1)) * np.reshape(t76, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t77 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t78 = np.reshape(t77, (d_V, d_K, d_V, d_K), copy=False)
+    t79 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t80 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t70.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+    t78[...] = (np.reshape((np.reshape(t80, (d_V**2, L*n_batch)) @ np.reshape(t79.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+    t81 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t82 = np.reshape(t81, (d_V, d_K, d_V, d_V), copy=False)
+    t83 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t84 = np.reshape((np.reshape(t83, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t85 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t84.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+    t86 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t87 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t88 = ((np.reshape(t45, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t89 = (np.reshape(t48, (d_V, n_batch, L, 1)) * np.reshape(t63.transpose(1, 0, 2), (d_V, n_batch, 1, L)))
+    t90 = (t89.transpose(1, 3, 2, 0) @ dA)
+    t91 = np.reshape((np.reshape(t90.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t87.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t92 = (np.reshape((t2 @ np.reshape(t91.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
+    t82[...] = (np.reshape((np.reshape(t85, (d_V**2, L*n_batch)) @ np.reshape(t86.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t82 += (np.reshape((np.reshape(t88, (d_K*d_V, L*n_batch)) @ np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t93 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t94 = np.reshape(t93, (d_V, d_V, d_V, d_K), copy=False)
+    t95 = np.swapaxes(T, -1, -2)
+    t96 = t60 * t95
+    t97 = (t96.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
+    t98 = ((np.reshape(t97, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t99 = np.reshape((np.reshape(t19.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t46.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t100 = np.reshape((np.reshape(t99.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
+    t101 = (np.reshape((np.reshape(t100.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t102 = np.swapaxes(G, -1, -2)
+    t103 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t84.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
+    t104 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t102.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t94[...] = (np.reshape((np.reshape(t98, (d_V**2, L*n_batch)) @ np.reshape(t101.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t94 += (np.reshape((np.reshape(t104, (d_V**2, L*n_batch)) @ np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t105 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t106 = np.reshape(t105, (d_V, d_V, d_V, d_K), copy=False)
+    t107 = ((np.reshape(t97, (n_batch, L, d_V, 1)) * np.reshape(t28, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t108 = np.reshape((np.reshape(t99.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+    t109 = (np.reshape((np.reshape(t108.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t110 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t102.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t106[...] = (np.reshape((np.reshape(t109, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t106 += (np.reshape((np.reshape(t85, (d_V**2, L*n_batch)) @ np.reshape(t110.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+    t111 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t112 = np.reshape(t111, (d_V, d_V, d_V, d_V), copy=False)
+    t113 = np.swapaxes(t45, -1, -2)
+    t114 = (1/(L*n_batch)) * t113
+    t115 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t116 = ((np.reshape(t45, (n_batch, L, d_V, 1)) * np.reshape(t114.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t112[...] = (np.reshape((np.reshape(t116, (d_V**2, L*n_batch)) @ np.reshape(t115.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
 
@@ -13061,14 +13048,14 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t16 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t16 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(Mcausal, (L, 1, L)))
     t17 = (t14 @ t2)
-    t18 = np.reshape((np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t20 = np.reshape((np.reshape(t19, (n_batch, L, L**2, 1)) * np.reshape(t15, (n_batch, L, 1, 1))), (n_batch, L, L, L))
-    t21 = np.reshape((t20.transpose(2, 3, 1, 0) @ np.reshape(t17.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L, L))
-    t22 = np.reshape((t21.transpose(2, 0, 1) @ np.reshape(Mcausal, (L, L, 1))), (L, L))
-    return (1/(L*d_K*n_batch)) * (t22 * Mcausal).sum()
+    t18 = (np.reshape(t17.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(t16.transpose(1, 2, 0), (L, L, 1, L)))
+    t19 = np.reshape((np.reshape(t18.transpose(2, 1, 3, 0), (n_batch, L**2, L)) @ t13.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t20 = (t19.transpose(0, 2, 1, 3) @ dA.transpose(0, 1, 3, 2))
+    t21 = np.reshape((t20.transpose(0, 3, 1, 2) @ np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, L, 1))), (n_batch, d_V, L))
+    t22 = np.reshape((np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)) @ np.reshape(t5, (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t22 * t15).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -13100,16 +13087,15 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = X.transpose(2, 0, 1)
+    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
     t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
     t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
     t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
     t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t15), (n_batch, L, d_K, d_K))
-    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_K**2, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_K, d_V))).transpose(4, 2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t17, (d_V, L*n_batch)) @ np.reshape(t25.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
+    t24 = (np.reshape((t15.transpose(0, 2, 1) @ np.reshape(t23.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
+    t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -13186,31 +13172,30 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(t4, -1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = t15.transpose(2, 0, 1)
+    t17 = ((np.reshape(t15, (n_batch, L, d_K, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
     t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
     t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
     t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
     t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
-    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
-    t25 = (np.reshape((np.reshape(t24, (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
-    t26 = np.einsum('abcb->abc', t0)
+    t24 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t23.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
+    t25 = np.einsum('abcb->abc', t0)
     F = t11
-    t27 = np.exp(F - F.max(-1, keepdims=True))
-    A28 = t27 / t27.sum(-1, keepdims=True)
-    t29 = t6 * A28
-    t30 = t29 - Y
-    t31 = (1/L) * t30
-    G = t31
-    t32 = G @ t14
-    t33 = Mcausal * t32
-    t34 = t33 @ X
-    t35 = np.ones((d_K,), dtype=X.dtype)
-    t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
-    t37 = (np.reshape(t34.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
-    t0[...] = np.reshape((np.reshape(t25, (d_K*d_V**2, L*n_batch)) @ np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
-    t26 += (np.reshape((np.reshape(t36, (d_K, 1)) * np.reshape(t37.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t26 = np.exp(F - F.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = t6 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = G @ t14
+    t32 = Mcausal * t31
+    t33 = t32 @ X
+    t34 = np.ones((d_K,), dtype=X.dtype)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = (np.reshape(t33.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t25 += (np.reshape((np.reshape(t35, (d_K, 1)) * np.reshape(t36.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -13303,26 +13288,25 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t14 = t9 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = t14.transpose(2, 0, 1)
+    t16 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t17.transpose(1, 0, 2)), (n_batch, L, d_V, L))
-    t20 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t15, (L, L, 1, 1))), (L, L, n_batch, d_V))
-    t21 = np.reshape((np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
-    t22 = (np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L, d_K*d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))).transpose(4, 2, 3, 0, 1)
+    t18 = (np.reshape(t17, (d_V, n_batch, L, 1)) * np.reshape(t5.transpose(2, 0, 1), (d_V, n_batch, 1, L)))
+    t19 = (t18.transpose(1, 3, 2, 0) @ dA)
+    t20 = np.reshape((np.reshape(t19.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t15, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t21 = (np.reshape((t3 @ np.reshape(t20.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
     F = t11
-    t23 = np.exp(F - F.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = t5 * A24
-    t26 = t25 - Y
-    t27 = (1/L) * t26
-    G = t27
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t29 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
-    t30 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t29.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t16, (d_V, L*n_batch)) @ np.reshape(t22.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K*d_V**2))), (d_V, d_V, d_K, d_V))).transpose(1, 2, 0, 3)
-    t0 += (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t5 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t28 = np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t29 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t28.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+    t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+    t0 += (np.reshape((np.reshape(t30, (d_K*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
 
@@ -13460,14 +13444,14 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t2.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
-    t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+    t19 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t3.transpose(1, 0), (L, 1, L)))
     t20 = (X @ t0)
-    t21 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t23 = np.reshape((np.reshape(t22, (n_batch, L, L**2, 1)) * np.reshape(t18, (n_batch, L, 1, 1))), (n_batch, L, L, L))
-    t24 = np.reshape((t23.transpose(2, 3, 1, 0) @ np.reshape(t20.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L, L))
-    t25 = np.reshape((t24.transpose(2, 0, 1) @ np.reshape(t3.transpose(1, 0), (L, L, 1))), (L, L))
-    return (1/(L*d_K*n_batch)) * (t25 * Mcausal).sum()
+    t21 = (np.reshape(t20.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(t19.transpose(1, 2, 0), (L, L, 1, L)))
+    t22 = np.reshape((np.reshape(t21.transpose(2, 1, 3, 0), (n_batch, L**2, L)) @ t17.transpose(0, 2, 1)), (n_batch, L, L, d_V))
+    t23 = (t22.transpose(0, 2, 1, 3) @ dA.transpose(0, 1, 3, 2))
+    t24 = np.reshape((t23.transpose(0, 3, 1, 2) @ np.reshape(t4.transpose(0, 2, 1), (n_batch, d_V, L, 1))), (n_batch, d_V, L))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t25 * t18).sum()
 
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -13503,34 +13487,33 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(t5, -1, -2)
     t19 = np.swapaxes(t11, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = X.transpose(2, 0, 1)
+    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t22 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t23 = np.reshape((np.reshape(t22.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
     t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
     t25 = np.reshape((np.reshape(t24.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
     t26 = np.reshape((np.reshape(t25.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
     t27 = np.reshape((np.reshape(t26.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t28 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ t19), (n_batch, L, d_V, d_K))
-    t29 = (np.reshape((np.reshape(t28, (n_batch, L, d_K*d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_K, d_K))).transpose(2, 4, 3, 0, 1)
-    t30 = np.einsum('abcb->abc', t0)
-    t31 = Y.sum(-1, keepdims=True)
-    t32 = np.broadcast_to(t31, t31.shape[:-1] + (d_V,))
+    t28 = (np.reshape((t19.transpose(0, 2, 1) @ np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
+    t29 = np.einsum('abcb->abc', t0)
+    t30 = Y.sum(-1, keepdims=True)
+    t31 = np.broadcast_to(t30, t30.shape[:-1] + (d_V,))
     F = t15
-    t33 = np.exp(F - F.max(-1, keepdims=True))
-    A34 = t33 / t33.sum(-1, keepdims=True)
-    t35 = t32 * A34
-    t36 = t35 - Y
-    t37 = (1/L) * t36
-    G = t37
-    t38 = np.swapaxes(G, -1, -2)
-    t39 = t5 @ t38
-    t40 = t39 * t4
-    t41 = np.ones((d_K,), dtype=X.dtype)
-    t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
-    t43 = (t40.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
-    t44 = (np.reshape(t43.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
-    t0[...] = (np.reshape((np.reshape(t21, (d_V, L*n_batch)) @ np.reshape(t29.transpose(3, 4, 0, 1, 2), (L*n_batch, d_K**2*d_V))), (d_V, d_V, d_K, d_K))).transpose(1, 2, 0, 3)
-    t30 += (np.reshape((np.reshape(t42, (d_K, 1)) * np.reshape(t44, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t32 = np.exp(F - F.max(-1, keepdims=True))
+    A33 = t32 / t32.sum(-1, keepdims=True)
+    t34 = t31 * A33
+    t35 = t34 - Y
+    t36 = (1/L) * t35
+    G = t36
+    t37 = np.swapaxes(G, -1, -2)
+    t38 = t5 @ t37
+    t39 = t38 * t4
+    t40 = np.ones((d_K,), dtype=X.dtype)
+    t41 = (1/(math.sqrt(d_K)*n_batch)) * t40
+    t42 = (t39.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
+    t43 = (np.reshape(t42.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
+    t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+    t29 += (np.reshape((np.reshape(t41, (d_K, 1)) * np.reshape(t43, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -13633,16 +13616,15 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = t9.transpose(2, 0, 1)
+    t20 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
     t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
     t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
     t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
     t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
-    t27 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t28 = (np.reshape((np.reshape(t27, (n_batch, L, d_V**2, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))).transpose(2, 4, 3, 0, 1)
-    t0[...] = np.reshape((np.reshape(t28, (d_K*d_V**2, L*n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_K))), (d_V, d_K, d_V, d_K))
+    t27 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t26.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+    t0[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -13740,9 +13722,9 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
     t31 = ((np.reshape(t29, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
     t32 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t33 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t25.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t34 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t32.transpose(1, 0, 2)), (n_batch, L, d_V, L))
-    t35 = np.reshape((np.reshape(t34.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t30.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t33 = (np.reshape(t32, (d_V, n_batch, L, 1)) * np.reshape(t25.transpose(1, 0, 2), (d_V, n_batch, 1, L)))
+    t34 = (t33.transpose(1, 3, 2, 0) @ dA)
+    t35 = np.reshape((np.reshape(t34.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t30.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
     t36 = (np.reshape((t1 @ np.reshape(t35.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)

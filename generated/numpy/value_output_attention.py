@@ -2295,9 +2295,9 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t21 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t22 = np.reshape((np.reshape(t21, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    t23 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t23 * t22.transpose(1, 0)).sum()
+    t22 = (W_K @ t0)
+    t23 = np.reshape((np.reshape(t22, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t23 * t21).sum()
 
 
 def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -2747,10 +2747,11 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t23 = oe.contract('abc,abdd->abc', X, M_3)
-    t24 = np.reshape((np.reshape(t23, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t24 * t22).sum()
+    t22 = oe.contract('abcc->ab', M_3)
+    t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t24 = np.reshape((np.reshape(t23.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t25 = np.reshape((np.reshape(t24, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t25 * t22).sum()
 
 
 def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -4420,8 +4421,8 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t29 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t30 = np.reshape((np.reshape(t29, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    return (2/(L*d_K*d_V*n_batch)) * (t18 * t14).sum() + (1/(d_K*n_batch)) * (t15 * t30.transpose(1, 0)).sum()
+    t30 = np.reshape((np.reshape(t15, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (2/(L*d_K*d_V*n_batch)) * (t18 * t14).sum() + (1/(d_K*n_batch)) * (t30 * t29).sum()
 
 
 def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -5024,9 +5025,9 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t30 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t31 = oe.contract('abc,abdd->abc', X, M_3)
-    t32 = np.reshape((np.reshape(t31, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
+    t30 = oe.contract('abcc->ab', M_3)
+    t31 = np.reshape((np.reshape(t18.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t32 = np.reshape((np.reshape(t31, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     return (2/(L*d_K*d_V*n_batch)) * (t19 * t16).sum() + (1/(d_K*n_batch)) * (t32 * t30).sum()
 
 
@@ -9917,9 +9918,9 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t23 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t24 = np.reshape((np.reshape(t23, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    t25 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t25 * t24.transpose(1, 0)).sum()
+    t24 = (W_K @ t0)
+    t25 = np.reshape((np.reshape(t24, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t25 * t23).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -10389,10 +10390,11 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t25 = oe.contract('abc,abdd->abc', X, M_3)
-    t26 = np.reshape((np.reshape(t25, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t26 * t24).sum()
+    t24 = oe.contract('abcc->ab', M_3)
+    t25 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t27 = np.reshape((np.reshape(t26, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t27 * t24).sum()
 
 
 def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -12112,8 +12114,8 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t31 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t32 = np.reshape((np.reshape(t31, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    return (2/(L*d_K*d_V*n_batch)) * (t20 * t16).sum() + (1/(d_K*n_batch)) * (t17 * t32.transpose(1, 0)).sum()
+    t32 = np.reshape((np.reshape(t17, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (2/(L*d_K*d_V*n_batch)) * (t20 * t16).sum() + (1/(d_K*n_batch)) * (t32 * t31).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -12736,9 +12738,9 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t31.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t33 = oe.contract('abc,abdd->abc', X, M_3)
-    t34 = np.reshape((np.reshape(t33, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
+    t32 = oe.contract('abcc->ab', M_3)
+    t33 = np.reshape((np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t34 = np.reshape((np.reshape(t33, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     return (2/(L*d_K*d_V*n_batch)) * (t21 * t18).sum() + (1/(d_K*n_batch)) * (t34 * t32).sum()
 
 
@@ -15884,13 +15886,13 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t9, -1, -2)
     t19 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
-    t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t21 = (W_K @ t0)
-    t22 = np.reshape((t9.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t23 = (t22.transpose(1, 2, 3, 0) @ t20)
-    t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t25 = (t24 @ t23.transpose(0, 1, 3, 2))
-    t26 = np.reshape((np.reshape(t25, (L*n_batch, d_V**2)) @ np.reshape(t21, (d_V**2, 1))), (n_batch, L))
+    t20 = (W_K @ t0)
+    t21 = np.reshape((t20.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t22 = np.reshape((np.reshape(t21, (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (d_V, n_batch, L, d_V))
+    t23 = (t22.transpose(1, 2, 0, 3) @ dA17.transpose(0, 1, 3, 2))
+    t24 = (t23.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t25 = np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t11, (n_batch, L, d_V, 1))), (n_batch, L))
     return (1/(L*d_K*n_batch)) * (t26 * t19).sum()
 
 
@@ -16366,15 +16368,15 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
-    t20 = (M_2 @ M_2.transpose(0, 1, 3, 2))
-    t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t22 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t23 = np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ t19), (n_batch, L, d_V, d_V))
-    t24 = (t23 @ t20)
-    t25 = np.reshape((np.reshape(t24, (L*n_batch, d_V**2)) @ np.reshape(t10.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
-    t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t27 = np.reshape((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, 1, d_K)) @ np.reshape(t21, (n_batch, L, d_K, 1))), (n_batch, L))
-    return (1/(L*d_K*n_batch)) * (t27 * t25).sum()
+    t20 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t22 = np.reshape((np.reshape(t21, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t24 = (t23 @ dA18.transpose(0, 1, 3, 2))
+    t25 = (t24.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t26 = np.reshape((np.reshape(t25.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t12, (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t27 * t22).sum()
 
 
 def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -16842,10 +16844,10 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t19 = np.reshape((np.reshape(t18.transpose(2, 3, 0, 1), (d_V**2, L*n_batch)) @ np.reshape(t17, (L*n_batch, 1))), (d_V, d_V))
-    t20 = (t16 @ W_O)
-    return (1/(L*n_batch)) * (t20 * t19.transpose(1, 0)).sum()
+    t18 = (t16 @ W_O)
+    t19 = np.reshape((np.reshape(t18.transpose(1, 0), (d_V, 1, d_V)) @ np.reshape(dA.transpose(2, 3, 0, 1), (d_V, d_V, L*n_batch))), (d_V, n_batch, L))
+    t20 = np.reshape((np.reshape(t19.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t10, (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*n_batch)) * (t20 * t17).sum()
 
 
 def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -18115,9 +18117,9 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t26 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t27 = np.reshape((np.reshape(t26, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    t28 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t28 * t27.transpose(1, 0)).sum()
+    t27 = (W_K @ t0)
+    t28 = np.reshape((np.reshape(t27, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t28 * t26).sum()
 
 
 def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -18617,10 +18619,11 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t27 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t28 = oe.contract('abc,abdd->abc', X, M_3)
-    t29 = np.reshape((np.reshape(t28, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t29 * t27).sum()
+    t27 = oe.contract('abcc->ab', M_3)
+    t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t29 = np.reshape((np.reshape(t28.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t30 = np.reshape((np.reshape(t29, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t30 * t27).sum()
 
 
 def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -20436,13 +20439,13 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(t9, -1, -2)
     t19 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
-    t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t21 = (W_K @ t0)
-    t22 = np.reshape((t9.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t23 = (t22.transpose(1, 2, 3, 0) @ t20)
-    t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t25 = (t24 @ t23.transpose(0, 1, 3, 2))
-    t26 = np.reshape((np.reshape(t25, (L*n_batch, d_V**2)) @ np.reshape(t21, (d_V**2, 1))), (n_batch, L))
+    t20 = (W_K @ t0)
+    t21 = np.reshape((t20.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t22 = np.reshape((np.reshape(t21, (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (d_V, n_batch, L, d_V))
+    t23 = (t22.transpose(1, 2, 0, 3) @ dA17.transpose(0, 1, 3, 2))
+    t24 = (t23.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t25 = np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t11, (n_batch, L, d_V, 1))), (n_batch, L))
     F = t13
     t27 = np.exp(F - F.max(-1, keepdims=True))
     A28 = t27 / t27.sum(-1, keepdims=True)
@@ -20460,8 +20463,8 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t36.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t37 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t38 = np.reshape((np.reshape(t37, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    return (1/(L*d_K*n_batch)) * (t26 * t19).sum() + (1/(d_K*n_batch)) * (t21 * t38.transpose(1, 0)).sum()
+    t38 = np.reshape((np.reshape(t20, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t26 * t19).sum() + (1/(d_K*n_batch)) * (t38 * t37).sum()
 
 
 def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -21157,14 +21160,14 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t19 = np.swapaxes(t10, -1, -2)
-    t20 = (M_2 @ M_2.transpose(0, 1, 3, 2))
-    t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t22 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t23 = np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ t19), (n_batch, L, d_V, d_V))
-    t24 = (t23 @ t20)
-    t25 = np.reshape((np.reshape(t24, (L*n_batch, d_V**2)) @ np.reshape(t10.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
-    t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t27 = np.reshape((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, 1, d_K)) @ np.reshape(t21, (n_batch, L, d_K, 1))), (n_batch, L))
+    t20 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t21 = np.reshape((np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t22 = np.reshape((np.reshape(t21, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t24 = (t23 @ dA18.transpose(0, 1, 3, 2))
+    t25 = (t24.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t26 = np.reshape((np.reshape(t25.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t12, (n_batch, L, d_V, 1))), (n_batch, L))
     F = t14
     t28 = np.exp(F - F.max(-1, keepdims=True))
     A29 = t28 / t28.sum(-1, keepdims=True)
@@ -21181,10 +21184,9 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t37 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t38 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t39 = oe.contract('abc,abdd->abc', X, M_3)
-    t40 = np.reshape((np.reshape(t39, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
-    return (1/(L*d_K*n_batch)) * (t27 * t25).sum() + (1/(d_K*n_batch)) * (t40 * t38).sum()
+    t38 = oe.contract('abcc->ab', M_3)
+    t39 = np.reshape((np.reshape(t21, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t27 * t22).sum() + (1/(d_K*n_batch)) * (t39 * t38).sum()
 
 
 def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -21858,10 +21860,10 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t19 = np.reshape((np.reshape(t18.transpose(2, 3, 0, 1), (d_V**2, L*n_batch)) @ np.reshape(t17, (L*n_batch, 1))), (d_V, d_V))
-    t20 = (t16 @ W_O)
-    return (1/(L*n_batch)) * (t20 * t19.transpose(1, 0)).sum()
+    t18 = (t16 @ W_O)
+    t19 = np.reshape((np.reshape(t18.transpose(1, 0), (d_V, 1, d_V)) @ np.reshape(dA.transpose(2, 3, 0, 1), (d_V, d_V, L*n_batch))), (d_V, n_batch, L))
+    t20 = np.reshape((np.reshape(t19.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t10, (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*n_batch)) * (t20 * t17).sum()
 
 
 def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -24543,13 +24545,13 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
-    t22 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t23 = (W_K @ t0)
-    t24 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t25 = (t24.transpose(1, 2, 3, 0) @ t22)
-    t26 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t27 = (t26 @ t25.transpose(0, 1, 3, 2))
-    t28 = np.reshape((np.reshape(t27, (L*n_batch, d_V**2)) @ np.reshape(t23, (d_V**2, 1))), (n_batch, L))
+    t22 = (W_K @ t0)
+    t23 = np.reshape((t22.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (d_V, n_batch, L, d_V))
+    t25 = (t24.transpose(1, 2, 0, 3) @ dA19.transpose(0, 1, 3, 2))
+    t26 = (t25.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t27 = np.reshape((np.reshape(t26.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t13, (n_batch, L, d_V, 1))), (n_batch, L))
     return (1/(L*d_K*n_batch)) * (t28 * t21).sum()
 
 
@@ -25045,15 +25047,15 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(t12, -1, -2)
-    t22 = (M_2 @ M_2.transpose(0, 1, 3, 2))
-    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t24 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t25 = np.reshape((np.reshape(t24, (L*d_V*n_batch, d_V)) @ t21), (n_batch, L, d_V, d_V))
-    t26 = (t25 @ t22)
-    t27 = np.reshape((np.reshape(t26, (L*n_batch, d_V**2)) @ np.reshape(t12.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
-    t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t29 = np.reshape((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, 1, d_K)) @ np.reshape(t23, (n_batch, L, d_K, 1))), (n_batch, L))
-    return (1/(L*d_K*n_batch)) * (t29 * t27).sum()
+    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t24 = np.reshape((np.reshape(t23, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t25 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t26 = (t25 @ dA20.transpose(0, 1, 3, 2))
+    t27 = (t26.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t28 = np.reshape((np.reshape(t27.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(t12.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t29 = np.reshape((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t14, (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t29 * t24).sum()
 
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -25541,10 +25543,10 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t21 = np.reshape((np.reshape(t20.transpose(2, 3, 0, 1), (d_V**2, L*n_batch)) @ np.reshape(t19, (L*n_batch, 1))), (d_V, d_V))
-    t22 = (t18 @ W_O)
-    return (1/(L*n_batch)) * (t22 * t21.transpose(1, 0)).sum()
+    t20 = (t18 @ W_O)
+    t21 = np.reshape((np.reshape(t20.transpose(1, 0), (d_V, 1, d_V)) @ np.reshape(dA.transpose(2, 3, 0, 1), (d_V, d_V, L*n_batch))), (d_V, n_batch, L))
+    t22 = np.reshape((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t12, (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*n_batch)) * (t22 * t19).sum()
 
 
 def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -26860,9 +26862,9 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t28 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t29 = np.reshape((np.reshape(t28, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    t30 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t30 * t29.transpose(1, 0)).sum()
+    t29 = (W_K @ t0)
+    t30 = np.reshape((np.reshape(t29, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t30 * t28).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -27382,10 +27384,11 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t28 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t29 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t30 = oe.contract('abc,abdd->abc', X, M_3)
-    t31 = np.reshape((np.reshape(t30, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t31 * t29).sum()
+    t29 = oe.contract('abcc->ab', M_3)
+    t30 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t31 = np.reshape((np.reshape(t30.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t32 = np.reshape((np.reshape(t31, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(d_K*n_batch)) * (t32 * t29).sum()
 
 
 def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -29251,13 +29254,13 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
     t20 = np.swapaxes(t11, -1, -2)
     t21 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
-    t22 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t23 = (W_K @ t0)
-    t24 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t25 = (t24.transpose(1, 2, 3, 0) @ t22)
-    t26 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))
-    t27 = (t26 @ t25.transpose(0, 1, 3, 2))
-    t28 = np.reshape((np.reshape(t27, (L*n_batch, d_V**2)) @ np.reshape(t23, (d_V**2, 1))), (n_batch, L))
+    t22 = (W_K @ t0)
+    t23 = np.reshape((t22.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
+    t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (d_V, n_batch, L, d_V))
+    t25 = (t24.transpose(1, 2, 0, 3) @ dA19.transpose(0, 1, 3, 2))
+    t26 = (t25.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t27 = np.reshape((np.reshape(t26.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t28 = np.reshape((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t13, (n_batch, L, d_V, 1))), (n_batch, L))
     F = t15
     t29 = np.exp(F - F.max(-1, keepdims=True))
     A30 = t29 / t29.sum(-1, keepdims=True)
@@ -29275,8 +29278,8 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t39 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t40 = np.reshape((np.reshape(t39, (1, L*n_batch)) @ np.reshape(M_3, (L*n_batch, d_V**2))), (d_V, d_V))
-    return (1/(L*d_K*n_batch)) * (t28 * t21).sum() + (1/(d_K*n_batch)) * (t23 * t40.transpose(1, 0)).sum()
+    t40 = np.reshape((np.reshape(t22, (1, d_V**2)) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t28 * t21).sum() + (1/(d_K*n_batch)) * (t40 * t39).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -29992,14 +29995,14 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
     t21 = np.swapaxes(t12, -1, -2)
-    t22 = (M_2 @ M_2.transpose(0, 1, 3, 2))
-    t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t24 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t25 = np.reshape((np.reshape(t24, (L*d_V*n_batch, d_V)) @ t21), (n_batch, L, d_V, d_V))
-    t26 = (t25 @ t22)
-    t27 = np.reshape((np.reshape(t26, (L*n_batch, d_V**2)) @ np.reshape(t12.transpose(1, 0), (d_V**2, 1))), (n_batch, L))
-    t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t29 = np.reshape((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, 1, d_K)) @ np.reshape(t23, (n_batch, L, d_K, 1))), (n_batch, L))
+    t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
+    t24 = np.reshape((np.reshape(t23, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
+    t25 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
+    t26 = (t25 @ dA20.transpose(0, 1, 3, 2))
+    t27 = (t26.transpose(0, 1, 3, 2) @ M_2.transpose(0, 1, 3, 2))
+    t28 = np.reshape((np.reshape(t27.transpose(2, 0, 1, 3), (d_V, L*n_batch, d_V)) @ np.reshape(t12.transpose(1, 0), (d_V, d_V, 1))), (d_V, n_batch, L))
+    t29 = np.reshape((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t14, (n_batch, L, d_V, 1))), (n_batch, L))
     F = t16
     t30 = np.exp(F - F.max(-1, keepdims=True))
     A31 = t30 / t30.sum(-1, keepdims=True)
@@ -30016,10 +30019,9 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t39 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t40 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
-    t41 = oe.contract('abc,abdd->abc', X, M_3)
-    t42 = np.reshape((np.reshape(t41, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
-    return (1/(L*d_K*n_batch)) * (t29 * t27).sum() + (1/(d_K*n_batch)) * (t42 * t40).sum()
+    t40 = oe.contract('abcc->ab', M_3)
+    t41 = np.reshape((np.reshape(t23, (n_batch, L, 1, d_V)) @ np.reshape(t1.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t29 * t24).sum() + (1/(d_K*n_batch)) * (t41 * t40).sum()
 
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -30713,10 +30715,10 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t21 = np.reshape((np.reshape(t20.transpose(2, 3, 0, 1), (d_V**2, L*n_batch)) @ np.reshape(t19, (L*n_batch, 1))), (d_V, d_V))
-    t22 = (t18 @ W_O)
-    return (1/(L*n_batch)) * (t22 * t21.transpose(1, 0)).sum()
+    t20 = (t18 @ W_O)
+    t21 = np.reshape((np.reshape(t20.transpose(1, 0), (d_V, 1, d_V)) @ np.reshape(dA.transpose(2, 3, 0, 1), (d_V, d_V, L*n_batch))), (d_V, n_batch, L))
+    t22 = np.reshape((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, 1, d_V)) @ np.reshape(t12, (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*n_batch)) * (t22 * t19).sum()
 
 
 def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):

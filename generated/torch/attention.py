@@ -1448,9 +1448,9 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t18 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t19 = (t18.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    t20 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t20 * t19.permute(1, 0)).sum()
+    t19 = (W_K @ t0)
+    t20 = (t19.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t20 * t18).sum()
 
 
 def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1788,10 +1788,11 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t20 = oe.contract('abc,abdd->abc', X, M_3)
-    t21 = (t20.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t21 * t19).sum()
+    t19 = oe.contract('abcc->ab', M_3)
+    t20 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t21 = (t20.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t22 = (t21.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t22 * t19).sum()
 
 
 def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -2793,8 +2794,8 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t26 = (t25.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    return (2/(L*d_K*d_V*n_batch)) * (t15 * t11).sum() + (1/(d_K*n_batch)) * (t12 * t26.permute(1, 0)).sum()
+    t26 = (t12.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (2/(L*d_K*d_V*n_batch)) * (t15 * t11).sum() + (1/(d_K*n_batch)) * (t26 * t25).sum()
 
 
 def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -3251,9 +3252,9 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t26 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t27 = oe.contract('abc,abdd->abc', X, M_3)
-    t28 = (t27.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
+    t26 = oe.contract('abcc->ab', M_3)
+    t27 = (t15.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t28 = (t27.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     return (2/(L*d_K*d_V*n_batch)) * (t16 * t13).sum() + (1/(d_K*n_batch)) * (t28 * t26).sum()
 
 
@@ -6136,9 +6137,9 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t21 = (t20.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    t22 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t22 * t21.permute(1, 0)).sum()
+    t21 = (W_K @ t0)
+    t22 = (t21.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t22 * t20).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -6492,10 +6493,11 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t21 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t22 = oe.contract('abc,abdd->abc', X, M_3)
-    t23 = (t22.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t23 * t21).sum()
+    t21 = oe.contract('abcc->ab', M_3)
+    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t23 = (t22.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t24 = (t23.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t24 * t21).sum()
 
 
 def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -7527,8 +7529,8 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t27 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t28 = (t27.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    return (2/(L*d_K*d_V*n_batch)) * (t17 * t13).sum() + (1/(d_K*n_batch)) * (t14 * t28.permute(1, 0)).sum()
+    t28 = (t14.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (2/(L*d_K*d_V*n_batch)) * (t17 * t13).sum() + (1/(d_K*n_batch)) * (t28 * t27).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8001,9 +8003,9 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t28 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t29 = oe.contract('abc,abdd->abc', X, M_3)
-    t30 = (t29.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
+    t28 = oe.contract('abcc->ab', M_3)
+    t29 = (t17.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t30 = (t29.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     return (2/(L*d_K*d_V*n_batch)) * (t18 * t15).sum() + (1/(d_K*n_batch)) * (t30 * t28).sum()
 
 
@@ -9858,13 +9860,13 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t20 = (W_K @ t0)
-    t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t22 = (t21.permute(1, 2, 3, 0) @ t19)
-    t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t24 = (t23 @ t22.permute(0, 1, 3, 2))
-    t25 = (t24.reshape((L*n_batch, d_V**2)) @ t20.reshape((d_V**2, 1))).reshape((n_batch, L))
+    t19 = (W_K @ t0)
+    t20 = (t19.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t21 = (t20.reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+    t22 = (t21.permute(1, 2, 0, 3) @ dA16.permute(0, 1, 3, 2))
+    t23 = (t22.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t24 = (t23.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ W_V.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t25 = (t24.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t10.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     return (1/(L*d_K*n_batch)) * (t25 * t18).sum()
 
 
@@ -10228,15 +10230,15 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
-    t19 = (M_2 @ M_2.permute(0, 1, 3, 2))
-    t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t21 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t22 = (t21.reshape((L*d_V*n_batch, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))
-    t23 = (t22 @ t19)
-    t24 = (t23.reshape((L*n_batch, d_V**2)) @ W_V.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
-    t25 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t26 = (t25.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)) @ t20.reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
-    return (1/(L*d_K*n_batch)) * (t26 * t24).sum()
+    t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t20 = (t19.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t21 = (t20.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t23 = (t22 @ dA17.permute(0, 1, 3, 2))
+    t24 = (t23.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t25 = (t24.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ W_V.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t26 = (t25.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t11.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t26 * t21).sum()
 
 
 def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -11206,9 +11208,9 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t23 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t24 = (t23.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    t25 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t25 * t24.permute(1, 0)).sum()
+    t24 = (W_K @ t0)
+    t25 = (t24.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t25 * t23).sum()
 
 
 def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -11586,10 +11588,11 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t25 = oe.contract('abc,abdd->abc', X, M_3)
-    t26 = (t25.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t26 * t24).sum()
+    t24 = oe.contract('abcc->ab', M_3)
+    t25 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t26 = (t25.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t27 = (t26.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t27 * t24).sum()
 
 
 def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -12685,13 +12688,13 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t17 = W_V.transpose(-1, -2)
     t18 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t20 = (W_K @ t0)
-    t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t22 = (t21.permute(1, 2, 3, 0) @ t19)
-    t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t24 = (t23 @ t22.permute(0, 1, 3, 2))
-    t25 = (t24.reshape((L*n_batch, d_V**2)) @ t20.reshape((d_V**2, 1))).reshape((n_batch, L))
+    t19 = (W_K @ t0)
+    t20 = (t19.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t21 = (t20.reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+    t22 = (t21.permute(1, 2, 0, 3) @ dA16.permute(0, 1, 3, 2))
+    t23 = (t22.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t24 = (t23.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ W_V.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t25 = (t24.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t10.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     F = t12
     t26 = torch.exp(F - F.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
@@ -12709,8 +12712,8 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t36 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t37 = (t36.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    return (1/(L*d_K*n_batch)) * (t25 * t18).sum() + (1/(d_K*n_batch)) * (t20 * t37.permute(1, 0)).sum()
+    t37 = (t19.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t25 * t18).sum() + (1/(d_K*n_batch)) * (t37 * t36).sum()
 
 
 def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -13252,14 +13255,14 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = W_V.transpose(-1, -2)
-    t19 = (M_2 @ M_2.permute(0, 1, 3, 2))
-    t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t21 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t22 = (t21.reshape((L*d_V*n_batch, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))
-    t23 = (t22 @ t19)
-    t24 = (t23.reshape((L*n_batch, d_V**2)) @ W_V.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
-    t25 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t26 = (t25.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)) @ t20.reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
+    t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t20 = (t19.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t21 = (t20.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t23 = (t22 @ dA17.permute(0, 1, 3, 2))
+    t24 = (t23.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t25 = (t24.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ W_V.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t26 = (t25.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t11.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     F = t13
     t27 = torch.exp(F - F.amax(-1, keepdim=True))
     A28 = t27 / t27.sum(-1, keepdim=True)
@@ -13276,10 +13279,9 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t36.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t37 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t38 = oe.contract('abc,abdd->abc', X, M_3)
-    t39 = (t38.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
-    return (1/(L*d_K*n_batch)) * (t26 * t24).sum() + (1/(d_K*n_batch)) * (t39 * t37).sum()
+    t37 = oe.contract('abcc->ab', M_3)
+    t38 = (t20.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t26 * t21).sum() + (1/(d_K*n_batch)) * (t38 * t37).sum()
 
 
 def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -15209,13 +15211,13 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t22 = (W_K @ t0)
-    t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t24 = (t23.permute(1, 2, 3, 0) @ t21)
-    t25 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t26 = (t25 @ t24.permute(0, 1, 3, 2))
-    t27 = (t26.reshape((L*n_batch, d_V**2)) @ t22.reshape((d_V**2, 1))).reshape((n_batch, L))
+    t21 = (W_K @ t0)
+    t22 = (t21.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t23 = (t22.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+    t24 = (t23.permute(1, 2, 0, 3) @ dA18.permute(0, 1, 3, 2))
+    t25 = (t24.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t26 = (t25.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ W_V.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t27 = (t26.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t12.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     return (1/(L*d_K*n_batch)) * (t27 * t20).sum()
 
 
@@ -15595,15 +15597,15 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
-    t21 = (M_2 @ M_2.permute(0, 1, 3, 2))
-    t22 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t23 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_V))
-    t25 = (t24 @ t21)
-    t26 = (t25.reshape((L*n_batch, d_V**2)) @ W_V.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
-    t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t28 = (t27.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)) @ t22.reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
-    return (1/(L*d_K*n_batch)) * (t28 * t26).sum()
+    t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t22 = (t21.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t23 = (t22.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t25 = (t24 @ dA19.permute(0, 1, 3, 2))
+    t26 = (t25.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t27 = (t26.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ W_V.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t28 = (t27.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t13.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t28 * t23).sum()
 
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -16611,9 +16613,9 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t26 = (t25.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    t27 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t27 * t26.permute(1, 0)).sum()
+    t26 = (W_K @ t0)
+    t27 = (t26.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t27 * t25).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -17007,10 +17009,11 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t26 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t27 = oe.contract('abc,abdd->abc', X, M_3)
-    t28 = (t27.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t28 * t26).sum()
+    t26 = oe.contract('abcc->ab', M_3)
+    t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t28 = (t27.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t29 = (t28.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t29 * t26).sum()
 
 
 def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -18136,13 +18139,13 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = W_V.transpose(-1, -2)
     t20 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t22 = (W_K @ t0)
-    t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t24 = (t23.permute(1, 2, 3, 0) @ t21)
-    t25 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t26 = (t25 @ t24.permute(0, 1, 3, 2))
-    t27 = (t26.reshape((L*n_batch, d_V**2)) @ t22.reshape((d_V**2, 1))).reshape((n_batch, L))
+    t21 = (W_K @ t0)
+    t22 = (t21.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t23 = (t22.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+    t24 = (t23.permute(1, 2, 0, 3) @ dA18.permute(0, 1, 3, 2))
+    t25 = (t24.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t26 = (t25.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ W_V.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t27 = (t26.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t12.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     F = t14
     t28 = torch.exp(F - F.amax(-1, keepdim=True))
     A29 = t28 / t28.sum(-1, keepdim=True)
@@ -18160,8 +18163,8 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t38 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t39 = (t38.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    return (1/(L*d_K*n_batch)) * (t27 * t20).sum() + (1/(d_K*n_batch)) * (t22 * t39.permute(1, 0)).sum()
+    t39 = (t21.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t27 * t20).sum() + (1/(d_K*n_batch)) * (t39 * t38).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -18719,14 +18722,14 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = W_V.transpose(-1, -2)
-    t21 = (M_2 @ M_2.permute(0, 1, 3, 2))
-    t22 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t23 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_V))
-    t25 = (t24 @ t21)
-    t26 = (t25.reshape((L*n_batch, d_V**2)) @ W_V.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
-    t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t28 = (t27.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)) @ t22.reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
+    t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t22 = (t21.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t23 = (t22.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t25 = (t24 @ dA19.permute(0, 1, 3, 2))
+    t26 = (t25.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t27 = (t26.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ W_V.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t28 = (t27.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t13.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     F = t15
     t29 = torch.exp(F - F.amax(-1, keepdim=True))
     A30 = t29 / t29.sum(-1, keepdim=True)
@@ -18743,10 +18746,9 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t39 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t40 = oe.contract('abc,abdd->abc', X, M_3)
-    t41 = (t40.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
-    return (1/(L*d_K*n_batch)) * (t28 * t26).sum() + (1/(d_K*n_batch)) * (t41 * t39).sum()
+    t39 = oe.contract('abcc->ab', M_3)
+    t40 = (t22.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t28 * t23).sum() + (1/(d_K*n_batch)) * (t40 * t39).sum()
 
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):

@@ -1422,35 +1422,33 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = W_2.transpose(-1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = X.permute(2, 0, 1)
+    t13 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
     t16 = (t15.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t17 = (t4.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t18 = (t16.reshape((n_batch, L, d_ff, d_ff, 1)) * t4.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t19 = ((t18.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_ff, 1)) * t17.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, 1, d_V)))).permute(4, 0, 3, 1, 2)
-    t1[...] = ((t13.reshape((d_V, L*n_batch)) @ t19.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(1, 2, 0, 3)
-    t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t21 = t20.view((d_V, d_ff, d_ff, d_V))
-    t22 = t7.permute(2, 0, 1)
-    t23 = (t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t24 = ((t17.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, d_V, 1)) * t23.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, 1, d_V)))).permute(3, 0, 4, 1, 2)
-    t21[...] = ((t22.reshape((d_ff, L*n_batch)) @ t24.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**2*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
-    t25 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t26 = t25.view((d_ff, d_V, d_V, d_ff))
-    t27 = t3.transpose(-1, -2)
-    t28 = t7.transpose(-1, -2)
-    t29 = (1/(L*n_batch)) * t28
-    t30 = (t11.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
-    t31 = (t6.reshape((n_batch, L, d_V, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t32 = (t30.reshape((d_ff, n_batch, L, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
-    t33 = ((t32.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, d_ff, 1)) * t31.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_ff)))).permute(4, 0, 3, 1, 2)
-    t26[...] = ((t13.reshape((d_V, L*n_batch)) @ t33.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_ff, d_V, d_ff))).permute(1, 2, 0, 3)
-    t34 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t35 = t34.view((d_ff, d_V, d_ff, d_V))
-    t36 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t6.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t37 = ((t7.reshape((n_batch, L, d_ff, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t35[...] = ((t37.reshape((d_ff**2, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+    t17 = (t4.reshape((n_batch, L, d_ff, 1)) * t4.reshape((n_batch, L, 1, d_ff)))
+    t18 = (t17 * t16).permute(3, 2, 0, 1)
+    t1[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
+    t19 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t20 = t19.view((d_V, d_ff, d_ff, d_V))
+    t21 = ((t7.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = (t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t23 = ((t22.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t20[...] = ((t21.reshape((d_V*d_ff, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
+    t24 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t25 = t24.view((d_ff, d_V, d_V, d_ff))
+    t26 = t3.transpose(-1, -2)
+    t27 = t7.transpose(-1, -2)
+    t28 = (1/(L*n_batch)) * t27
+    t29 = ((X.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t30 = (t4.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t31 = ((t30.permute(1, 2, 0, 3) @ t14.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t25[...] = ((t29.reshape((d_V*d_ff, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
+    t32 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t33 = t32.view((d_ff, d_V, d_ff, d_V))
+    t34 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t6.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t35 = ((t7.reshape((n_batch, L, d_ff, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t33[...] = ((t35.reshape((d_ff**2, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -1565,13 +1563,13 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = X * t11.permute(0, 2, 1)
+    t12 = (X * t11.permute(0, 2, 1)).permute(2, 0, 1)
     t13 = t3 * t3
-    t14 = ((t13.reshape((n_batch, L, d_ff, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t10.permute(1, 0).reshape((d_ff, d_V, 1)) * W_2.reshape((d_ff, 1, d_V)))
-    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t17 = (t15.permute(0, 2, 1).reshape((d_ff, d_V**2)) @ t16.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
-    t0[...] = ((t14.permute(1, 0, 2, 3).reshape((d_ff, d_V, L*n_batch)) @ t17.reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))).permute(1, 0)
+    t16 = (t15.reshape((d_ff, d_V**2)) @ t14.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
+    t17 = t16 * t13.permute(2, 0, 1)
+    t0[...] = (t12.reshape((d_V, L*n_batch)) @ t17.permute(1, 2, 0).reshape((L*n_batch, d_ff)))
     return out
 
 
@@ -1625,14 +1623,13 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = X.permute(2, 0, 1)
+    t12 = ((X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t13 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t14 = (t13.reshape((L*d_V*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V, d_ff))
     t15 = (t14.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t16 = (t3.reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t17 = (t15.reshape((n_batch, L, d_ff, d_ff, 1)) * t3.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t18 = ((t17.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_ff, 1)) * t16.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, 1, d_V)))).permute(4, 0, 3, 1, 2)
-    t0[...] = ((t12.reshape((d_V, L*n_batch)) @ t18.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(1, 2, 0, 3)
+    t16 = (t3.reshape((n_batch, L, d_ff, 1)) * t3.reshape((n_batch, L, 1, d_ff)))
+    t17 = (t16 * t15).permute(3, 2, 0, 1)
+    t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     return out
 
 
@@ -1691,12 +1688,11 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = (1/(L*n_batch)) * t1
-    t11 = t6.permute(2, 0, 1)
+    t11 = ((t6.reshape((n_batch, L, d_ff, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t13 = (t12.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t14 = (t3.reshape((n_batch, L, d_ff, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t15 = ((t14.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, d_V, 1)) * t13.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, 1, d_V)))).permute(3, 0, 4, 1, 2)
-    t0[...] = ((t11.reshape((d_ff, L*n_batch)) @ t15.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**2*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
+    t14 = ((t13.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t3.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t0[...] = ((t11.reshape((d_V*d_ff, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -1810,12 +1806,11 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t14 = t13.transpose(-1, -2)
     t15 = (1/(L*n_batch)) * t4
-    t16 = X.permute(2, 0, 1)
-    t17 = (t12.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
-    t18 = (t6.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t19 = (t17.reshape((d_ff, n_batch, L, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
-    t20 = ((t19.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, d_ff, 1)) * t18.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_ff)))).permute(4, 0, 3, 1, 2)
-    t0[...] = ((t16.reshape((d_V, L*n_batch)) @ t20.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_ff, d_V, d_ff))).permute(1, 2, 0, 3)
+    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (t14.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t12.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t19 = ((t18.permute(1, 2, 0, 3) @ t17.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t0[...] = ((t16.reshape((d_V*d_ff, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
     return out
 
 
@@ -2258,53 +2253,52 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t11 = W_2.transpose(-1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = X.permute(2, 0, 1)
+    t13 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t14.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
     t16 = (t15.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t17 = (t4.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t18 = (t16.reshape((n_batch, L, d_ff, d_ff, 1)) * t4.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t19 = ((t18.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_ff, 1)) * t17.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, 1, d_V)))).permute(4, 0, 3, 1, 2)
-    t1[...] = ((t13.reshape((d_V, L*n_batch)) @ t19.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(1, 2, 0, 3)
-    t20 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t21 = t20.view((d_V, d_ff, d_ff, d_V))
-    t22 = t7.permute(2, 0, 1)
-    t23 = (t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t24 = ((t17.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, d_V, 1)) * t23.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, 1, d_V)))).permute(3, 0, 4, 1, 2)
-    t25 = t21.diagonal(0, 1, 2)
+    t17 = (t4.reshape((n_batch, L, d_ff, 1)) * t4.reshape((n_batch, L, 1, d_ff)))
+    t18 = (t17 * t16).permute(3, 2, 0, 1)
+    t1[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
+    t19 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t20 = t19.view((d_V, d_ff, d_ff, d_V))
+    t21 = ((t7.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = (t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t23 = ((t22.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t24 = t20.diagonal(0, 1, 2)
     F = t8
-    t26 = torch.exp(F - F.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = t6 * A27
-    t29 = t28 - Y
-    t30 = (1/L) * t29
-    G = t30
-    t31 = (1/n_batch) * t2
-    t32 = G.permute(2, 0, 1)
-    t33 = ((t4.reshape((n_batch, L, d_ff, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t21[...] = ((t22.reshape((d_ff, L*n_batch)) @ t24.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**2*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
-    t25 += ((t32.reshape((d_V, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
-    t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t35 = t34.view((d_ff, d_V, d_V, d_ff))
-    t36 = t3.transpose(-1, -2)
-    t37 = t7.transpose(-1, -2)
-    t38 = (1/(L*n_batch)) * t37
-    t39 = (t11.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
-    t40 = (t6.reshape((n_batch, L, d_V, 1)) * t38.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t41 = (t39.reshape((d_ff, n_batch, L, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
-    t42 = ((t41.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, d_ff, 1)) * t40.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_ff)))).permute(4, 0, 3, 1, 2)
-    t43 = t35.diagonal(0, 0, 3)
-    t44 = G.transpose(-1, -2)
-    t45 = t4.transpose(-1, -2)
-    t46 = (1/n_batch) * t44
-    t47 = ((t45.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t35[...] = ((t13.reshape((d_V, L*n_batch)) @ t42.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_ff, d_V, d_ff))).permute(1, 2, 0, 3)
-    t43 += ((t13.reshape((d_V, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
-    t48 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t49 = t48.view((d_ff, d_V, d_ff, d_V))
-    t50 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t6.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t51 = ((t7.reshape((n_batch, L, d_ff, 1)) * t38.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t49[...] = ((t51.reshape((d_ff**2, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+    t25 = torch.exp(F - F.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = t6 * A26
+    t28 = t27 - Y
+    t29 = (1/L) * t28
+    G = t29
+    t30 = (1/n_batch) * t2
+    t31 = G.permute(2, 0, 1)
+    t32 = ((t4.reshape((n_batch, L, d_ff, 1)) * t30.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20[...] = ((t21.reshape((d_V*d_ff, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
+    t24 += ((t31.reshape((d_V, L*n_batch)) @ t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t34 = t33.view((d_ff, d_V, d_V, d_ff))
+    t35 = t3.transpose(-1, -2)
+    t36 = t7.transpose(-1, -2)
+    t37 = (1/(L*n_batch)) * t36
+    t38 = ((X.reshape((n_batch, L, d_V, 1)) * t37.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t39 = (t4.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t40 = ((t39.permute(1, 2, 0, 3) @ t14.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t41 = t34.diagonal(0, 0, 3)
+    t42 = G.transpose(-1, -2)
+    t43 = t4.transpose(-1, -2)
+    t44 = (1/n_batch) * t42
+    t45 = X.permute(2, 0, 1)
+    t46 = ((t43.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t34[...] = ((t38.reshape((d_V*d_ff, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
+    t41 += ((t45.reshape((d_V, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t47 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t48 = t47.view((d_ff, d_V, d_ff, d_V))
+    t49 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t6.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t50 = ((t7.reshape((n_batch, L, d_ff, 1)) * t37.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t48[...] = ((t50.reshape((d_ff**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -2455,13 +2449,13 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = X * t11.permute(0, 2, 1)
+    t12 = (X * t11.permute(0, 2, 1)).permute(2, 0, 1)
     t13 = t3 * t3
-    t14 = ((t13.reshape((n_batch, L, d_ff, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t15 = (t10.permute(1, 0).reshape((d_ff, d_V, 1)) * W_2.reshape((d_ff, 1, d_V)))
-    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t17 = (t15.permute(0, 2, 1).reshape((d_ff, d_V**2)) @ t16.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
-    t0[...] = ((t14.permute(1, 0, 2, 3).reshape((d_ff, d_V, L*n_batch)) @ t17.reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))).permute(1, 0)
+    t16 = (t15.reshape((d_ff, d_V**2)) @ t14.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
+    t17 = t16 * t13.permute(2, 0, 1)
+    t0[...] = (t12.reshape((d_V, L*n_batch)) @ t17.permute(1, 2, 0).reshape((L*n_batch, d_ff)))
     return out
 
 
@@ -2515,14 +2509,13 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = X.permute(2, 0, 1)
+    t12 = ((X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t13 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t14 = (t13.reshape((L*d_V*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V, d_ff))
     t15 = (t14.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t16 = (t3.reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t17 = (t15.reshape((n_batch, L, d_ff, d_ff, 1)) * t3.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t18 = ((t17.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_ff, 1)) * t16.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, 1, d_V)))).permute(4, 0, 3, 1, 2)
-    t0[...] = ((t12.reshape((d_V, L*n_batch)) @ t18.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(1, 2, 0, 3)
+    t16 = (t3.reshape((n_batch, L, d_ff, 1)) * t3.reshape((n_batch, L, 1, d_ff)))
+    t17 = (t16 * t15).permute(3, 2, 0, 1)
+    t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     return out
 
 
@@ -2581,24 +2574,23 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t10 = (1/(L*n_batch)) * t1
-    t11 = t6.permute(2, 0, 1)
+    t11 = ((t6.reshape((n_batch, L, d_ff, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t13 = (t12.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t14 = (t3.reshape((n_batch, L, d_ff, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t15 = ((t14.permute(2, 0, 1, 3).reshape((d_ff, n_batch, L, d_V, 1)) * t13.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, 1, d_V)))).permute(3, 0, 4, 1, 2)
-    t16 = t0.diagonal(0, 1, 2)
+    t14 = ((t13.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t3.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t15 = t0.diagonal(0, 1, 2)
     F = t7
-    t17 = torch.exp(F - F.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = t5 * A18
-    t20 = t19 - Y
-    t21 = (1/L) * t20
-    G = t21
-    t22 = (1/n_batch) * t1
-    t23 = G.permute(2, 0, 1)
-    t24 = ((t3.reshape((n_batch, L, d_ff, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t11.reshape((d_ff, L*n_batch)) @ t15.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**2*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
-    t16 += ((t23.reshape((d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t5 * A17
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = (1/n_batch) * t1
+    t22 = G.permute(2, 0, 1)
+    t23 = ((t3.reshape((n_batch, L, d_ff, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t11.reshape((d_V*d_ff, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
+    t15 += ((t22.reshape((d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     return out
 
 
@@ -2727,24 +2719,24 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t14 = t13.transpose(-1, -2)
     t15 = (1/(L*n_batch)) * t4
-    t16 = X.permute(2, 0, 1)
-    t17 = (t12.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
-    t18 = (t6.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t19 = (t17.reshape((d_ff, n_batch, L, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))
-    t20 = ((t19.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, d_ff, 1)) * t18.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_ff)))).permute(4, 0, 3, 1, 2)
-    t21 = t0.diagonal(0, 0, 3)
+    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (t14.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t12.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t19 = ((t18.permute(1, 2, 0, 3) @ t17.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t20 = t0.diagonal(0, 0, 3)
     F = t9
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t6 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = G.transpose(-1, -2)
-    t28 = (1/n_batch) * t27
-    t29 = ((t13.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t16.reshape((d_V, L*n_batch)) @ t20.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V*d_ff**2))).reshape((d_V, d_ff, d_V, d_ff))).permute(1, 2, 0, 3)
-    t21 += ((t16.reshape((d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t6 * A22
+    t24 = t23 - Y
+    t25 = (1/L) * t24
+    G = t25
+    t26 = G.transpose(-1, -2)
+    t27 = (1/n_batch) * t26
+    t28 = X.permute(2, 0, 1)
+    t29 = ((t13.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t27.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t16.reshape((d_V*d_ff, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
+    t20 += ((t28.reshape((d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
     return out
 
 

@@ -3424,9 +3424,9 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t9 = (t7 @ t2)
     t10 = t9 * t6.permute(0, 2, 1)
-    t11 = (t8.permute(1, 0).reshape((L, n_batch, 1)) * Mcausal.reshape((L, 1, L)))
-    t12 = (t11.reshape((L, L*n_batch)) @ t10.permute(0, 2, 1).reshape((L*n_batch, L)))
-    return (2/(L*d_K*d_V*n_batch)) * (t12 * Mcausal).sum()
+    t11 = (t10.permute(0, 2, 1).reshape((L*n_batch, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, L))
+    t12 = (t11.permute(2, 0, 1) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch))
+    return (2/(L*d_K*d_V*n_batch)) * (t12 * t8.permute(1, 0)).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3647,9 +3647,9 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = (t8.reshape((n_batch, L, 1, d_K)) @ t2.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t10 = (X @ t0)
     t11 = t10 * t7.permute(0, 2, 1)
-    t12 = (t9.permute(1, 0).reshape((L, n_batch, 1)) * t3.permute(1, 0).reshape((L, 1, L)))
-    t13 = (t12.reshape((L, L*n_batch)) @ t11.permute(0, 2, 1).reshape((L*n_batch, L)))
-    return (2/(L*d_K*d_V*n_batch)) * (t13 * t3.permute(1, 0)).sum()
+    t12 = (t11.permute(0, 2, 1).reshape((L*n_batch, L)) @ t3).reshape((n_batch, L, L))
+    t13 = (t12.permute(2, 0, 1) @ t3.permute(1, 0).reshape((L, L, 1))).reshape((L, n_batch))
+    return (2/(L*d_K*d_V*n_batch)) * (t13 * t9.permute(1, 0)).sum()
 
 
 def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -5222,9 +5222,9 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t9 = (t7 @ t2)
     t10 = t9 * t6.permute(0, 2, 1)
-    t11 = (t8.permute(1, 0).reshape((L, n_batch, 1)) * Mcausal.reshape((L, 1, L)))
-    t12 = (t11.reshape((L, L*n_batch)) @ t10.permute(0, 2, 1).reshape((L*n_batch, L)))
-    return (2/(L*d_K*d_V*n_batch)) * (t12 * Mcausal).sum()
+    t11 = (t10.permute(0, 2, 1).reshape((L*n_batch, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, L))
+    t12 = (t11.permute(2, 0, 1) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch))
+    return (2/(L*d_K*d_V*n_batch)) * (t12 * t8.permute(1, 0)).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -5509,9 +5509,9 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = (t8.reshape((n_batch, L, 1, d_K)) @ t2.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t10 = (X @ t0)
     t11 = t10 * t7.permute(0, 2, 1)
-    t12 = (t9.permute(1, 0).reshape((L, n_batch, 1)) * t3.permute(1, 0).reshape((L, 1, L)))
-    t13 = (t12.reshape((L, L*n_batch)) @ t11.permute(0, 2, 1).reshape((L*n_batch, L)))
-    return (2/(L*d_K*d_V*n_batch)) * (t13 * t3.permute(1, 0)).sum()
+    t12 = (t11.permute(0, 2, 1).reshape((L*n_batch, L)) @ t3).reshape((n_batch, L, L))
+    t13 = (t12.permute(2, 0, 1) @ t3.permute(1, 0).reshape((L, L, 1))).reshape((L, n_batch))
+    return (2/(L*d_K*d_V*n_batch)) * (t13 * t9.permute(1, 0)).sum()
 
 
 def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -10524,83 +10524,81 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t15 = t5.transpose(-1, -2)
     t16 = t4.transpose(-1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = X.permute(2, 0, 1)
+    t18 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t19 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t20 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
     t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t22 = (t21.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t17.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
     t23 = (t22.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
     t24 = (t23.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t16).reshape((n_batch, L, d_K, d_K))
-    t26 = ((t25.reshape((n_batch, L, d_K**2, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
-    t1[...] = ((t18.reshape((d_V, L*n_batch)) @ t26.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
-    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = X @ W_Q
-    t30 = t29.permute(2, 0, 1)
-    t31 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
-    t32 = ((t31.reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
-    t28[...] = (t32.reshape((d_K*d_V**2, L*n_batch)) @ t30.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
-    t33 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t34 = t33.view((d_V, d_K, d_V, d_V))
-    t35 = t11 @ X
-    t36 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t37 = t35.permute(2, 0, 1)
-    t38 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t39 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-    t40 = (t39.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t36.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t41 = (t40.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-    t42 = ((t41.permute(0, 1, 3, 2).reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
-    t34[...] = ((t37.reshape((d_V, L*n_batch)) @ t42.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
-    t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t44 = t43.view((d_V, d_K, d_V, d_K))
-    t45 = t29.transpose(-1, -2)
-    t46 = Mcausal.transpose(-1, -2)
-    t47 = Y.transpose(-1, -2)
-    t48 = t47.sum(-2, keepdim=True)
-    t49 = t48.expand(*t48.shape[:-2], d_V, t48.shape[-1])
-    t50 = (1/(L*d_K*n_batch)) * t46
-    t51 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t52 = (t51.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t53 = (t52.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t50.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t54 = (t53.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
-    t55 = (t54.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t56 = (t55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
-    t57 = ((t56.reshape((n_batch, L, d_K*d_V, 1)) * t45.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_K, d_K))).permute(2, 4, 3, 0, 1)
-    t44[...] = ((t18.reshape((d_V, L*n_batch)) @ t57.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
-    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t59 = t58.view((d_V, d_K, d_V, d_K))
-    t60 = (t55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t61 = ((t60.reshape((n_batch, L, d_V**2, 1)) * t45.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
-    t59[...] = (t61.reshape((d_K*d_V**2, L*n_batch)) @ t30.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
-    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t63 = t62.view((d_V, d_K, d_V, d_V))
-    t64 = (1/(L*math.sqrt(d_K)*n_batch)) * t46
-    t65 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t66 = (t65.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-    t67 = (t66.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t64.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t68 = (t67.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
-    t69 = ((t68.permute(0, 1, 3, 2).reshape((n_batch, L, d_V**2, 1)) * t45.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
-    t63[...] = ((t37.reshape((d_V, L*n_batch)) @ t69.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
-    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t71 = t70.view((d_V, d_V, d_V, d_K))
-    t72 = t35.transpose(-1, -2)
-    t73 = (t19.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t36.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t74 = (t73.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
-    t75 = (t7.reshape((n_batch, L, d_V, 1)) * t72.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t76 = ((t75.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t74.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_K)))).permute(3, 0, 4, 1, 2)
-    t71[...] = ((t18.reshape((d_V, L*n_batch)) @ t76.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_V, d_K))).permute(1, 2, 0, 3)
-    t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t78 = t77.view((d_V, d_V, d_V, d_K))
-    t79 = (t73.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t80 = ((t75.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t79.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)))).permute(3, 0, 4, 1, 2)
-    t78[...] = (t80.reshape((d_V**3, L*n_batch)) @ t30.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_V, d_V, d_K))
-    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t82 = t81.view((d_V, d_V, d_V, d_V))
-    t83 = (1/(L*n_batch)) * t72
-    t84 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t85 = ((t35.reshape((n_batch, L, d_V, 1)) * t83.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t82[...] = ((t85.reshape((d_V**2, L*n_batch)) @ t84.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    t25 = ((t16.permute(0, 2, 1) @ t24.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
+    t1[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27 = t26.view((d_V, d_K, d_V, d_K))
+    t28 = X @ W_Q
+    t29 = ((t28.reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t30 = ((X.permute(0, 2, 1) @ t24.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
+    t27[...] = ((t30.reshape((d_K*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t32 = t31.view((d_V, d_K, d_V, d_V))
+    t33 = t11 @ X
+    t34 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t35 = ((t33.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t36 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, L)))
+    t37 = (t36.permute(0, 2, 3, 1) @ dA)
+    t38 = (t37.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t34.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t39 = ((t4 @ t38.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
+    t32[...] = ((t35.reshape((d_V**2, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t41 = t40.view((d_V, d_K, d_V, d_K))
+    t42 = t28.transpose(-1, -2)
+    t43 = Mcausal.transpose(-1, -2)
+    t44 = Y.transpose(-1, -2)
+    t45 = t44.sum(-2, keepdim=True)
+    t46 = t45.expand(*t45.shape[:-2], d_V, t45.shape[-1])
+    t47 = (1/(L*d_K*n_batch)) * t43
+    t48 = ((X.reshape((n_batch, L, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t49 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t50 = (t49.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t51 = (t50.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t47.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t52 = (t51.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t53 = (t52.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t54 = ((t16.permute(0, 2, 1) @ t53.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+    t41[...] = ((t48.reshape((d_K*d_V, L*n_batch)) @ t54.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t55 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t56 = t55.view((d_V, d_K, d_V, d_K))
+    t57 = ((t28.reshape((n_batch, L, d_K, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t58 = ((X.permute(0, 2, 1) @ t53.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t56[...] = ((t58.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t59 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t60 = t59.view((d_V, d_K, d_V, d_V))
+    t61 = (1/(L*math.sqrt(d_K)*n_batch)) * t43
+    t62 = ((t33.reshape((n_batch, L, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t63 = (t46.reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, L)))
+    t64 = (t63.permute(0, 2, 3, 1) @ dA)
+    t65 = (t64.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t61.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t66 = ((t2 @ t65.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t60[...] = ((t62.reshape((d_K*d_V, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t68 = t67.view((d_V, d_V, d_V, d_K))
+    t69 = t33.transpose(-1, -2)
+    t70 = ((X.reshape((n_batch, L, d_V, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t71 = (t19.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t34.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t72 = (t71.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
+    t73 = ((t72.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t68[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t75 = t74.view((d_V, d_V, d_V, d_K))
+    t76 = ((t28.reshape((n_batch, L, d_K, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t77 = (t71.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t78 = ((t77.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t75[...] = ((t78.reshape((d_V**2, L*n_batch)) @ t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t80 = t79.view((d_V, d_V, d_V, d_V))
+    t81 = (1/(L*n_batch)) * t69
+    t82 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t83 = ((t33.reshape((n_batch, L, d_V, 1)) * t81.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t80[...] = ((t83.reshape((d_V**2, L*n_batch)) @ t82.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -10834,14 +10832,14 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t16 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t16 = (Mcausal.reshape((L, L, 1)) * Mcausal.reshape((L, 1, L)))
     t17 = (t14 @ t2)
-    t18 = (t16.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t20 = (t19.reshape((n_batch, L, L**2, 1)) * t15.reshape((n_batch, L, 1, 1))).reshape((n_batch, L, L, L))
-    t21 = (t20.permute(2, 3, 1, 0) @ t17.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L, L))
-    t22 = (t21.permute(2, 0, 1) @ Mcausal.reshape((L, L, 1))).reshape((L, L))
-    return (1/(L*d_K*n_batch)) * (t22 * Mcausal).sum()
+    t18 = (t17.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * t16.permute(1, 2, 0).reshape((L, L, 1, L)))
+    t19 = (t18.permute(2, 1, 3, 0).reshape((n_batch, L**2, L)) @ t13.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t20 = (t19.permute(0, 2, 1, 3) @ dA.permute(0, 1, 3, 2))
+    t21 = (t20.permute(0, 3, 1, 2) @ t3.permute(0, 2, 1).reshape((n_batch, d_V, L, 1))).reshape((n_batch, d_V, L))
+    t22 = (t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) @ t5.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t22 * t15).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -10873,16 +10871,15 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = X.permute(2, 0, 1)
+    t17 = ((X.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
     t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
     t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
     t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t15).reshape((n_batch, L, d_K, d_K))
-    t25 = ((t24.reshape((n_batch, L, d_K**2, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
-    t0[...] = ((t17.reshape((d_V, L*n_batch)) @ t25.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
+    t24 = ((t15.permute(0, 2, 1) @ t23.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -10959,16 +10956,15 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = t4.transpose(-1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = t15.permute(2, 0, 1)
+    t17 = ((t15.reshape((n_batch, L, d_K, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
     t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
     t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
     t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
-    t25 = ((t24.reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
-    t0[...] = (t25.reshape((d_K*d_V**2, L*n_batch)) @ t17.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
+    t24 = ((X.permute(0, 2, 1) @ t23.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
+    t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -11044,13 +11040,12 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t10 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = t14.permute(2, 0, 1)
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t18 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-    t19 = (t18.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t15.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t20 = (t19.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-    t21 = ((t20.permute(0, 1, 3, 2).reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
-    t0[...] = ((t16.reshape((d_V, L*n_batch)) @ t21.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
+    t16 = ((t14.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (t6.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t4.permute(0, 2, 1).reshape((n_batch, d_V, 1, L)))
+    t18 = (t17.permute(0, 2, 3, 1) @ dA)
+    t19 = (t18.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t15.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t20 = ((t3 @ t19.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
 
@@ -11167,14 +11162,14 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = (t8.reshape((n_batch, L, 1, d_K)) @ t2.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
-    t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (Mcausal.reshape((L, L, 1)) * t3.permute(1, 0).reshape((L, 1, L)))
     t20 = (X @ t0)
-    t21 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t23 = (t22.reshape((n_batch, L, L**2, 1)) * t18.reshape((n_batch, L, 1, 1))).reshape((n_batch, L, L, L))
-    t24 = (t23.permute(2, 3, 1, 0) @ t20.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L, L))
-    t25 = (t24.permute(2, 0, 1) @ t3.permute(1, 0).reshape((L, L, 1))).reshape((L, L))
-    return (1/(L*d_K*n_batch)) * (t25 * Mcausal).sum()
+    t21 = (t20.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * t19.permute(1, 2, 0).reshape((L, L, 1, L)))
+    t22 = (t21.permute(2, 1, 3, 0).reshape((n_batch, L**2, L)) @ t17.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t23 = (t22.permute(0, 2, 1, 3) @ dA.permute(0, 1, 3, 2))
+    t24 = (t23.permute(0, 3, 1, 2) @ t4.permute(0, 2, 1).reshape((n_batch, d_V, L, 1))).reshape((n_batch, d_V, L))
+    t25 = (t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t25 * t18).sum()
 
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -11210,16 +11205,15 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t18 = t5.transpose(-1, -2)
     t19 = t11.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = X.permute(2, 0, 1)
+    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t22 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t23 = (t22.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
     t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t25 = (t24.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
     t26 = (t25.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
     t27 = (t26.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t28 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t19).reshape((n_batch, L, d_V, d_K))
-    t29 = ((t28.reshape((n_batch, L, d_K*d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_K, d_K))).permute(2, 4, 3, 0, 1)
-    t0[...] = ((t21.reshape((d_V, L*n_batch)) @ t29.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
+    t28 = ((t19.permute(0, 2, 1) @ t27.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+    t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -11303,16 +11297,15 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = t9.permute(2, 0, 1)
+    t20 = ((t9.reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
     t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
     t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
     t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t27 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t28 = ((t27.reshape((n_batch, L, d_V**2, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
-    t0[...] = (t28.reshape((d_K*d_V**2, L*n_batch)) @ t20.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
+    t27 = ((X.permute(0, 2, 1) @ t26.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t0[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -11395,13 +11388,12 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t14 @ X
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t20 = t18.permute(2, 0, 1)
-    t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t24 = (t23.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
-    t25 = ((t24.permute(0, 1, 3, 2).reshape((n_batch, L, d_V**2, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
-    t0[...] = ((t20.reshape((d_V, L*n_batch)) @ t25.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
+    t20 = ((t18.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t21 = (t8.reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, L)))
+    t22 = (t21.permute(0, 2, 3, 1) @ dA)
+    t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t24 = ((t1 @ t23.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t0[...] = ((t20.reshape((d_K*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -11549,13 +11541,12 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ t1
     t19 = t4.transpose(-1, -2)
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = X.permute(2, 0, 1)
+    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t22 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t19).reshape((n_batch, L, d_V, d_K))
-    t25 = (t12.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t26 = ((t25.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_K)))).permute(3, 0, 4, 1, 2)
-    t0[...] = ((t21.reshape((d_V, L*n_batch)) @ t26.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_V, d_K))).permute(1, 2, 0, 3)
+    t25 = ((t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -11636,13 +11627,12 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ t1
     t19 = X @ W_Q
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = t19.permute(2, 0, 1)
+    t21 = ((t19.reshape((n_batch, L, d_K, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t22 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t25 = (t12.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t26 = ((t25.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)))).permute(3, 0, 4, 1, 2)
-    t0[...] = (t26.reshape((d_V**3, L*n_batch)) @ t21.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_V, d_V, d_K))
+    t25 = ((t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
 
@@ -12610,125 +12600,122 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t15 = t5.transpose(-1, -2)
     t16 = t4.transpose(-1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = X.permute(2, 0, 1)
+    t18 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t19 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t20 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
     t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t22 = (t21.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t17.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
     t23 = (t22.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
     t24 = (t23.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t16).reshape((n_batch, L, d_K, d_K))
-    t26 = ((t25.reshape((n_batch, L, d_K**2, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
-    t1[...] = ((t18.reshape((d_V, L*n_batch)) @ t26.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
-    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = X @ W_Q
-    t30 = t29.permute(2, 0, 1)
-    t31 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
-    t32 = ((t31.reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
-    t33 = t28.diagonal(0, 1, 3)
+    t25 = ((t16.permute(0, 2, 1) @ t24.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
+    t1[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27 = t26.view((d_V, d_K, d_V, d_K))
+    t28 = X @ W_Q
+    t29 = ((t28.reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t30 = ((X.permute(0, 2, 1) @ t24.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
+    t31 = t27.diagonal(0, 1, 3)
     F = t12
-    t34 = torch.exp(F - F.amax(-1, keepdim=True))
-    A35 = t34 / t34.sum(-1, keepdim=True)
-    t36 = t7 * A35
-    t37 = t36 - Y
-    t38 = (1/L) * t37
-    G = t38
-    t39 = G @ t15
-    t40 = Mcausal * t39
-    t41 = t40 @ X
-    t42 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t43 = (1/(math.sqrt(d_K)*n_batch)) * t42
-    t44 = (t41.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t28[...] = (t32.reshape((d_K*d_V**2, L*n_batch)) @ t30.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
-    t33 += (t44.permute(1, 0).reshape((d_V**2, 1)) * t43.reshape((1, d_K))).reshape((d_V, d_V, d_K))
-    t45 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46 = t45.view((d_V, d_K, d_V, d_V))
-    t47 = t11 @ X
-    t48 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t49 = t47.permute(2, 0, 1)
-    t50 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t51 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t52 = (t51.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t50.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-    t53 = (t52.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t48.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t54 = (t53.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-    t55 = ((t54.permute(0, 1, 3, 2).reshape((n_batch, L, d_K*d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
-    t56 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t57 = (t56.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t58 = ((G.permute(0, 2, 1) @ t57.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t59 = ((X.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t46[...] = ((t49.reshape((d_V, L*n_batch)) @ t55.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
-    t46 += ((t59.reshape((d_K*d_V, L*n_batch)) @ t58.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t60 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t61 = t60.view((d_V, d_K, d_V, d_K))
-    t62 = t29.transpose(-1, -2)
-    t63 = Mcausal.transpose(-1, -2)
-    t64 = Y.transpose(-1, -2)
-    t65 = t64.sum(-2, keepdim=True)
-    t66 = t65.expand(*t65.shape[:-2], d_V, t65.shape[-1])
-    t67 = (1/(L*d_K*n_batch)) * t63
-    t68 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t66.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t69 = (t68.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t70 = (t69.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t67.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t71 = (t70.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
-    t72 = (t71.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t73 = (t72.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
-    t74 = ((t73.reshape((n_batch, L, d_K*d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_K, d_K))).permute(2, 4, 3, 0, 1)
-    t75 = t61.diagonal(0, 1, 3)
-    t76 = t39.transpose(-1, -2)
-    t77 = t76 * t63
-    t78 = (t77.permute(0, 2, 1) @ t2.permute(0, 2, 1))
-    t79 = (t78.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
-    t61[...] = ((t18.reshape((d_V, L*n_batch)) @ t74.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
-    t75 += (t79.reshape((d_V**2, 1)) * t43.reshape((1, d_K))).reshape((d_V, d_V, d_K))
-    t80 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t81 = t80.view((d_V, d_K, d_V, d_K))
-    t82 = (t72.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t83 = ((t82.reshape((n_batch, L, d_V**2, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
-    t81[...] = (t83.reshape((d_K*d_V**2, L*n_batch)) @ t30.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
-    t84 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t85 = t84.view((d_V, d_K, d_V, d_V))
-    t86 = (1/(math.sqrt(d_K)*n_batch)) * t63
-    t87 = (t86.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t88 = ((X.permute(0, 2, 1) @ t87.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t89 = ((G.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t90 = (1/(L*math.sqrt(d_K)*n_batch)) * t63
-    t91 = ((t47.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t92 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t66.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t93 = (t92.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t50.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-    t94 = (t93.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t90.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t95 = ((t2 @ t94.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
-    t85[...] = ((t88.reshape((d_V**2, L*n_batch)) @ t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t85 += ((t91.reshape((d_K*d_V, L*n_batch)) @ t95.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t97 = t96.view((d_V, d_V, d_V, d_K))
-    t98 = T.transpose(-1, -2)
-    t99 = t63 * t98
-    t100 = (t99.permute(0, 2, 1) @ t2.permute(0, 2, 1))
-    t101 = ((t100.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t102 = (t19.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t48.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t103 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
-    t104 = ((t103.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
-    t105 = G.transpose(-1, -2)
-    t106 = ((t16.permute(0, 2, 1) @ t87.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t107 = ((X.reshape((n_batch, L, d_V, 1)) * t105.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t97[...] = ((t101.reshape((d_V**2, L*n_batch)) @ t104.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t97 += ((t107.reshape((d_V**2, L*n_batch)) @ t106.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t109 = t108.view((d_V, d_V, d_V, d_K))
-    t110 = ((t100.reshape((n_batch, L, d_V, 1)) * t29.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
-    t111 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t112 = ((t111.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t113 = ((t29.reshape((n_batch, L, d_K, 1)) * t105.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t109[...] = ((t112.reshape((d_V**2, L*n_batch)) @ t110.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t109 += ((t88.reshape((d_V**2, L*n_batch)) @ t113.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t114 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t115 = t114.view((d_V, d_V, d_V, d_V))
-    t116 = t47.transpose(-1, -2)
-    t117 = (1/(L*n_batch)) * t116
-    t118 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t119 = ((t47.reshape((n_batch, L, d_V, 1)) * t117.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t115[...] = ((t119.reshape((d_V**2, L*n_batch)) @ t118.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    t32 = torch.exp(F - F.amax(-1, keepdim=True))
+    A33 = t32 / t32.sum(-1, keepdim=True)
+    t34 = t7 * A33
+    t35 = t34 - Y
+    t36 = (1/L) * t35
+    G = t36
+    t37 = G @ t15
+    t38 = Mcausal * t37
+    t39 = t38 @ X
+    t40 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t41 = (1/(math.sqrt(d_K)*n_batch)) * t40
+    t42 = (t39.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t27[...] = ((t30.reshape((d_K*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t31 += (t42.permute(1, 0).reshape((d_V**2, 1)) * t41.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t43 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44 = t43.view((d_V, d_K, d_V, d_V))
+    t45 = t11 @ X
+    t46 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t47 = ((t45.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t48 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t49 = (t48.reshape((d_V, n_batch, L, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, 1, L)))
+    t50 = (t49.permute(1, 3, 2, 0) @ dA)
+    t51 = (t50.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t46.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t52 = ((t4 @ t51.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
+    t53 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t54 = (t53.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t55 = ((G.permute(0, 2, 1) @ t54.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t56 = ((X.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t44[...] = ((t47.reshape((d_V**2, L*n_batch)) @ t52.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t44 += ((t56.reshape((d_K*d_V, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t57 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t58 = t57.view((d_V, d_K, d_V, d_K))
+    t59 = t28.transpose(-1, -2)
+    t60 = Mcausal.transpose(-1, -2)
+    t61 = Y.transpose(-1, -2)
+    t62 = t61.sum(-2, keepdim=True)
+    t63 = t62.expand(*t62.shape[:-2], d_V, t62.shape[-1])
+    t64 = (1/(L*d_K*n_batch)) * t60
+    t65 = ((X.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t66 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t63.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t67 = (t66.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t68 = (t67.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t64.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+    t69 = (t68.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t70 = (t69.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t71 = ((t16.permute(0, 2, 1) @ t70.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+    t72 = t58.diagonal(0, 1, 3)
+    t73 = t37.transpose(-1, -2)
+    t74 = t73 * t60
+    t75 = (t74.permute(0, 2, 1) @ t2.permute(0, 2, 1))
+    t76 = (t75.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
+    t58[...] = ((t65.reshape((d_K*d_V, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t72 += (t76.reshape((d_V**2, 1)) * t41.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t77 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t78 = t77.view((d_V, d_K, d_V, d_K))
+    t79 = ((t28.reshape((n_batch, L, d_K, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t80 = ((X.permute(0, 2, 1) @ t70.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t78[...] = ((t80.reshape((d_V**2, L*n_batch)) @ t79.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t81 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t82 = t81.view((d_V, d_K, d_V, d_V))
+    t83 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t84 = (t83.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t85 = ((X.permute(0, 2, 1) @ t84.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t86 = ((G.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t87 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t88 = ((t45.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t89 = (t48.reshape((d_V, n_batch, L, 1)) * t63.permute(1, 0, 2).reshape((d_V, n_batch, 1, L)))
+    t90 = (t89.permute(1, 3, 2, 0) @ dA)
+    t91 = (t90.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t87.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t92 = ((t2 @ t91.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t82[...] = ((t85.reshape((d_V**2, L*n_batch)) @ t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t82 += ((t88.reshape((d_K*d_V, L*n_batch)) @ t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t93 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t94 = t93.view((d_V, d_V, d_V, d_K))
+    t95 = T.transpose(-1, -2)
+    t96 = t60 * t95
+    t97 = (t96.permute(0, 2, 1) @ t2.permute(0, 2, 1))
+    t98 = ((t97.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t99 = (t19.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t46.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t100 = (t99.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
+    t101 = ((t100.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t102 = G.transpose(-1, -2)
+    t103 = ((t16.permute(0, 2, 1) @ t84.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+    t104 = ((X.reshape((n_batch, L, d_V, 1)) * t102.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t94[...] = ((t98.reshape((d_V**2, L*n_batch)) @ t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t94 += ((t104.reshape((d_V**2, L*n_batch)) @ t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t105 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t106 = t105.view((d_V, d_V, d_V, d_K))
+    t107 = ((t97.reshape((n_batch, L, d_V, 1)) * t28.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t108 = (t99.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t109 = ((t108.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t110 = ((t28.reshape((n_batch, L, d_K, 1)) * t102.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t106[...] = ((t109.reshape((d_V**2, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t106 += ((t85.reshape((d_V**2, L*n_batch)) @ t110.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t111 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t112 = t111.view((d_V, d_V, d_V, d_V))
+    t113 = t45.transpose(-1, -2)
+    t114 = (1/(L*n_batch)) * t113
+    t115 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t116 = ((t45.reshape((n_batch, L, d_V, 1)) * t114.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t112[...] = ((t116.reshape((d_V**2, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
 
@@ -13060,14 +13047,14 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t16 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t16 = (Mcausal.reshape((L, L, 1)) * Mcausal.reshape((L, 1, L)))
     t17 = (t14 @ t2)
-    t18 = (t16.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t20 = (t19.reshape((n_batch, L, L**2, 1)) * t15.reshape((n_batch, L, 1, 1))).reshape((n_batch, L, L, L))
-    t21 = (t20.permute(2, 3, 1, 0) @ t17.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L, L))
-    t22 = (t21.permute(2, 0, 1) @ Mcausal.reshape((L, L, 1))).reshape((L, L))
-    return (1/(L*d_K*n_batch)) * (t22 * Mcausal).sum()
+    t18 = (t17.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * t16.permute(1, 2, 0).reshape((L, L, 1, L)))
+    t19 = (t18.permute(2, 1, 3, 0).reshape((n_batch, L**2, L)) @ t13.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t20 = (t19.permute(0, 2, 1, 3) @ dA.permute(0, 1, 3, 2))
+    t21 = (t20.permute(0, 3, 1, 2) @ t3.permute(0, 2, 1).reshape((n_batch, d_V, L, 1))).reshape((n_batch, d_V, L))
+    t22 = (t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) @ t5.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t22 * t15).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -13099,16 +13086,15 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = X.permute(2, 0, 1)
+    t17 = ((X.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
     t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
     t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
     t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t15).reshape((n_batch, L, d_K, d_K))
-    t25 = ((t24.reshape((n_batch, L, d_K**2, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_K, d_V))).permute(4, 2, 3, 0, 1)
-    t0[...] = ((t17.reshape((d_V, L*n_batch)) @ t25.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
+    t24 = ((t15.permute(0, 2, 1) @ t23.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
+    t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -13185,31 +13171,30 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = t4.transpose(-1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = t15.permute(2, 0, 1)
+    t17 = ((t15.reshape((n_batch, L, d_K, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
     t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
     t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
     t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-    t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
-    t25 = ((t24.reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
-    t26 = t0.diagonal(0, 1, 3)
+    t24 = ((X.permute(0, 2, 1) @ t23.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
+    t25 = t0.diagonal(0, 1, 3)
     F = t11
-    t27 = torch.exp(F - F.amax(-1, keepdim=True))
-    A28 = t27 / t27.sum(-1, keepdim=True)
-    t29 = t6 * A28
-    t30 = t29 - Y
-    t31 = (1/L) * t30
-    G = t31
-    t32 = G @ t14
-    t33 = Mcausal * t32
-    t34 = t33 @ X
-    t35 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
-    t37 = (t34.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t0[...] = (t25.reshape((d_K*d_V**2, L*n_batch)) @ t17.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
-    t26 += (t37.permute(1, 0).reshape((d_V**2, 1)) * t36.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t26 = torch.exp(F - F.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = t6 * A27
+    t29 = t28 - Y
+    t30 = (1/L) * t29
+    G = t30
+    t31 = G @ t14
+    t32 = Mcausal * t31
+    t33 = t32 @ X
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t36 = (t33.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t25 += (t36.permute(1, 0).reshape((d_V**2, 1)) * t35.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -13302,26 +13287,25 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t14 = t9 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = t14.permute(2, 0, 1)
+    t16 = ((t14.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t17 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t17.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-    t20 = (t19.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t15.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
-    t21 = (t20.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-    t22 = ((t21.permute(0, 1, 3, 2).reshape((n_batch, L, d_K*d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))).permute(4, 2, 3, 0, 1)
+    t18 = (t17.reshape((d_V, n_batch, L, 1)) * t5.permute(2, 0, 1).reshape((d_V, n_batch, 1, L)))
+    t19 = (t18.permute(1, 3, 2, 0) @ dA)
+    t20 = (t19.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t15.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t21 = ((t3 @ t20.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     F = t11
-    t23 = torch.exp(F - F.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = t5 * A24
-    t26 = t25 - Y
-    t27 = (1/L) * t26
-    G = t27
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t29 = (t28.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
-    t30 = ((G.permute(0, 2, 1) @ t29.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t31 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t0[...] = ((t16.reshape((d_V, L*n_batch)) @ t22.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
-    t0 += ((t31.reshape((d_K*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t5 * A23
+    t25 = t24 - Y
+    t26 = (1/L) * t25
+    G = t26
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t28 = (t27.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t29 = ((G.permute(0, 2, 1) @ t28.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t30 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t0 += ((t30.reshape((d_K*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
 
@@ -13459,14 +13443,14 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t17 = t4.transpose(-1, -2)
     t18 = (t8.reshape((n_batch, L, 1, d_K)) @ t2.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
-    t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t19 = (Mcausal.reshape((L, L, 1)) * t3.permute(1, 0).reshape((L, 1, L)))
     t20 = (X @ t0)
-    t21 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t23 = (t22.reshape((n_batch, L, L**2, 1)) * t18.reshape((n_batch, L, 1, 1))).reshape((n_batch, L, L, L))
-    t24 = (t23.permute(2, 3, 1, 0) @ t20.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L, L))
-    t25 = (t24.permute(2, 0, 1) @ t3.permute(1, 0).reshape((L, L, 1))).reshape((L, L))
-    return (1/(L*d_K*n_batch)) * (t25 * Mcausal).sum()
+    t21 = (t20.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * t19.permute(1, 2, 0).reshape((L, L, 1, L)))
+    t22 = (t21.permute(2, 1, 3, 0).reshape((n_batch, L**2, L)) @ t17.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t23 = (t22.permute(0, 2, 1, 3) @ dA.permute(0, 1, 3, 2))
+    t24 = (t23.permute(0, 3, 1, 2) @ t4.permute(0, 2, 1).reshape((n_batch, d_V, L, 1))).reshape((n_batch, d_V, L))
+    t25 = (t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t25 * t18).sum()
 
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -13502,34 +13486,33 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = t5.transpose(-1, -2)
     t19 = t11.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = X.permute(2, 0, 1)
+    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t22 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t23 = (t22.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
     t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t25 = (t24.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
     t26 = (t25.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
     t27 = (t26.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t28 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t19).reshape((n_batch, L, d_V, d_K))
-    t29 = ((t28.reshape((n_batch, L, d_K*d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_K, d_K))).permute(2, 4, 3, 0, 1)
-    t30 = t0.diagonal(0, 1, 3)
-    t31 = Y.sum(-1, keepdim=True)
-    t32 = t31.expand(*t31.shape[:-1], d_V)
+    t28 = ((t19.permute(0, 2, 1) @ t27.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+    t29 = t0.diagonal(0, 1, 3)
+    t30 = Y.sum(-1, keepdim=True)
+    t31 = t30.expand(*t30.shape[:-1], d_V)
     F = t15
-    t33 = torch.exp(F - F.amax(-1, keepdim=True))
-    A34 = t33 / t33.sum(-1, keepdim=True)
-    t35 = t32 * A34
-    t36 = t35 - Y
-    t37 = (1/L) * t36
-    G = t37
-    t38 = G.transpose(-1, -2)
-    t39 = t5 @ t38
-    t40 = t39 * t4
-    t41 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
-    t43 = (t40.permute(0, 2, 1) @ t1.permute(0, 2, 1))
-    t44 = (t43.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
-    t0[...] = ((t21.reshape((d_V, L*n_batch)) @ t29.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K**2*d_V))).reshape((d_V, d_V, d_K, d_K))).permute(1, 2, 0, 3)
-    t30 += (t44.reshape((d_V**2, 1)) * t42.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t32 = torch.exp(F - F.amax(-1, keepdim=True))
+    A33 = t32 / t32.sum(-1, keepdim=True)
+    t34 = t31 * A33
+    t35 = t34 - Y
+    t36 = (1/L) * t35
+    G = t36
+    t37 = G.transpose(-1, -2)
+    t38 = t5 @ t37
+    t39 = t38 * t4
+    t40 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t41 = (1/(math.sqrt(d_K)*n_batch)) * t40
+    t42 = (t39.permute(0, 2, 1) @ t1.permute(0, 2, 1))
+    t43 = (t42.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
+    t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t29 += (t43.reshape((d_V**2, 1)) * t41.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -13632,16 +13615,15 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = t9.permute(2, 0, 1)
+    t20 = ((t9.reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
     t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
     t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
     t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t27 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t28 = ((t27.reshape((n_batch, L, d_V**2, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))).permute(2, 4, 3, 0, 1)
-    t0[...] = (t28.reshape((d_K*d_V**2, L*n_batch)) @ t20.permute(1, 2, 0).reshape((L*n_batch, d_K))).reshape((d_V, d_K, d_V, d_K))
+    t27 = ((X.permute(0, 2, 1) @ t26.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t0[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
 
@@ -13739,9 +13721,9 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
     t31 = ((t29.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t32 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t33 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t25.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t34 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t32.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-    t35 = (t34.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t30.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t33 = (t32.reshape((d_V, n_batch, L, 1)) * t25.permute(1, 0, 2).reshape((d_V, n_batch, 1, L)))
+    t34 = (t33.permute(1, 3, 2, 0) @ dA)
+    t35 = (t34.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t30.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
     t36 = ((t1 @ t35.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t31.reshape((d_K*d_V, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)

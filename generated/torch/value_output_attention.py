@@ -2294,9 +2294,9 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t21 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t22 = (t21.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    t23 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t23 * t22.permute(1, 0)).sum()
+    t22 = (W_K @ t0)
+    t23 = (t22.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t23 * t21).sum()
 
 
 def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -2746,10 +2746,11 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t23 = oe.contract('abc,abdd->abc', X, M_3)
-    t24 = (t23.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t24 * t22).sum()
+    t22 = oe.contract('abcc->ab', M_3)
+    t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t24 = (t23.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t25 = (t24.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t25 * t22).sum()
 
 
 def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -4419,8 +4420,8 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t29 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t30 = (t29.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    return (2/(L*d_K*d_V*n_batch)) * (t18 * t14).sum() + (1/(d_K*n_batch)) * (t15 * t30.permute(1, 0)).sum()
+    t30 = (t15.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (2/(L*d_K*d_V*n_batch)) * (t18 * t14).sum() + (1/(d_K*n_batch)) * (t30 * t29).sum()
 
 
 def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -5023,9 +5024,9 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t30 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t31 = oe.contract('abc,abdd->abc', X, M_3)
-    t32 = (t31.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
+    t30 = oe.contract('abcc->ab', M_3)
+    t31 = (t18.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t32 = (t31.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     return (2/(L*d_K*d_V*n_batch)) * (t19 * t16).sum() + (1/(d_K*n_batch)) * (t32 * t30).sum()
 
 
@@ -9916,9 +9917,9 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t23 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t24 = (t23.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    t25 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t25 * t24.permute(1, 0)).sum()
+    t24 = (W_K @ t0)
+    t25 = (t24.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t25 * t23).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -10388,10 +10389,11 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t25 = oe.contract('abc,abdd->abc', X, M_3)
-    t26 = (t25.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t26 * t24).sum()
+    t24 = oe.contract('abcc->ab', M_3)
+    t25 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t26 = (t25.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t27 = (t26.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t27 * t24).sum()
 
 
 def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -12111,8 +12113,8 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t31 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t32 = (t31.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    return (2/(L*d_K*d_V*n_batch)) * (t20 * t16).sum() + (1/(d_K*n_batch)) * (t17 * t32.permute(1, 0)).sum()
+    t32 = (t17.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (2/(L*d_K*d_V*n_batch)) * (t20 * t16).sum() + (1/(d_K*n_batch)) * (t32 * t31).sum()
 
 
 def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -12735,9 +12737,9 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t31.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t33 = oe.contract('abc,abdd->abc', X, M_3)
-    t34 = (t33.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
+    t32 = oe.contract('abcc->ab', M_3)
+    t33 = (t20.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t34 = (t33.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     return (2/(L*d_K*d_V*n_batch)) * (t21 * t18).sum() + (1/(d_K*n_batch)) * (t34 * t32).sum()
 
 
@@ -15883,13 +15885,13 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = t9.transpose(-1, -2)
     t19 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t21 = (W_K @ t0)
-    t22 = (t9.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t23 = (t22.permute(1, 2, 3, 0) @ t20)
-    t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t25 = (t24 @ t23.permute(0, 1, 3, 2))
-    t26 = (t25.reshape((L*n_batch, d_V**2)) @ t21.reshape((d_V**2, 1))).reshape((n_batch, L))
+    t20 = (W_K @ t0)
+    t21 = (t20.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t22 = (t21.reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+    t23 = (t22.permute(1, 2, 0, 3) @ dA17.permute(0, 1, 3, 2))
+    t24 = (t23.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t25 = (t24.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ t9.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t26 = (t25.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t11.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     return (1/(L*d_K*n_batch)) * (t26 * t19).sum()
 
 
@@ -16365,15 +16367,15 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
-    t20 = (M_2 @ M_2.permute(0, 1, 3, 2))
-    t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t22 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t23 = (t22.reshape((L*d_V*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V, d_V))
-    t24 = (t23 @ t20)
-    t25 = (t24.reshape((L*n_batch, d_V**2)) @ t10.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
-    t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t27 = (t26.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)) @ t21.reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
-    return (1/(L*d_K*n_batch)) * (t27 * t25).sum()
+    t20 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t21 = (t20.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t22 = (t21.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t24 = (t23 @ dA18.permute(0, 1, 3, 2))
+    t25 = (t24.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t26 = (t25.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ t10.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t27 = (t26.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t12.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t27 * t22).sum()
 
 
 def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -16841,10 +16843,10 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_O.transpose(-1, -2)
     t17 = (M_1.reshape((n_batch, L, 1, d_V)) @ t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t19 = (t18.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch)) @ t17.reshape((L*n_batch, 1))).reshape((d_V, d_V))
-    t20 = (t16 @ W_O)
-    return (1/(L*n_batch)) * (t20 * t19.permute(1, 0)).sum()
+    t18 = (t16 @ W_O)
+    t19 = (t18.permute(1, 0).reshape((d_V, 1, d_V)) @ dA.permute(2, 3, 0, 1).reshape((d_V, d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t20 = (t19.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t10.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*n_batch)) * (t20 * t17).sum()
 
 
 def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -18114,9 +18116,9 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t26 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t27 = (t26.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    t28 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t28 * t27.permute(1, 0)).sum()
+    t27 = (W_K @ t0)
+    t28 = (t27.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t28 * t26).sum()
 
 
 def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -18616,10 +18618,11 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t27 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t28 = oe.contract('abc,abdd->abc', X, M_3)
-    t29 = (t28.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t29 * t27).sum()
+    t27 = oe.contract('abcc->ab', M_3)
+    t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t29 = (t28.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t30 = (t29.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t30 * t27).sum()
 
 
 def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -20435,13 +20438,13 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
     t18 = t9.transpose(-1, -2)
     t19 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t21 = (W_K @ t0)
-    t22 = (t9.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t23 = (t22.permute(1, 2, 3, 0) @ t20)
-    t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t25 = (t24 @ t23.permute(0, 1, 3, 2))
-    t26 = (t25.reshape((L*n_batch, d_V**2)) @ t21.reshape((d_V**2, 1))).reshape((n_batch, L))
+    t20 = (W_K @ t0)
+    t21 = (t20.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t22 = (t21.reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+    t23 = (t22.permute(1, 2, 0, 3) @ dA17.permute(0, 1, 3, 2))
+    t24 = (t23.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t25 = (t24.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ t9.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t26 = (t25.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t11.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     F = t13
     t27 = torch.exp(F - F.amax(-1, keepdim=True))
     A28 = t27 / t27.sum(-1, keepdim=True)
@@ -20459,8 +20462,8 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t36.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t37 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t38 = (t37.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    return (1/(L*d_K*n_batch)) * (t26 * t19).sum() + (1/(d_K*n_batch)) * (t21 * t38.permute(1, 0)).sum()
+    t38 = (t20.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t26 * t19).sum() + (1/(d_K*n_batch)) * (t38 * t37).sum()
 
 
 def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -21156,14 +21159,14 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t19 = t10.transpose(-1, -2)
-    t20 = (M_2 @ M_2.permute(0, 1, 3, 2))
-    t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t22 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t23 = (t22.reshape((L*d_V*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V, d_V))
-    t24 = (t23 @ t20)
-    t25 = (t24.reshape((L*n_batch, d_V**2)) @ t10.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
-    t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t27 = (t26.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)) @ t21.reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
+    t20 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t21 = (t20.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t22 = (t21.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t24 = (t23 @ dA18.permute(0, 1, 3, 2))
+    t25 = (t24.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t26 = (t25.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ t10.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t27 = (t26.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t12.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     F = t14
     t28 = torch.exp(F - F.amax(-1, keepdim=True))
     A29 = t28 / t28.sum(-1, keepdim=True)
@@ -21180,10 +21183,9 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t37 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t38 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t39 = oe.contract('abc,abdd->abc', X, M_3)
-    t40 = (t39.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
-    return (1/(L*d_K*n_batch)) * (t27 * t25).sum() + (1/(d_K*n_batch)) * (t40 * t38).sum()
+    t38 = oe.contract('abcc->ab', M_3)
+    t39 = (t21.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t27 * t22).sum() + (1/(d_K*n_batch)) * (t39 * t38).sum()
 
 
 def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -21857,10 +21859,10 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
     t16 = W_O.transpose(-1, -2)
     t17 = (M_1.reshape((n_batch, L, 1, d_V)) @ t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t19 = (t18.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch)) @ t17.reshape((L*n_batch, 1))).reshape((d_V, d_V))
-    t20 = (t16 @ W_O)
-    return (1/(L*n_batch)) * (t20 * t19.permute(1, 0)).sum()
+    t18 = (t16 @ W_O)
+    t19 = (t18.permute(1, 0).reshape((d_V, 1, d_V)) @ dA.permute(2, 3, 0, 1).reshape((d_V, d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t20 = (t19.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t10.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*n_batch)) * (t20 * t17).sum()
 
 
 def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -24542,13 +24544,13 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t22 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t23 = (W_K @ t0)
-    t24 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t25 = (t24.permute(1, 2, 3, 0) @ t22)
-    t26 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t27 = (t26 @ t25.permute(0, 1, 3, 2))
-    t28 = (t27.reshape((L*n_batch, d_V**2)) @ t23.reshape((d_V**2, 1))).reshape((n_batch, L))
+    t22 = (W_K @ t0)
+    t23 = (t22.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+    t25 = (t24.permute(1, 2, 0, 3) @ dA19.permute(0, 1, 3, 2))
+    t26 = (t25.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t27 = (t26.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ t11.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t28 = (t27.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t13.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     return (1/(L*d_K*n_batch)) * (t28 * t21).sum()
 
 
@@ -25044,15 +25046,15 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = t12.transpose(-1, -2)
-    t22 = (M_2 @ M_2.permute(0, 1, 3, 2))
-    t23 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t24 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t25 = (t24.reshape((L*d_V*n_batch, d_V)) @ t21).reshape((n_batch, L, d_V, d_V))
-    t26 = (t25 @ t22)
-    t27 = (t26.reshape((L*n_batch, d_V**2)) @ t12.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
-    t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t29 = (t28.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)) @ t23.reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
-    return (1/(L*d_K*n_batch)) * (t29 * t27).sum()
+    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t23 = (t22.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t24 = (t23.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t25 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t26 = (t25 @ dA20.permute(0, 1, 3, 2))
+    t27 = (t26.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t28 = (t27.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ t12.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t29 = (t28.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t14.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t29 * t24).sum()
 
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -25540,10 +25542,10 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = (M_1.reshape((n_batch, L, 1, d_V)) @ t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t21 = (t20.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch)) @ t19.reshape((L*n_batch, 1))).reshape((d_V, d_V))
-    t22 = (t18 @ W_O)
-    return (1/(L*n_batch)) * (t22 * t21.permute(1, 0)).sum()
+    t20 = (t18 @ W_O)
+    t21 = (t20.permute(1, 0).reshape((d_V, 1, d_V)) @ dA.permute(2, 3, 0, 1).reshape((d_V, d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t22 = (t21.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t12.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*n_batch)) * (t22 * t19).sum()
 
 
 def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -26859,9 +26861,9 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t28 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t29 = (t28.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    t30 = (W_K @ t0)
-    return (1/(d_K*n_batch)) * (t30 * t29.permute(1, 0)).sum()
+    t29 = (W_K @ t0)
+    t30 = (t29.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t30 * t28).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -27381,10 +27383,11 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t28 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t29 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t30 = oe.contract('abc,abdd->abc', X, M_3)
-    t31 = (t30.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
-    return (1/(d_K*n_batch)) * (t31 * t29).sum()
+    t29 = oe.contract('abcc->ab', M_3)
+    t30 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t31 = (t30.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t32 = (t31.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(d_K*n_batch)) * (t32 * t29).sum()
 
 
 def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -29250,13 +29253,13 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
     t20 = t11.transpose(-1, -2)
     t21 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t22 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t23 = (W_K @ t0)
-    t24 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t25 = (t24.permute(1, 2, 3, 0) @ t22)
-    t26 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t27 = (t26 @ t25.permute(0, 1, 3, 2))
-    t28 = (t27.reshape((L*n_batch, d_V**2)) @ t23.reshape((d_V**2, 1))).reshape((n_batch, L))
+    t22 = (W_K @ t0)
+    t23 = (t22.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+    t25 = (t24.permute(1, 2, 0, 3) @ dA19.permute(0, 1, 3, 2))
+    t26 = (t25.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t27 = (t26.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ t11.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t28 = (t27.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t13.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     F = t15
     t29 = torch.exp(F - F.amax(-1, keepdim=True))
     A30 = t29 / t29.sum(-1, keepdim=True)
@@ -29274,8 +29277,8 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t39 = (X.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t40 = (t39.reshape((1, L*n_batch)) @ M_3.reshape((L*n_batch, d_V**2))).reshape((d_V, d_V))
-    return (1/(L*d_K*n_batch)) * (t28 * t21).sum() + (1/(d_K*n_batch)) * (t23 * t40.permute(1, 0)).sum()
+    t40 = (t22.reshape((1, d_V**2)) @ M_3.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t28 * t21).sum() + (1/(d_K*n_batch)) * (t40 * t39).sum()
 
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -29991,14 +29994,14 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
     t21 = t12.transpose(-1, -2)
-    t22 = (M_2 @ M_2.permute(0, 1, 3, 2))
-    t23 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t24 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t25 = (t24.reshape((L*d_V*n_batch, d_V)) @ t21).reshape((n_batch, L, d_V, d_V))
-    t26 = (t25 @ t22)
-    t27 = (t26.reshape((L*n_batch, d_V**2)) @ t12.permute(1, 0).reshape((d_V**2, 1))).reshape((n_batch, L))
-    t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t29 = (t28.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)) @ t23.reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
+    t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t23 = (t22.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
+    t24 = (t23.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t25 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t26 = (t25 @ dA20.permute(0, 1, 3, 2))
+    t27 = (t26.permute(0, 1, 3, 2) @ M_2.permute(0, 1, 3, 2))
+    t28 = (t27.permute(2, 0, 1, 3).reshape((d_V, L*n_batch, d_V)) @ t12.permute(1, 0).reshape((d_V, d_V, 1))).reshape((d_V, n_batch, L))
+    t29 = (t28.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t14.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     F = t16
     t30 = torch.exp(F - F.amax(-1, keepdim=True))
     A31 = t30 / t30.sum(-1, keepdim=True)
@@ -30015,10 +30018,9 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t39 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t40 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
-    t41 = oe.contract('abc,abdd->abc', X, M_3)
-    t42 = (t41.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
-    return (1/(L*d_K*n_batch)) * (t29 * t27).sum() + (1/(d_K*n_batch)) * (t42 * t40).sum()
+    t40 = oe.contract('abcc->ab', M_3)
+    t41 = (t23.reshape((n_batch, L, 1, d_V)) @ t1.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*d_K*n_batch)) * (t29 * t24).sum() + (1/(d_K*n_batch)) * (t41 * t40).sum()
 
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -30712,10 +30714,10 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
     t18 = W_O.transpose(-1, -2)
     t19 = (M_1.reshape((n_batch, L, 1, d_V)) @ t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t21 = (t20.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch)) @ t19.reshape((L*n_batch, 1))).reshape((d_V, d_V))
-    t22 = (t18 @ W_O)
-    return (1/(L*n_batch)) * (t22 * t21.permute(1, 0)).sum()
+    t20 = (t18 @ W_O)
+    t21 = (t20.permute(1, 0).reshape((d_V, 1, d_V)) @ dA.permute(2, 3, 0, 1).reshape((d_V, d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t22 = (t21.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ t12.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*n_batch)) * (t22 * t19).sum()
 
 
 def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):

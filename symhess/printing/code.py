@@ -701,34 +701,52 @@ def _suffix(a, b):
     return run
 
 
-# networks above this many flops (at the representative sizes) get the dynamic-programming
-# search as well: greedy can miss the Gram-matrix order of a Frobenius pairing by 10×
-DP_FLOPS = 10 ** 9
+# networks of up to this many operands also get opt_einsum's dynamic-programming search
+# (pairings only above DP_FLOPS: greedy can miss the Gram-matrix order of one by 10×)
 DP_MAX_OPERANDS = 10
+DP_FLOPS = 10 ** 9
 
 
 @lru_cache(maxsize=None)
 def _path(spec, shapes, search=False):
-    """The contraction order for representative shapes: an exhaustive search for small
-    networks; for large ones the cheaper of greedy and branch-1, and with ``search`` (the
-    Frobenius pairings, whose cost grows with batch²) for expensive ones also opt_einsum's
-    dynamic programming (all deterministic)."""
+    """The contraction order for representative shapes, and its cost: the best of
+    opt_einsum's optimal (≤ 4 operands) or greedy and branch-1 searches and, up to
+    ``DP_MAX_OPERANDS``, dynamic programming (pairings: above ``DP_FLOPS``).  Scalar pairings (``search``: Frobenius norms)
+    are ranked by flops; everything else by flops plus ``TRAFFIC_WEIGHT`` per entry
+    written, since block-sized intermediates, not multiply-adds, bound those kernels."""
     if len(shapes) <= 4:
         candidates = ["auto"]
     else:
         candidates = ["greedy", "branch-1"]
+    if not search and 2 < len(shapes) <= DP_MAX_OPERANDS:
+        candidates.append(oe.DynamicProgramming(minimize="combo"))
     best = None
     for optimize in candidates:
         path, info = oe.contract_path(spec, *shapes, shapes=True, optimize=optimize)
-        if best is None or info.opt_cost < best[1].opt_cost:
-            best = (path, info)
-    if search and best[1].opt_cost > DP_FLOPS and 4 < len(shapes) <= DP_MAX_OPERANDS:
+        cost = int(info.opt_cost) if search else _cost(info)
+        if best is None or cost < best[2]:
+            best = (path, info, cost)
+    if search and best[2] > DP_FLOPS and 4 < len(shapes) <= DP_MAX_OPERANDS:
         path, info = oe.contract_path(spec, *shapes, shapes=True,
                                       optimize=oe.DynamicProgramming(minimize="flops"))
-        if info.opt_cost < best[1].opt_cost:
-            best = (path, info)
-    path, info = best
-    return list(path), _layout_score(spec, info.contraction_list[-1]), int(info.opt_cost)
+        if info.opt_cost < best[2]:
+            best = (path, info, int(info.opt_cost))
+    path, info, cost = best
+    return list(path), _layout_score(spec, info.contraction_list[-1]), cost
+
+
+# one entry written to (and read back from) memory costs about as much as this many flops:
+# the contractions here are memory-bound, so a path with block-sized intermediates loses
+TRAFFIC_WEIGHT = 8
+
+
+def _cost(info):
+    """Flops plus the entries of every intermediate (and the result) written."""
+    written = 0
+    for step in info.contraction_list:
+        out = step[2].split("->")[1]
+        written += _prod(info.size_dict[c] for c in out)
+    return int(info.opt_cost) + TRAFFIC_WEIGHT * written
 
 
 def _layout_score(spec, last):
