@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from functools import lru_cache
+
 import numpy as np
 import sympy as sp
 
@@ -241,16 +243,24 @@ def _non_finite_origin(interp, expr):
     return "the values give a non-finite (NaN or inf) result"
 
 
+@lru_cache(maxsize=4096)
+def _size(d, env):
+    """A dimension expression at the bound sizes (None when a symbol is unbound); cached,
+    since every node of every evaluation asks for its sizes (sympy's subs is slow)."""
+    v = d.subs(dict(env))
+    return int(v) if v.is_number else None
+
+
 class Interpreter:
     def __init__(self, xp, env, arrays):
         self.xp, self.env, self.arrays = xp, env, arrays
         self.memo = {}
 
     def size(self, d) -> int:
-        v = sp.sympify(d).subs(self.env)
-        if not v.is_number:
+        v = _size(sp.sympify(d), tuple(sorted(self.env.items(), key=lambda kv: str(kv[0]))))
+        if v is None:
             raise InputError(f"dimension {d} is not determined by the values given")
-        return int(v)
+        return v
 
     def _matmul(self, n, a):
         """A product chain; an all-ones factor is a row/column sum, not a dense product
