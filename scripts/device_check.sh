@@ -44,7 +44,10 @@ except Exception as e:
     print("tf32 setting unreadable:", e)
 '
 step versions 60 "$PY" -c "$VERSIONS_PY"
-log "git HEAD: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+# the copy on a device machine may carry a stale .git: identify the code by its content
+log "git HEAD (may be stale on a copied tree): $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+log "content hash of symhess/ generated/ tests/ benchmarks/: $(git ls-files -co --exclude-standard \
+    symhess generated tests benchmarks 2>/dev/null | sort | xargs cat 2>/dev/null | sha1sum | cut -c1-12)"
 
 # the CUDA tests, forced onto cuda (without a visible GPU they fail here instead of skipping) ...
 step test_cuda 150 env SYMHESS_TEST_DEVICE=cuda "$PY" -m pytest -p no:cacheprovider -q -rs --tb=short \
