@@ -271,7 +271,7 @@ class Variant:
     def _frobenius_into(self, rt, p, q, part):
         terms, r, c = self.low.terms(p, q, part)
         if not terms:
-            return "0.0"
+            return rt.zero()
         if len(terms) > PAIRWISE_MAX_TERMS:
             return self._frobenius_dense(rt, p, q, terms, r, c)
         s = rt.emit(rt.scalar(self._pairings(rt, (terms, r, c))), True)
@@ -320,10 +320,12 @@ class Variant:
             return self._frobenius_split_dense(rt, p, q, parts)
         for a, b in (("outer", "outer"), ("functional", "functional"), ("outer", "functional")):
             nets = self._pairings(rt, parts[a], parts[b] if a != b else None)
-            sq[(a, b)] = rt.emit(rt.scalar(nets), True) if nets else "0.0"
+            sq[(a, b)] = rt.emit(rt.scalar(nets), True) if nets else None
         o, f, x = sq[("outer", "outer")], sq[("functional", "functional")], sq[("outer", "functional")]
-        full = rt.emit(f"{o} + {f} + {x}", True)
-        outs = [rt.emit(rt.fmt("sqrt_pos", v), True) if v != "0.0" else "0.0" for v in (o, f, full)]
+        present = [v for v in (o, f, x) if v is not None]
+        full = rt.emit(" + ".join(present), True) if present else None
+        outs = [rt.emit(rt.fmt("sqrt_pos", v), True) if v is not None else rt.zero()
+                for v in (o, f, full)]
         return self.function(f"frobenius_split__{p}__{q}", rt, "(" + ", ".join(outs) + ",)",
                              f"(‖H_o({p}, {q})‖_F, ‖H_f({p}, {q})‖_F, ‖H({p}, {q})‖_F), exact, "
                              "from the parts' pairings (no block built).")

@@ -98,6 +98,14 @@ def test_structural_zero_block_is_exactly_zero():
     assert d.block("W_V", "W_V", "functional").is_zero
     assert not np.any(k.hessian_block(values, "W_V", "W_V", "functional"))
     assert k.frobenius_norm(values, "W_V", "W_V", "functional") == 0.0
+    # the zero norm is an array/tensor of the inputs' dtype like every other result
+    kt = sh.kernel("attention", "torch", "mse")
+    tv = {n: torch.tensor(v, dtype=torch.float32) for n, v in values.items()}
+    for z in (kt.frobenius_norm(tv, "W_V", "W_V", "functional"),
+              kt.frobenius_split(tv, "W_V", "W_V")["functional"],
+              kt.frobenius_norms(tv, "functional")[("W_V", "W_V")]):
+        assert isinstance(z, torch.Tensor) and z.dtype == torch.float32 and z.shape == ()
+        assert float(z) == 0.0
 
 
 @pytest.mark.parametrize("loss", ["mse", "ce"])

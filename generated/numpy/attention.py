@@ -1371,7 +1371,8 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t85 = t36 * t79
     t86 = (1/(d_K*n_batch**2)) * (t75 * t85.transpose(0, 2, 3, 1)).sum()
     t87 = np.sqrt(np.maximum(t86, 0.0))
-    return (t28, t42, t51, t65, t70, t77, t84, t87, 0.0,)
+    zero = np.zeros((), dtype=X.dtype)
+    return (t28, t42, t51, t65, t70, t77, t84, t87, zero,)
 
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -2081,7 +2082,8 @@ def mse_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -2254,7 +2256,8 @@ def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -4467,10 +4470,11 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(M_1, -1, -2)
     t9 = t8 @ M_1
     t10 = (4/(L**2*d_V*n_batch**2)) * (t9.sum((0,)) * t9.sum((0,))).sum()
-    t11 = t10 + 0.0 + 0.0
+    t11 = t10
     t12 = np.sqrt(np.maximum(t10, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t13 = np.sqrt(np.maximum(t11, 0.0))
-    return (t12, 0.0, t13,)
+    return (t12, zero, t13,)
 
 
 def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
@@ -6056,7 +6060,8 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t87 = t38 * t81
     t88 = (1/(d_K*n_batch**2)) * (t77 * t87.transpose(0, 2, 3, 1)).sum()
     t89 = np.sqrt(np.maximum(t88, 0.0))
-    return (t30, t44, t53, t67, t72, t79, t86, t89, 0.0,)
+    zero = np.zeros((), dtype=X.dtype)
+    return (t30, t44, t53, t67, t72, t79, t86, t89, zero,)
 
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -6798,7 +6803,8 @@ def mse_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -6979,7 +6985,8 @@ def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -9264,10 +9271,11 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(M_1, -1, -2)
     t11 = t10 @ M_1
     t12 = (4/(L**2*d_V*n_batch**2)) * (t11.sum((0,)) * t11.sum((0,))).sum()
-    t13 = t12 + 0.0 + 0.0
+    t13 = t12
     t14 = np.sqrt(np.maximum(t12, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t15 = np.sqrt(np.maximum(t13, 0.0))
-    return (t14, 0.0, t15,)
+    return (t14, zero, t15,)
 
 
 def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
@@ -11121,7 +11129,8 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t90 = t41 * t84
     t91 = (1/(d_K*n_batch**2)) * (t80 * t90.transpose(0, 2, 3, 1)).sum()
     t92 = np.sqrt(np.maximum(t91, 0.0))
-    return (t33, t47, t56, t70, t75, t82, t89, t92, 0.0,)
+    zero = np.zeros((), dtype=X.dtype)
+    return (t33, t47, t56, t70, t75, t82, t89, t92, zero,)
 
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -11911,7 +11920,8 @@ def ce_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -12104,7 +12114,8 @@ def ce_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -14781,10 +14792,11 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t18 = np.reshape((np.reshape(t15, (L*n_batch, d_V**2)) @ np.reshape(t15.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = (1/(L**2*n_batch**2)) * (t19 * t17).sum()
-    t21 = t20 + 0.0 + 0.0
+    t21 = t20
     t22 = np.sqrt(np.maximum(t20, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t23 = np.sqrt(np.maximum(t21, 0.0))
-    return (t22, 0.0, t23,)
+    return (t22, zero, t23,)
 
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
@@ -16522,7 +16534,8 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t92 = t43 * t86
     t93 = (1/(d_K*n_batch**2)) * (t82 * t92.transpose(0, 2, 3, 1)).sum()
     t94 = np.sqrt(np.maximum(t93, 0.0))
-    return (t35, t49, t58, t72, t77, t84, t91, t94, 0.0,)
+    zero = np.zeros((), dtype=X.dtype)
+    return (t35, t49, t58, t72, t77, t84, t91, t94, zero,)
 
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -17344,7 +17357,8 @@ def ce_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -17545,7 +17559,8 @@ def ce_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -20294,10 +20309,11 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t20 = np.reshape((np.reshape(t17, (L*n_batch, d_V**2)) @ np.reshape(t17.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = t20 * t18
     t22 = (1/(L**2*n_batch**2)) * (t21 * t19).sum()
-    t23 = t22 + 0.0 + 0.0
+    t23 = t22
     t24 = np.sqrt(np.maximum(t22, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t25 = np.sqrt(np.maximum(t23, 0.0))
-    return (t24, 0.0, t25,)
+    return (t24, zero, t25,)
 
 
 VARIANTS = {

@@ -496,6 +496,7 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
+    zero = np.zeros((), dtype=X.dtype)
     t0 = np.swapaxes(X, -1, -2)
     t1 = X @ W_1
     t2 = np.heaviside(t1, 0.0)
@@ -520,7 +521,7 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = (n_batch**(-2)) * (t19 * t18).sum()
     t21 = np.sqrt(np.maximum(t20, 0.0))
-    return (0.0, t12, t21, 0.0,)
+    return (zero, t12, t21, zero,)
 
 
 def mse_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
@@ -540,7 +541,8 @@ def mse_bias0_residual0__trace__W_1__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_bias0_residual0__block__W_1__W_1__functional(X, W_1, W_2, Y):
@@ -560,7 +562,8 @@ def mse_bias0_residual0__frobenius__W_1__W_1__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
@@ -630,7 +633,8 @@ def mse_bias0_residual0__trace__W_2__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
@@ -704,7 +708,8 @@ def mse_bias0_residual0__frobenius__W_2__W_2__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
@@ -1184,10 +1189,11 @@ def mse_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_ff, d_ff, L*n_batch, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, n_batch, L))
     t11 = np.reshape((np.reshape(t9, (L*n_batch, d_ff**2)) @ np.reshape(t10, (d_ff**2, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
-    t13 = t12 + 0.0 + 0.0
+    t13 = t12
     t14 = np.sqrt(np.maximum(t12, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t15 = np.sqrt(np.maximum(t13, 0.0))
-    return (t14, 0.0, t15,)
+    return (t14, zero, t15,)
 
 
 def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
@@ -1286,10 +1292,11 @@ def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
-    t8 = t7 + 0.0 + 0.0
+    t8 = t7
     t9 = np.sqrt(np.maximum(t7, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t10 = np.sqrt(np.maximum(t8, 0.0))
-    return (t9, 0.0, t10,)
+    return (t9, zero, t10,)
 
 
 def bias0_residual0__jacobian__W_1(X, W_1, W_2):
@@ -1995,6 +2002,7 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
+    zero = np.zeros((), dtype=X.dtype)
     t0 = np.swapaxes(X, -1, -2)
     t1 = X @ W_1
     t2 = np.heaviside(t1, 0.0)
@@ -2024,7 +2032,7 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = (n_batch**(-2)) * (t23 * t22).sum()
     t25 = np.sqrt(np.maximum(t24, 0.0))
-    return (0.0, t16, t25, 0.0,)
+    return (zero, t16, t25, zero,)
 
 
 def ce_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
@@ -2044,7 +2052,8 @@ def ce_bias0_residual0__trace__W_1__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_bias0_residual0__block__W_1__W_1__functional(X, W_1, W_2, Y):
@@ -2064,7 +2073,8 @@ def ce_bias0_residual0__frobenius__W_1__W_1__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
@@ -2144,7 +2154,8 @@ def ce_bias0_residual0__trace__W_2__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
@@ -2228,7 +2239,8 @@ def ce_bias0_residual0__frobenius__W_2__W_2__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
@@ -2881,10 +2893,11 @@ def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     t18 = np.reshape((np.reshape(t17.transpose(0, 3, 4, 1, 2), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t18.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t2, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
     t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
-    t21 = t20 + 0.0 + 0.0
+    t21 = t20
     t22 = np.sqrt(np.maximum(t20, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t23 = np.sqrt(np.maximum(t21, 0.0))
-    return (t22, 0.0, t23,)
+    return (t22, zero, t23,)
 
 
 def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
@@ -3019,10 +3032,11 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t14 = np.reshape((np.reshape(t11, (L*n_batch, d_V**2)) @ np.reshape(t11.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = t14 * t12
     t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
-    t17 = t16 + 0.0 + 0.0
+    t17 = t16
     t18 = np.sqrt(np.maximum(t16, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t19 = np.sqrt(np.maximum(t17, 0.0))
-    return (t18, 0.0, t19,)
+    return (t18, zero, t19,)
 
 
 VARIANTS = {

@@ -1034,6 +1034,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    zero = np.zeros((), dtype=X.dtype)
     t0 = np.swapaxes(X, -1, -2)
     t1 = np.swapaxes(W_K, -1, -2)
     t2 = t1 @ t0
@@ -1080,7 +1081,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t40 = (np.reshape(t39, (n_batch, d_K*d_V)) @ np.reshape(t39.transpose(1, 2, 0), (d_K*d_V, n_batch)))
     t41 = (1/(d_K*n_batch**2)) * (t40 * t29).sum()
     t42 = np.sqrt(np.maximum(t41, 0.0))
-    return (0.0, t15, t21, t24, 0.0, t32, t38, t42, 0.0,)
+    return (zero, t15, t21, t24, zero, t32, t38, t42, zero,)
 
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1100,7 +1101,8 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1120,7 +1122,8 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1259,7 +1262,8 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1342,7 +1346,8 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1424,7 +1429,8 @@ def mse_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1566,7 +1572,8 @@ def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -2661,10 +2668,11 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t11 = (np.reshape(t1, (n_batch, d_V**2)) @ np.reshape(t1.transpose(1, 2, 0), (d_V**2, n_batch)))
     t12 = (np.reshape(t10, (n_batch, d_K**2)) @ np.reshape(t10.transpose(1, 2, 0), (d_K**2, n_batch)))
     t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
-    t14 = t13 + 0.0 + 0.0
+    t14 = t13
     t15 = np.sqrt(np.maximum(t13, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t16 = np.sqrt(np.maximum(t14, 0.0))
-    return (t15, 0.0, t16,)
+    return (t15, zero, t16,)
 
 
 def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -2814,10 +2822,11 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t11 = (np.reshape(t6, (n_batch, d_V**2)) @ np.reshape(t6.transpose(1, 2, 0), (d_V**2, n_batch)))
     t12 = (np.reshape(t10, (n_batch, d_K**2)) @ np.reshape(t10.transpose(1, 2, 0), (d_K**2, n_batch)))
     t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
-    t14 = t13 + 0.0 + 0.0
+    t14 = t13
     t15 = np.sqrt(np.maximum(t13, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t16 = np.sqrt(np.maximum(t14, 0.0))
-    return (t15, 0.0, t16,)
+    return (t15, zero, t16,)
 
 
 def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -2970,10 +2979,11 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ X
     t9 = t0 @ t8
     t10 = (4/(L**2*d_V*n_batch**2)) * (t9.sum((0,)) * t9.sum((0,))).sum()
-    t11 = t10 + 0.0 + 0.0
+    t11 = t10
     t12 = np.sqrt(np.maximum(t10, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t13 = np.sqrt(np.maximum(t11, 0.0))
-    return (t12, 0.0, t13,)
+    return (t12, zero, t13,)
 
 
 def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
@@ -4216,6 +4226,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    zero = np.zeros((), dtype=X.dtype)
     t0 = np.swapaxes(X, -1, -2)
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t1 = np.swapaxes(W_K, -1, -2)
@@ -4277,7 +4288,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t54 = (np.reshape(t37.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t53.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
     t55 = (1/(d_K*n_batch**2)) * (t54 * t33).sum()
     t56 = np.sqrt(np.maximum(t55, 0.0))
-    return (0.0, t17, t27, t30, 0.0, t40, t50, t56, 0.0,)
+    return (zero, t17, t27, t30, zero, t40, t50, t56, zero,)
 
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4297,7 +4308,8 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4317,7 +4329,8 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4469,7 +4482,8 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4560,7 +4574,8 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4651,7 +4666,8 @@ def mse_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4813,7 +4829,8 @@ def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -6100,10 +6117,11 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t16 = np.reshape((np.reshape(t15.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t17 = np.reshape((np.reshape(t16.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t14.transpose(3, 1, 2, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.transpose(0, 2, 3, 1)).sum()
-    t19 = t18 + 0.0 + 0.0
+    t19 = t18
     t20 = np.sqrt(np.maximum(t18, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t21 = np.sqrt(np.maximum(t19, 0.0))
-    return (t20, 0.0, t21,)
+    return (t20, zero, t21,)
 
 
 def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -6299,10 +6317,11 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t17 = np.reshape((np.reshape(t16.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t11.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t18 = np.reshape((np.reshape(t17.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t15.transpose(3, 1, 0, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t18 * t13.transpose(0, 2, 3, 1)).sum()
-    t20 = t19 + 0.0 + 0.0
+    t20 = t19
     t21 = np.sqrt(np.maximum(t19, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t22 = np.sqrt(np.maximum(t20, 0.0))
-    return (t21, 0.0, t22,)
+    return (t21, zero, t22,)
 
 
 def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -6500,10 +6519,11 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ X
     t12 = t0 @ t11
     t13 = (4/(L**2*d_V*n_batch**2)) * (t12.sum((0,)) * t12.sum((0,))).sum()
-    t14 = t13 + 0.0 + 0.0
+    t14 = t13
     t15 = np.sqrt(np.maximum(t13, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t16 = np.sqrt(np.maximum(t14, 0.0))
-    return (t15, 0.0, t16,)
+    return (t15, zero, t16,)
 
 
 def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
@@ -7939,6 +7959,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    zero = np.zeros((), dtype=X.dtype)
     t0 = np.swapaxes(X, -1, -2)
     t1 = Y.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
@@ -7990,7 +8011,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t44 = (np.reshape(t43, (n_batch, d_K*d_V)) @ np.reshape(t43.transpose(1, 2, 0), (d_K*d_V, n_batch)))
     t45 = (1/(d_K*n_batch**2)) * (t44 * t33).sum()
     t46 = np.sqrt(np.maximum(t45, 0.0))
-    return (0.0, t19, t25, t28, 0.0, t36, t42, t46, 0.0,)
+    return (zero, t19, t25, t28, zero, t36, t42, t46, zero,)
 
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -8010,7 +8031,8 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -8030,7 +8052,8 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -8189,7 +8212,8 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -8282,7 +8306,8 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -8374,7 +8399,8 @@ def ce_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -8536,7 +8562,8 @@ def ce_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -9982,10 +10009,11 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_K, d_K))
     t20 = np.reshape((np.reshape(t19, (L*n_batch, d_K**2)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_K**2, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
-    t22 = t21 + 0.0 + 0.0
+    t22 = t21
     t23 = np.sqrt(np.maximum(t21, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t24 = np.sqrt(np.maximum(t22, 0.0))
-    return (t23, 0.0, t24,)
+    return (t23, zero, t24,)
 
 
 def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -10199,10 +10227,11 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
     t23 = np.reshape((np.reshape(t22, (L*n_batch, d_V**2)) @ np.reshape(t22.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = (1/(L**2*d_K**2*n_batch**2)) * (t23 * t20).sum()
-    t25 = t24 + 0.0 + 0.0
+    t25 = t24
     t26 = np.sqrt(np.maximum(t24, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t27 = np.sqrt(np.maximum(t25, 0.0))
-    return (t26, 0.0, t27,)
+    return (t26, zero, t27,)
 
 
 def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -10417,10 +10446,11 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t17 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = t17 * t15
     t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
-    t20 = t19 + 0.0 + 0.0
+    t20 = t19
     t21 = np.sqrt(np.maximum(t19, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t22 = np.sqrt(np.maximum(t20, 0.0))
-    return (t21, 0.0, t22,)
+    return (t21, zero, t22,)
 
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
@@ -11906,6 +11936,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    zero = np.zeros((), dtype=X.dtype)
     t0 = np.swapaxes(X, -1, -2)
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t1 = Y.sum(-1, keepdims=True)
@@ -11972,7 +12003,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t58 = (np.reshape(t41.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t57.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
     t59 = (1/(d_K*n_batch**2)) * (t58 * t37).sum()
     t60 = np.sqrt(np.maximum(t59, 0.0))
-    return (0.0, t21, t31, t34, 0.0, t44, t54, t60, 0.0,)
+    return (zero, t21, t31, t34, zero, t44, t54, t60, zero,)
 
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -11992,7 +12023,8 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -12012,7 +12044,8 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -12184,7 +12217,8 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -12285,7 +12319,8 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -12386,7 +12421,8 @@ def ce_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -12568,7 +12604,8 @@ def ce_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -14214,10 +14251,11 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.transpose(0, 2, 3, 1)).sum()
-    t29 = t28 + 0.0 + 0.0
+    t29 = t28
     t30 = np.sqrt(np.maximum(t28, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t31 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30, 0.0, t31,)
+    return (t30, zero, t31,)
 
 
 def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -14466,10 +14504,11 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t29 = np.reshape((np.reshape(t28.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t30 = np.reshape((np.reshape(t29.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t31 = (1/(L**2*d_K**2*n_batch**2)) * (t30 * t23.transpose(0, 2, 3, 1)).sum()
-    t32 = t31 + 0.0 + 0.0
+    t32 = t31
     t33 = np.sqrt(np.maximum(t31, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t34 = np.sqrt(np.maximum(t32, 0.0))
-    return (t33, 0.0, t34,)
+    return (t33, zero, t34,)
 
 
 def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -14712,10 +14751,11 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t19 = np.reshape((np.reshape(t16, (L*n_batch, d_V**2)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = t19 * t17
     t21 = (1/(L**2*n_batch**2)) * (t20 * t18).sum()
-    t22 = t21 + 0.0 + 0.0
+    t22 = t21
     t23 = np.sqrt(np.maximum(t21, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t24 = np.sqrt(np.maximum(t22, 0.0))
-    return (t23, 0.0, t24,)
+    return (t23, zero, t24,)
 
 
 VARIANTS = {

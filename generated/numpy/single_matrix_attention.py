@@ -652,7 +652,8 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t31 = t15 * t30
     t32 = (n_batch**(-2)) * (t26 * t31.transpose(0, 2, 3, 1)).sum()
     t33 = np.sqrt(np.maximum(t32, 0.0))
-    return (t21, t28, t33, 0.0,)
+    zero = np.zeros((), dtype=X.dtype)
+    return (t21, t28, t33, zero,)
 
 
 def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -876,7 +877,8 @@ def mse_causal0__trace__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
@@ -960,7 +962,8 @@ def mse_causal0__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal0__hessian__full(X, W_QK, W_V, Y):
@@ -1806,10 +1809,11 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     t5 = np.swapaxes(M_1, -1, -2)
     t6 = t5 @ M_1
     t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
-    t8 = t7 + 0.0 + 0.0
+    t8 = t7
     t9 = np.sqrt(np.maximum(t7, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t10 = np.sqrt(np.maximum(t8, 0.0))
-    return (t9, 0.0, t10,)
+    return (t9, zero, t10,)
 
 
 def causal0__jacobian__W_QK(X, W_QK, W_V):
@@ -2570,7 +2574,8 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t33 = t17 * t32
     t34 = (n_batch**(-2)) * (t28 * t33.transpose(0, 2, 3, 1)).sum()
     t35 = np.sqrt(np.maximum(t34, 0.0))
-    return (t23, t30, t35, 0.0,)
+    zero = np.zeros((), dtype=X.dtype)
+    return (t23, t30, t35, zero,)
 
 
 def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -2806,7 +2811,8 @@ def mse_causal1__trace__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
@@ -2894,7 +2900,8 @@ def mse_causal1__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal1__hessian__full(X, W_QK, W_V, Y):
@@ -3778,10 +3785,11 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     t7 = np.swapaxes(M_1, -1, -2)
     t8 = t7 @ M_1
     t9 = (4/(L**2*d_V*n_batch**2)) * (t8.sum((0,)) * t8.sum((0,))).sum()
-    t10 = t9 + 0.0 + 0.0
+    t10 = t9
     t11 = np.sqrt(np.maximum(t9, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t12 = np.sqrt(np.maximum(t10, 0.0))
-    return (t11, 0.0, t12,)
+    return (t11, zero, t12,)
 
 
 def causal1__jacobian__W_QK(X, W_QK, W_V):
@@ -4684,7 +4692,8 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t36 = t20 * t35
     t37 = (n_batch**(-2)) * (t31 * t36.transpose(0, 2, 3, 1)).sum()
     t38 = np.sqrt(np.maximum(t37, 0.0))
-    return (t26, t33, t38, 0.0,)
+    zero = np.zeros((), dtype=X.dtype)
+    return (t26, t33, t38, zero,)
 
 
 def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -4938,7 +4947,8 @@ def ce_causal0__trace__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
@@ -5032,7 +5042,8 @@ def ce_causal0__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal0__hessian__full(X, W_QK, W_V, Y):
@@ -6095,10 +6106,11 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     t15 = np.reshape((np.reshape(t12, (L*n_batch, d_V**2)) @ np.reshape(t12.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = t15 * t13
     t17 = (1/(L**2*n_batch**2)) * (t16 * t14).sum()
-    t18 = t17 + 0.0 + 0.0
+    t18 = t17
     t19 = np.sqrt(np.maximum(t17, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t20 = np.sqrt(np.maximum(t18, 0.0))
-    return (t19, 0.0, t20,)
+    return (t19, zero, t20,)
 
 
 def ce_causal1__loss(X, W_QK, W_V, Y):
@@ -6947,7 +6959,8 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t38 = t22 * t37
     t39 = (n_batch**(-2)) * (t33 * t38.transpose(0, 2, 3, 1)).sum()
     t40 = np.sqrt(np.maximum(t39, 0.0))
-    return (t28, t35, t40, 0.0,)
+    zero = np.zeros((), dtype=X.dtype)
+    return (t28, t35, t40, zero,)
 
 
 def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -7213,7 +7226,8 @@ def ce_causal1__trace__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
@@ -7311,7 +7325,8 @@ def ce_causal1__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal1__hessian__full(X, W_QK, W_V, Y):
@@ -8412,10 +8427,11 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     t17 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = t17 * t15
     t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
-    t20 = t19 + 0.0 + 0.0
+    t20 = t19
     t21 = np.sqrt(np.maximum(t19, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t22 = np.sqrt(np.maximum(t20, 0.0))
-    return (t21, 0.0, t22,)
+    return (t21, zero, t22,)
 
 
 VARIANTS = {

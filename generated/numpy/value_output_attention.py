@@ -2187,6 +2187,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t104 = t39 * t98
     t105 = (1/(d_K*n_batch**2)) * (t88 * t104.transpose(0, 2, 3, 1)).sum()
     t106 = np.sqrt(np.maximum(t105, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t107 = np.swapaxes(M_1, -1, -2)
     t108 = t107 @ G
     t109 = (d_H/n_batch**2) * (t108.sum((0,)) * t108.sum((0,))).sum()
@@ -2209,7 +2210,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t126 = np.swapaxes(t108, -1, -2)
     t127 = (d_H/n_batch**2) * (t126.sum((0,)) * t126.sum((0,))).sum()
     t128 = np.sqrt(np.maximum(t127, 0.0))
-    return (t31, t45, t55, t64, t78, t83, t90, t96, t103, t106, 0.0, t110, t120, t125, t128, 0.0,)
+    return (t31, t45, t55, t64, t78, t83, t90, t96, t103, t106, zero, t110, t120, t125, t128, zero,)
 
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -3147,7 +3148,8 @@ def mse_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -3334,7 +3336,8 @@ def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal0__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -3421,7 +3424,8 @@ def mse_causal0__trace__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -3676,7 +3680,8 @@ def mse_causal0__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -7063,10 +7068,11 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     t12 = (t11 * t11).sum()
     t13 = np.reshape((np.reshape(t12, (1, 1)) * np.reshape(t9.sum((0,)), (1, d_V**2))), (d_V, d_V))
     t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t9.sum((0,))).sum()
-    t15 = t14 + 0.0 + 0.0
+    t15 = t14
     t16 = np.sqrt(np.maximum(t14, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t17 = np.sqrt(np.maximum(t15, 0.0))
-    return (t16, 0.0, t17,)
+    return (t16, zero, t17,)
 
 
 def mse_causal0__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
@@ -7304,10 +7310,11 @@ def mse_causal0__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     t11 = np.swapaxes(t10, -1, -2)
     t12 = t10 @ t11
     t13 = (4/(L**2*d_V*n_batch**2)) * (t12.sum((0,)) * t12.sum((0,))).sum()
-    t14 = t13 + 0.0 + 0.0
+    t14 = t13
     t15 = np.sqrt(np.maximum(t13, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t16 = np.sqrt(np.maximum(t14, 0.0))
-    return (t15, 0.0, t16,)
+    return (t15, zero, t16,)
 
 
 def causal0__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
@@ -9806,6 +9813,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t106 = t41 * t100
     t107 = (1/(d_K*n_batch**2)) * (t90 * t106.transpose(0, 2, 3, 1)).sum()
     t108 = np.sqrt(np.maximum(t107, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t109 = np.swapaxes(M_1, -1, -2)
     t110 = t109 @ G
     t111 = (d_H/n_batch**2) * (t110.sum((0,)) * t110.sum((0,))).sum()
@@ -9828,7 +9836,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t128 = np.swapaxes(t110, -1, -2)
     t129 = (d_H/n_batch**2) * (t128.sum((0,)) * t128.sum((0,))).sum()
     t130 = np.sqrt(np.maximum(t129, 0.0))
-    return (t33, t47, t57, t66, t80, t85, t92, t98, t105, t108, 0.0, t112, t122, t127, t130, 0.0,)
+    return (t33, t47, t57, t66, t80, t85, t92, t98, t105, t108, zero, t112, t122, t127, t130, zero,)
 
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -10806,7 +10814,8 @@ def mse_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -11001,7 +11010,8 @@ def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal1__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -11092,7 +11102,8 @@ def mse_causal1__trace__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -11359,7 +11370,8 @@ def mse_causal1__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -14854,10 +14866,11 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     t14 = (t13 * t13).sum()
     t15 = np.reshape((np.reshape(t14, (1, 1)) * np.reshape(t11.sum((0,)), (1, d_V**2))), (d_V, d_V))
     t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t11.sum((0,))).sum()
-    t17 = t16 + 0.0 + 0.0
+    t17 = t16
     t18 = np.sqrt(np.maximum(t16, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t19 = np.sqrt(np.maximum(t17, 0.0))
-    return (t18, 0.0, t19,)
+    return (t18, zero, t19,)
 
 
 def mse_causal1__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
@@ -15105,10 +15118,11 @@ def mse_causal1__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     t13 = np.swapaxes(t12, -1, -2)
     t14 = t12 @ t13
     t15 = (4/(L**2*d_V*n_batch**2)) * (t14.sum((0,)) * t14.sum((0,))).sum()
-    t16 = t15 + 0.0 + 0.0
+    t16 = t15
     t17 = np.sqrt(np.maximum(t15, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t18 = np.sqrt(np.maximum(t16, 0.0))
-    return (t17, 0.0, t18,)
+    return (t17, zero, t18,)
 
 
 def causal1__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
@@ -17999,6 +18013,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t109 = t44 * t103
     t110 = (1/(d_K*n_batch**2)) * (t93 * t109.transpose(0, 2, 3, 1)).sum()
     t111 = np.sqrt(np.maximum(t110, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t112 = np.swapaxes(M_1, -1, -2)
     t113 = t112 @ G
     t114 = (d_H/n_batch**2) * (t113.sum((0,)) * t113.sum((0,))).sum()
@@ -18021,7 +18036,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t131 = np.swapaxes(t113, -1, -2)
     t132 = (d_H/n_batch**2) * (t131.sum((0,)) * t131.sum((0,))).sum()
     t133 = np.sqrt(np.maximum(t132, 0.0))
-    return (t36, t50, t60, t69, t83, t88, t95, t101, t108, t111, 0.0, t115, t125, t130, t133, 0.0,)
+    return (t36, t50, t60, t69, t83, t88, t95, t101, t108, t111, zero, t115, t125, t130, t133, zero,)
 
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -19059,7 +19074,8 @@ def ce_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -19266,7 +19282,8 @@ def ce_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal0__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -19363,7 +19380,8 @@ def ce_causal0__trace__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -19648,7 +19666,8 @@ def ce_causal0__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -23690,10 +23709,11 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     t24 = np.reshape((t22.transpose(1, 0) @ np.reshape(t17.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t25 = np.reshape((np.reshape(t24.transpose(1, 2, 0, 3), (L*n_batch, d_V**2)) @ np.reshape(t23.transpose(3, 0, 1, 2), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t26 = (1/(L**2*n_batch**2)) * (t25 * t21).sum()
-    t27 = t26 + 0.0 + 0.0
+    t27 = t26
     t28 = np.sqrt(np.maximum(t26, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t29 = np.sqrt(np.maximum(t27, 0.0))
-    return (t28, 0.0, t29,)
+    return (t28, zero, t29,)
 
 
 def ce_causal0__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
@@ -23999,10 +24019,11 @@ def ce_causal0__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     t21 = np.reshape((np.reshape(t18, (L*n_batch, d_V**2)) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = t21 * t19
     t23 = (1/(L**2*n_batch**2)) * (t22 * t20).sum()
-    t24 = t23 + 0.0 + 0.0
+    t24 = t23
     t25 = np.sqrt(np.maximum(t23, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t26 = np.sqrt(np.maximum(t24, 0.0))
-    return (t25, 0.0, t26,)
+    return (t25, zero, t26,)
 
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, W_O, Y):
@@ -26740,6 +26761,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t111 = t46 * t105
     t112 = (1/(d_K*n_batch**2)) * (t95 * t111.transpose(0, 2, 3, 1)).sum()
     t113 = np.sqrt(np.maximum(t112, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t114 = np.swapaxes(M_1, -1, -2)
     t115 = t114 @ G
     t116 = (d_H/n_batch**2) * (t115.sum((0,)) * t115.sum((0,))).sum()
@@ -26762,7 +26784,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t133 = np.swapaxes(t115, -1, -2)
     t134 = (d_H/n_batch**2) * (t133.sum((0,)) * t133.sum((0,))).sum()
     t135 = np.sqrt(np.maximum(t134, 0.0))
-    return (t38, t52, t62, t71, t85, t90, t97, t103, t110, t113, 0.0, t117, t127, t132, t135, 0.0,)
+    return (t38, t52, t62, t71, t85, t90, t97, t103, t110, t113, zero, t117, t127, t132, t135, zero,)
 
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -27840,7 +27862,8 @@ def ce_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -28055,7 +28078,8 @@ def ce_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal1__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -28156,7 +28180,8 @@ def ce_causal1__trace__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -28453,7 +28478,8 @@ def ce_causal1__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = np.zeros((), dtype=X.dtype)
+    return zero
 
 
 def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -32603,10 +32629,11 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     t26 = np.reshape((t24.transpose(1, 0) @ np.reshape(t19.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t27 = np.reshape((np.reshape(t26.transpose(1, 2, 0, 3), (L*n_batch, d_V**2)) @ np.reshape(t25.transpose(3, 0, 1, 2), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t28 = (1/(L**2*n_batch**2)) * (t27 * t23).sum()
-    t29 = t28 + 0.0 + 0.0
+    t29 = t28
     t30 = np.sqrt(np.maximum(t28, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t31 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30, 0.0, t31,)
+    return (t30, zero, t31,)
 
 
 def ce_causal1__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
@@ -32922,10 +32949,11 @@ def ce_causal1__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     t23 = np.reshape((np.reshape(t20, (L*n_batch, d_V**2)) @ np.reshape(t20.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = t23 * t21
     t25 = (1/(L**2*n_batch**2)) * (t24 * t22).sum()
-    t26 = t25 + 0.0 + 0.0
+    t26 = t25
     t27 = np.sqrt(np.maximum(t25, 0.0))
+    zero = np.zeros((), dtype=X.dtype)
     t28 = np.sqrt(np.maximum(t26, 0.0))
-    return (t27, 0.0, t28,)
+    return (t27, zero, t28,)
 
 
 VARIANTS = {

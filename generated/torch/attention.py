@@ -1370,7 +1370,8 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t85 = t36 * t79
     t86 = (1/(d_K*n_batch**2)) * (t75 * t85.permute(0, 2, 3, 1)).sum()
     t87 = torch.sqrt(torch.clamp(t86, min=0.0))
-    return (t28, t42, t51, t65, t70, t77, t84, t87, 0.0,)
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return (t28, t42, t51, t65, t70, t77, t84, t87, zero,)
 
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -2080,7 +2081,8 @@ def mse_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -2253,7 +2255,8 @@ def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -4466,10 +4469,11 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t8 = M_1.transpose(-1, -2)
     t9 = t8 @ M_1
     t10 = (4/(L**2*d_V*n_batch**2)) * (t9.sum((0,)) * t9.sum((0,))).sum()
-    t11 = t10 + 0.0 + 0.0
+    t11 = t10
     t12 = torch.sqrt(torch.clamp(t10, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t13 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return (t12, 0.0, t13,)
+    return (t12, zero, t13,)
 
 
 def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
@@ -6055,7 +6059,8 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t87 = t38 * t81
     t88 = (1/(d_K*n_batch**2)) * (t77 * t87.permute(0, 2, 3, 1)).sum()
     t89 = torch.sqrt(torch.clamp(t88, min=0.0))
-    return (t30, t44, t53, t67, t72, t79, t86, t89, 0.0,)
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return (t30, t44, t53, t67, t72, t79, t86, t89, zero,)
 
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -6797,7 +6802,8 @@ def mse_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -6978,7 +6984,8 @@ def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -9263,10 +9270,11 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t10 = M_1.transpose(-1, -2)
     t11 = t10 @ M_1
     t12 = (4/(L**2*d_V*n_batch**2)) * (t11.sum((0,)) * t11.sum((0,))).sum()
-    t13 = t12 + 0.0 + 0.0
+    t13 = t12
     t14 = torch.sqrt(torch.clamp(t12, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t15 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return (t14, 0.0, t15,)
+    return (t14, zero, t15,)
 
 
 def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
@@ -11120,7 +11128,8 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t90 = t41 * t84
     t91 = (1/(d_K*n_batch**2)) * (t80 * t90.permute(0, 2, 3, 1)).sum()
     t92 = torch.sqrt(torch.clamp(t91, min=0.0))
-    return (t33, t47, t56, t70, t75, t82, t89, t92, 0.0,)
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return (t33, t47, t56, t70, t75, t82, t89, t92, zero,)
 
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -11910,7 +11919,8 @@ def ce_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -12103,7 +12113,8 @@ def ce_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -14780,10 +14791,11 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t18 = (t15.reshape((L*n_batch, d_V**2)) @ t15.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = (1/(L**2*n_batch**2)) * (t19 * t17).sum()
-    t21 = t20 + 0.0 + 0.0
+    t21 = t20
     t22 = torch.sqrt(torch.clamp(t20, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t23 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return (t22, 0.0, t23,)
+    return (t22, zero, t23,)
 
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
@@ -16521,7 +16533,8 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t92 = t43 * t86
     t93 = (1/(d_K*n_batch**2)) * (t82 * t92.permute(0, 2, 3, 1)).sum()
     t94 = torch.sqrt(torch.clamp(t93, min=0.0))
-    return (t35, t49, t58, t72, t77, t84, t91, t94, 0.0,)
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return (t35, t49, t58, t72, t77, t84, t91, t94, zero,)
 
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -17343,7 +17356,8 @@ def ce_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -17544,7 +17558,8 @@ def ce_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -20293,10 +20308,11 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t20 = (t17.reshape((L*n_batch, d_V**2)) @ t17.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = t20 * t18
     t22 = (1/(L**2*n_batch**2)) * (t21 * t19).sum()
-    t23 = t22 + 0.0 + 0.0
+    t23 = t22
     t24 = torch.sqrt(torch.clamp(t22, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t25 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return (t24, 0.0, t25,)
+    return (t24, zero, t25,)
 
 
 VARIANTS = {

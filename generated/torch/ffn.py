@@ -495,6 +495,7 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -519,7 +520,7 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (n_batch**(-2)) * (t19 * t18).sum()
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return (0.0, t12, t21, 0.0,)
+    return (zero, t12, t21, zero,)
 
 
 def mse_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
@@ -539,7 +540,8 @@ def mse_bias0_residual0__trace__W_1__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_bias0_residual0__block__W_1__W_1__functional(X, W_1, W_2, Y):
@@ -559,7 +561,8 @@ def mse_bias0_residual0__frobenius__W_1__W_1__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
@@ -629,7 +632,8 @@ def mse_bias0_residual0__trace__W_2__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
@@ -703,7 +707,8 @@ def mse_bias0_residual0__frobenius__W_2__W_2__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
@@ -1183,10 +1188,11 @@ def mse_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     t10 = (t9.permute(2, 3, 0, 1).reshape((d_ff, d_ff, L*n_batch, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, n_batch, L))
     t11 = (t9.reshape((L*n_batch, d_ff**2)) @ t10.reshape((d_ff**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
-    t13 = t12 + 0.0 + 0.0
+    t13 = t12
     t14 = torch.sqrt(torch.clamp(t12, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t15 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return (t14, 0.0, t15,)
+    return (t14, zero, t15,)
 
 
 def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
@@ -1285,10 +1291,11 @@ def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
-    t8 = t7 + 0.0 + 0.0
+    t8 = t7
     t9 = torch.sqrt(torch.clamp(t7, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t10 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return (t9, 0.0, t10,)
+    return (t9, zero, t10,)
 
 
 def bias0_residual0__jacobian__W_1(X, W_1, W_2):
@@ -1994,6 +2001,7 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t0 = X.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
@@ -2023,7 +2031,7 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (n_batch**(-2)) * (t23 * t22).sum()
     t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return (0.0, t16, t25, 0.0,)
+    return (zero, t16, t25, zero,)
 
 
 def ce_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
@@ -2043,7 +2051,8 @@ def ce_bias0_residual0__trace__W_1__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_bias0_residual0__block__W_1__W_1__functional(X, W_1, W_2, Y):
@@ -2063,7 +2072,8 @@ def ce_bias0_residual0__frobenius__W_1__W_1__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
@@ -2143,7 +2153,8 @@ def ce_bias0_residual0__trace__W_2__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
@@ -2227,7 +2238,8 @@ def ce_bias0_residual0__frobenius__W_2__W_2__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
@@ -2880,10 +2892,11 @@ def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     t18 = (t17.permute(0, 3, 4, 1, 2).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
     t19 = (t18.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t2.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
     t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
-    t21 = t20 + 0.0 + 0.0
+    t21 = t20
     t22 = torch.sqrt(torch.clamp(t20, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t23 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return (t22, 0.0, t23,)
+    return (t22, zero, t23,)
 
 
 def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
@@ -3018,10 +3031,11 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t14 = (t11.reshape((L*n_batch, d_V**2)) @ t11.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = t14 * t12
     t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
-    t17 = t16 + 0.0 + 0.0
+    t17 = t16
     t18 = torch.sqrt(torch.clamp(t16, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t19 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return (t18, 0.0, t19,)
+    return (t18, zero, t19,)
 
 
 VARIANTS = {

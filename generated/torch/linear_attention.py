@@ -1033,6 +1033,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
@@ -1079,7 +1080,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t40 = (t39.reshape((n_batch, d_K*d_V)) @ t39.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
     t41 = (1/(d_K*n_batch**2)) * (t40 * t29).sum()
     t42 = torch.sqrt(torch.clamp(t41, min=0.0))
-    return (0.0, t15, t21, t24, 0.0, t32, t38, t42, 0.0,)
+    return (zero, t15, t21, t24, zero, t32, t38, t42, zero,)
 
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1099,7 +1100,8 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1119,7 +1121,8 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1258,7 +1261,8 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1341,7 +1345,8 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1423,7 +1428,8 @@ def mse_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1565,7 +1571,8 @@ def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -2660,10 +2667,11 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t11 = (t1.reshape((n_batch, d_V**2)) @ t1.permute(1, 2, 0).reshape((d_V**2, n_batch)))
     t12 = (t10.reshape((n_batch, d_K**2)) @ t10.permute(1, 2, 0).reshape((d_K**2, n_batch)))
     t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
-    t14 = t13 + 0.0 + 0.0
+    t14 = t13
     t15 = torch.sqrt(torch.clamp(t13, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t16 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return (t15, 0.0, t16,)
+    return (t15, zero, t16,)
 
 
 def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -2813,10 +2821,11 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t11 = (t6.reshape((n_batch, d_V**2)) @ t6.permute(1, 2, 0).reshape((d_V**2, n_batch)))
     t12 = (t10.reshape((n_batch, d_K**2)) @ t10.permute(1, 2, 0).reshape((d_K**2, n_batch)))
     t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t12 * t11).sum()
-    t14 = t13 + 0.0 + 0.0
+    t14 = t13
     t15 = torch.sqrt(torch.clamp(t13, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t16 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return (t15, 0.0, t16,)
+    return (t15, zero, t16,)
 
 
 def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -2969,10 +2978,11 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ X
     t9 = t0 @ t8
     t10 = (4/(L**2*d_V*n_batch**2)) * (t9.sum((0,)) * t9.sum((0,))).sum()
-    t11 = t10 + 0.0 + 0.0
+    t11 = t10
     t12 = torch.sqrt(torch.clamp(t10, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t13 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return (t12, 0.0, t13,)
+    return (t12, zero, t13,)
 
 
 def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
@@ -4215,6 +4225,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = W_K.transpose(-1, -2)
@@ -4276,7 +4287,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t54 = (t37.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t53.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
     t55 = (1/(d_K*n_batch**2)) * (t54 * t33).sum()
     t56 = torch.sqrt(torch.clamp(t55, min=0.0))
-    return (0.0, t17, t27, t30, 0.0, t40, t50, t56, 0.0,)
+    return (zero, t17, t27, t30, zero, t40, t50, t56, zero,)
 
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4296,7 +4307,8 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4316,7 +4328,8 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4468,7 +4481,8 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4559,7 +4573,8 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4650,7 +4665,8 @@ def mse_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4812,7 +4828,8 @@ def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -6099,10 +6116,11 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t16 = (t15.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t17 = (t16.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t14.permute(3, 1, 2, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t17 * t12.permute(0, 2, 3, 1)).sum()
-    t19 = t18 + 0.0 + 0.0
+    t19 = t18
     t20 = torch.sqrt(torch.clamp(t18, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t21 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return (t20, 0.0, t21,)
+    return (t20, zero, t21,)
 
 
 def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -6298,10 +6316,11 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t17 = (t16.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t11.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t18 = (t17.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t15.permute(3, 1, 0, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t18 * t13.permute(0, 2, 3, 1)).sum()
-    t20 = t19 + 0.0 + 0.0
+    t20 = t19
     t21 = torch.sqrt(torch.clamp(t19, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t22 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return (t21, 0.0, t22,)
+    return (t21, zero, t22,)
 
 
 def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -6499,10 +6518,11 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ X
     t12 = t0 @ t11
     t13 = (4/(L**2*d_V*n_batch**2)) * (t12.sum((0,)) * t12.sum((0,))).sum()
-    t14 = t13 + 0.0 + 0.0
+    t14 = t13
     t15 = torch.sqrt(torch.clamp(t13, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t16 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return (t15, 0.0, t16,)
+    return (t15, zero, t16,)
 
 
 def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
@@ -7938,6 +7958,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t0 = X.transpose(-1, -2)
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -7989,7 +8010,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t44 = (t43.reshape((n_batch, d_K*d_V)) @ t43.permute(1, 2, 0).reshape((d_K*d_V, n_batch)))
     t45 = (1/(d_K*n_batch**2)) * (t44 * t33).sum()
     t46 = torch.sqrt(torch.clamp(t45, min=0.0))
-    return (0.0, t19, t25, t28, 0.0, t36, t42, t46, 0.0,)
+    return (zero, t19, t25, t28, zero, t36, t42, t46, zero,)
 
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -8009,7 +8030,8 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -8029,7 +8051,8 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -8188,7 +8211,8 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -8281,7 +8305,8 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -8373,7 +8398,8 @@ def ce_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -8535,7 +8561,8 @@ def ce_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -9981,10 +10008,11 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_K))
     t20 = (t19.reshape((L*n_batch, d_K**2)) @ t19.permute(2, 3, 0, 1).reshape((d_K**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
-    t22 = t21 + 0.0 + 0.0
+    t22 = t21
     t23 = torch.sqrt(torch.clamp(t21, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t24 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return (t23, 0.0, t24,)
+    return (t23, zero, t24,)
 
 
 def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -10198,10 +10226,11 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
     t23 = (t22.reshape((L*n_batch, d_V**2)) @ t22.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (1/(L**2*d_K**2*n_batch**2)) * (t23 * t20).sum()
-    t25 = t24 + 0.0 + 0.0
+    t25 = t24
     t26 = torch.sqrt(torch.clamp(t24, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t27 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return (t26, 0.0, t27,)
+    return (t26, zero, t27,)
 
 
 def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -10416,10 +10445,11 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t17 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = t17 * t15
     t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
-    t20 = t19 + 0.0 + 0.0
+    t20 = t19
     t21 = torch.sqrt(torch.clamp(t19, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t22 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return (t21, 0.0, t22,)
+    return (t21, zero, t22,)
 
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
@@ -11905,6 +11935,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t0 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t1 = Y.sum(-1, keepdim=True)
@@ -11971,7 +12002,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t58 = (t41.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t57.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
     t59 = (1/(d_K*n_batch**2)) * (t58 * t37).sum()
     t60 = torch.sqrt(torch.clamp(t59, min=0.0))
-    return (0.0, t21, t31, t34, 0.0, t44, t54, t60, 0.0,)
+    return (zero, t21, t31, t34, zero, t44, t54, t60, zero,)
 
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -11991,7 +12022,8 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -12011,7 +12043,8 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -12183,7 +12216,8 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -12284,7 +12318,8 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -12385,7 +12420,8 @@ def ce_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -12567,7 +12603,8 @@ def ce_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
@@ -14213,10 +14250,11 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t28 = (1/(L**2*d_K**2*n_batch**2)) * (t27 * t20.permute(0, 2, 3, 1)).sum()
-    t29 = t28 + 0.0 + 0.0
+    t29 = t28
     t30 = torch.sqrt(torch.clamp(t28, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t31 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t30, 0.0, t31,)
+    return (t30, zero, t31,)
 
 
 def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
@@ -14465,10 +14503,11 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t29 = (t28.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t30 = (t29.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t31 = (1/(L**2*d_K**2*n_batch**2)) * (t30 * t23.permute(0, 2, 3, 1)).sum()
-    t32 = t31 + 0.0 + 0.0
+    t32 = t31
     t33 = torch.sqrt(torch.clamp(t31, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t34 = torch.sqrt(torch.clamp(t32, min=0.0))
-    return (t33, 0.0, t34,)
+    return (t33, zero, t34,)
 
 
 def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
@@ -14711,10 +14750,11 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     t19 = (t16.reshape((L*n_batch, d_V**2)) @ t16.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = t19 * t17
     t21 = (1/(L**2*n_batch**2)) * (t20 * t18).sum()
-    t22 = t21 + 0.0 + 0.0
+    t22 = t21
     t23 = torch.sqrt(torch.clamp(t21, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t24 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return (t23, 0.0, t24,)
+    return (t23, zero, t24,)
 
 
 VARIANTS = {

@@ -651,7 +651,8 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t31 = t15 * t30
     t32 = (n_batch**(-2)) * (t26 * t31.permute(0, 2, 3, 1)).sum()
     t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    return (t21, t28, t33, 0.0,)
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return (t21, t28, t33, zero,)
 
 
 def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -875,7 +876,8 @@ def mse_causal0__trace__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
@@ -959,7 +961,8 @@ def mse_causal0__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal0__hessian__full(X, W_QK, W_V, Y):
@@ -1805,10 +1808,11 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     t5 = M_1.transpose(-1, -2)
     t6 = t5 @ M_1
     t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
-    t8 = t7 + 0.0 + 0.0
+    t8 = t7
     t9 = torch.sqrt(torch.clamp(t7, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t10 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return (t9, 0.0, t10,)
+    return (t9, zero, t10,)
 
 
 def causal0__jacobian__W_QK(X, W_QK, W_V):
@@ -2569,7 +2573,8 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t33 = t17 * t32
     t34 = (n_batch**(-2)) * (t28 * t33.permute(0, 2, 3, 1)).sum()
     t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    return (t23, t30, t35, 0.0,)
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return (t23, t30, t35, zero,)
 
 
 def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -2805,7 +2810,8 @@ def mse_causal1__trace__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
@@ -2893,7 +2899,8 @@ def mse_causal1__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal1__hessian__full(X, W_QK, W_V, Y):
@@ -3777,10 +3784,11 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     t7 = M_1.transpose(-1, -2)
     t8 = t7 @ M_1
     t9 = (4/(L**2*d_V*n_batch**2)) * (t8.sum((0,)) * t8.sum((0,))).sum()
-    t10 = t9 + 0.0 + 0.0
+    t10 = t9
     t11 = torch.sqrt(torch.clamp(t9, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t12 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return (t11, 0.0, t12,)
+    return (t11, zero, t12,)
 
 
 def causal1__jacobian__W_QK(X, W_QK, W_V):
@@ -4683,7 +4691,8 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t36 = t20 * t35
     t37 = (n_batch**(-2)) * (t31 * t36.permute(0, 2, 3, 1)).sum()
     t38 = torch.sqrt(torch.clamp(t37, min=0.0))
-    return (t26, t33, t38, 0.0,)
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return (t26, t33, t38, zero,)
 
 
 def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -4937,7 +4946,8 @@ def ce_causal0__trace__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
@@ -5031,7 +5041,8 @@ def ce_causal0__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal0__hessian__full(X, W_QK, W_V, Y):
@@ -6094,10 +6105,11 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     t15 = (t12.reshape((L*n_batch, d_V**2)) @ t12.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = t15 * t13
     t17 = (1/(L**2*n_batch**2)) * (t16 * t14).sum()
-    t18 = t17 + 0.0 + 0.0
+    t18 = t17
     t19 = torch.sqrt(torch.clamp(t17, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t20 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return (t19, 0.0, t20,)
+    return (t19, zero, t20,)
 
 
 def ce_causal1__loss(X, W_QK, W_V, Y):
@@ -6946,7 +6958,8 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t38 = t22 * t37
     t39 = (n_batch**(-2)) * (t33 * t38.permute(0, 2, 3, 1)).sum()
     t40 = torch.sqrt(torch.clamp(t39, min=0.0))
-    return (t28, t35, t40, 0.0,)
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return (t28, t35, t40, zero,)
 
 
 def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -7212,7 +7225,8 @@ def ce_causal1__trace__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
@@ -7310,7 +7324,8 @@ def ce_causal1__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal1__hessian__full(X, W_QK, W_V, Y):
@@ -8411,10 +8426,11 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     t17 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = t17 * t15
     t19 = (1/(L**2*n_batch**2)) * (t18 * t16).sum()
-    t20 = t19 + 0.0 + 0.0
+    t20 = t19
     t21 = torch.sqrt(torch.clamp(t19, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t22 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return (t21, 0.0, t22,)
+    return (t21, zero, t22,)
 
 
 VARIANTS = {

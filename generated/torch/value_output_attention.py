@@ -2186,6 +2186,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t104 = t39 * t98
     t105 = (1/(d_K*n_batch**2)) * (t88 * t104.permute(0, 2, 3, 1)).sum()
     t106 = torch.sqrt(torch.clamp(t105, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t107 = M_1.transpose(-1, -2)
     t108 = t107 @ G
     t109 = (d_H/n_batch**2) * (t108.sum((0,)) * t108.sum((0,))).sum()
@@ -2208,7 +2209,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t126 = t108.transpose(-1, -2)
     t127 = (d_H/n_batch**2) * (t126.sum((0,)) * t126.sum((0,))).sum()
     t128 = torch.sqrt(torch.clamp(t127, min=0.0))
-    return (t31, t45, t55, t64, t78, t83, t90, t96, t103, t106, 0.0, t110, t120, t125, t128, 0.0,)
+    return (t31, t45, t55, t64, t78, t83, t90, t96, t103, t106, zero, t110, t120, t125, t128, zero,)
 
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -3146,7 +3147,8 @@ def mse_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -3333,7 +3335,8 @@ def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal0__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -3420,7 +3423,8 @@ def mse_causal0__trace__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -3675,7 +3679,8 @@ def mse_causal0__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -7062,10 +7067,11 @@ def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     t12 = (t11 * t11).sum()
     t13 = (t12.reshape((1, 1)) * t9.sum((0,)).reshape((1, d_V**2))).reshape((d_V, d_V))
     t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t9.sum((0,))).sum()
-    t15 = t14 + 0.0 + 0.0
+    t15 = t14
     t16 = torch.sqrt(torch.clamp(t14, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t17 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return (t16, 0.0, t17,)
+    return (t16, zero, t17,)
 
 
 def mse_causal0__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
@@ -7303,10 +7309,11 @@ def mse_causal0__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     t11 = t10.transpose(-1, -2)
     t12 = t10 @ t11
     t13 = (4/(L**2*d_V*n_batch**2)) * (t12.sum((0,)) * t12.sum((0,))).sum()
-    t14 = t13 + 0.0 + 0.0
+    t14 = t13
     t15 = torch.sqrt(torch.clamp(t13, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t16 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return (t15, 0.0, t16,)
+    return (t15, zero, t16,)
 
 
 def causal0__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
@@ -9805,6 +9812,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t106 = t41 * t100
     t107 = (1/(d_K*n_batch**2)) * (t90 * t106.permute(0, 2, 3, 1)).sum()
     t108 = torch.sqrt(torch.clamp(t107, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t109 = M_1.transpose(-1, -2)
     t110 = t109 @ G
     t111 = (d_H/n_batch**2) * (t110.sum((0,)) * t110.sum((0,))).sum()
@@ -9827,7 +9835,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t128 = t110.transpose(-1, -2)
     t129 = (d_H/n_batch**2) * (t128.sum((0,)) * t128.sum((0,))).sum()
     t130 = torch.sqrt(torch.clamp(t129, min=0.0))
-    return (t33, t47, t57, t66, t80, t85, t92, t98, t105, t108, 0.0, t112, t122, t127, t130, 0.0,)
+    return (t33, t47, t57, t66, t80, t85, t92, t98, t105, t108, zero, t112, t122, t127, t130, zero,)
 
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -10805,7 +10813,8 @@ def mse_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -11000,7 +11009,8 @@ def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal1__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -11091,7 +11101,8 @@ def mse_causal1__trace__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -11358,7 +11369,8 @@ def mse_causal1__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -14853,10 +14865,11 @@ def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     t14 = (t13 * t13).sum()
     t15 = (t14.reshape((1, 1)) * t11.sum((0,)).reshape((1, d_V**2))).reshape((d_V, d_V))
     t16 = (4/(L**2*d_V**2*n_batch**2)) * (t15 * t11.sum((0,))).sum()
-    t17 = t16 + 0.0 + 0.0
+    t17 = t16
     t18 = torch.sqrt(torch.clamp(t16, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t19 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return (t18, 0.0, t19,)
+    return (t18, zero, t19,)
 
 
 def mse_causal1__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
@@ -15104,10 +15117,11 @@ def mse_causal1__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12.transpose(-1, -2)
     t14 = t12 @ t13
     t15 = (4/(L**2*d_V*n_batch**2)) * (t14.sum((0,)) * t14.sum((0,))).sum()
-    t16 = t15 + 0.0 + 0.0
+    t16 = t15
     t17 = torch.sqrt(torch.clamp(t15, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t18 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return (t17, 0.0, t18,)
+    return (t17, zero, t18,)
 
 
 def causal1__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
@@ -17998,6 +18012,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t109 = t44 * t103
     t110 = (1/(d_K*n_batch**2)) * (t93 * t109.permute(0, 2, 3, 1)).sum()
     t111 = torch.sqrt(torch.clamp(t110, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t112 = M_1.transpose(-1, -2)
     t113 = t112 @ G
     t114 = (d_H/n_batch**2) * (t113.sum((0,)) * t113.sum((0,))).sum()
@@ -18020,7 +18035,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t131 = t113.transpose(-1, -2)
     t132 = (d_H/n_batch**2) * (t131.sum((0,)) * t131.sum((0,))).sum()
     t133 = torch.sqrt(torch.clamp(t132, min=0.0))
-    return (t36, t50, t60, t69, t83, t88, t95, t101, t108, t111, 0.0, t115, t125, t130, t133, 0.0,)
+    return (t36, t50, t60, t69, t83, t88, t95, t101, t108, t111, zero, t115, t125, t130, t133, zero,)
 
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -19058,7 +19073,8 @@ def ce_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -19265,7 +19281,8 @@ def ce_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal0__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -19362,7 +19379,8 @@ def ce_causal0__trace__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -19647,7 +19665,8 @@ def ce_causal0__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -23689,10 +23708,11 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     t24 = (t22.permute(1, 0) @ t17.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t25 = (t24.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t23.permute(3, 0, 1, 2).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t26 = (1/(L**2*n_batch**2)) * (t25 * t21).sum()
-    t27 = t26 + 0.0 + 0.0
+    t27 = t26
     t28 = torch.sqrt(torch.clamp(t26, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t29 = torch.sqrt(torch.clamp(t27, min=0.0))
-    return (t28, 0.0, t29,)
+    return (t28, zero, t29,)
 
 
 def ce_causal0__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
@@ -23998,10 +24018,11 @@ def ce_causal0__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     t21 = (t18.reshape((L*n_batch, d_V**2)) @ t18.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = t21 * t19
     t23 = (1/(L**2*n_batch**2)) * (t22 * t20).sum()
-    t24 = t23 + 0.0 + 0.0
+    t24 = t23
     t25 = torch.sqrt(torch.clamp(t23, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t26 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return (t25, 0.0, t26,)
+    return (t25, zero, t26,)
 
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, W_O, Y):
@@ -26739,6 +26760,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t111 = t46 * t105
     t112 = (1/(d_K*n_batch**2)) * (t95 * t111.permute(0, 2, 3, 1)).sum()
     t113 = torch.sqrt(torch.clamp(t112, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t114 = M_1.transpose(-1, -2)
     t115 = t114 @ G
     t116 = (d_H/n_batch**2) * (t115.sum((0,)) * t115.sum((0,))).sum()
@@ -26761,7 +26783,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
     t133 = t115.transpose(-1, -2)
     t134 = (d_H/n_batch**2) * (t133.sum((0,)) * t133.sum((0,))).sum()
     t135 = torch.sqrt(torch.clamp(t134, min=0.0))
-    return (t38, t52, t62, t71, t85, t90, t97, t103, t110, t113, 0.0, t117, t127, t132, t135, 0.0,)
+    return (t38, t52, t62, t71, t85, t90, t97, t103, t110, t113, zero, t117, t127, t132, t135, zero,)
 
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -27839,7 +27861,8 @@ def ce_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -28054,7 +28077,8 @@ def ce_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal1__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -28155,7 +28179,8 @@ def ce_causal1__trace__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -28452,7 +28477,8 @@ def ce_causal1__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    return 0.0
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
+    return zero
 
 
 def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -32602,10 +32628,11 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (t24.permute(1, 0) @ t19.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t27 = (t26.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t25.permute(3, 0, 1, 2).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t28 = (1/(L**2*n_batch**2)) * (t27 * t23).sum()
-    t29 = t28 + 0.0 + 0.0
+    t29 = t28
     t30 = torch.sqrt(torch.clamp(t28, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t31 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t30, 0.0, t31,)
+    return (t30, zero, t31,)
 
 
 def ce_causal1__frobenius_split__W_V__W_O(X, W_Q, W_K, W_V, W_O, Y):
@@ -32921,10 +32948,11 @@ def ce_causal1__frobenius_split__W_O__W_O(X, W_Q, W_K, W_V, W_O, Y):
     t23 = (t20.reshape((L*n_batch, d_V**2)) @ t20.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = t23 * t21
     t25 = (1/(L**2*n_batch**2)) * (t24 * t22).sum()
-    t26 = t25 + 0.0 + 0.0
+    t26 = t25
     t27 = torch.sqrt(torch.clamp(t25, min=0.0))
+    zero = torch.zeros((), dtype=X.dtype, device=X.device)
     t28 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return (t27, 0.0, t28,)
+    return (t27, zero, t28,)
 
 
 VARIANTS = {

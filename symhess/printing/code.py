@@ -595,7 +595,12 @@ class Routine:
 
     def scalar(self, networks):
         """Σ coef · contraction for scalar networks."""
-        return _sum(self, networks) if networks else "0.0"
+        return _sum(self, networks) if networks else self.zero()
+
+    def zero(self):
+        """A structurally zero scalar result: a 0-d array of the inputs' dtype (and device),
+        like every other result of a routine."""
+        return self.emit(self.fmt("zeros", "()"), False, hint="zero")
 
 
 # terms of a dense block are stacked into one product when their halves together are at most
