@@ -453,6 +453,10 @@ def render_routine(layer_name, backend, loss, options, key):
     return ns["VARIANTS"][(loss, options)]
 
 
+# at most this many rendering processes (each holds a layer's derivation, up to ≈ 1 GB)
+MAX_WORKERS = 4
+
+
 def _render_layer(name):
     """{relative path: source} of one layer's modules (both backends share its derivation)."""
     return {f"{backend}/{name}.py": render_module(name, backend) for backend in TARGETS}
@@ -465,8 +469,8 @@ def render_all():
     (layers registered at run time are inherited); the result does not depend on it.
     """
     names = sorted(n for n in LAYERS if n not in ON_DEMAND)
-    workers = min(len(names), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                  else (os.cpu_count() or 1))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = min(len(names), cpus, MAX_WORKERS)
     if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
