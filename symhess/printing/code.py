@@ -331,7 +331,7 @@ class Routine:
         costs = []
         for ls in (labs, flat[2]):
             shapes = tuple(tuple(self._label_size(a) for a in x) for x in ls)
-            costs.append(_path(_spec(ls, list(dict.fromkeys(outputs))), shapes, True)[2])
+            costs.append(_path(_spec(ls, list(dict.fromkeys(outputs))), shapes, True)[1])
         if costs[1] >= costs[0]:
             return term, ops, labs
         self._restore(snap)
@@ -373,7 +373,7 @@ class Routine:
         if len(ops) == 1 and spec.split("->")[0] == spec.split("->")[1]:
             return ops[0]
         shapes = tuple(tuple(self._label_size(a) for a in ls) for ls in labs)
-        path, _, _ = _path(spec, shapes, search)
+        path, _ = _path(spec, shapes, search)
         ops, labs = list(ops), [list(ls) for ls in labs]
         for k, pos in enumerate(path):
             taken = [(ops.pop(i), labs.pop(i)) for i in sorted(pos, reverse=True)]
@@ -476,7 +476,7 @@ class Routine:
         if len(ops) < 2:
             return None
         shapes = tuple(tuple(self._label_size(a) for a in ls) for ls in labs)
-        path, _, _ = _path(_spec(labs, out), shapes)
+        path, _ = _path(_spec(labs, out), shapes)
         halves = _last_halves(len(ops), path)
         frees = []
         for h in halves:
@@ -698,14 +698,6 @@ def _last_halves(n, path):
     return groups
 
 
-def _suffix(a, b):
-    """Length of the common tail of two sequences (the innermost axes that already agree)."""
-    run = 0
-    while run < min(len(a), len(b)) and a[-1 - run] == b[-1 - run]:
-        run += 1
-    return run
-
-
 # networks of up to this many operands also get opt_einsum's dynamic-programming search
 # (pairings only above DP_FLOPS: greedy can miss the Gram-matrix order of one by 10×)
 DP_MAX_OPERANDS = 10
@@ -716,9 +708,10 @@ DP_FLOPS = 10 ** 9
 def _path(spec, shapes, search=False):
     """The contraction order for representative shapes, and its cost: the best of
     opt_einsum's optimal (≤ 4 operands) or greedy and branch-1 searches and, up to
-    ``DP_MAX_OPERANDS``, dynamic programming (pairings: above ``DP_FLOPS``).  Scalar pairings (``search``: Frobenius norms)
-    are ranked by flops; everything else by flops plus ``TRAFFIC_WEIGHT`` per entry
-    written, since block-sized intermediates, not multiply-adds, bound those kernels."""
+    ``DP_MAX_OPERANDS``, dynamic programming (pairings: above ``DP_FLOPS``).  Scalar
+    pairings (``search``: Frobenius norms) are ranked by flops; everything else by flops
+    plus ``TRAFFIC_WEIGHT`` per entry written, since block-sized intermediates, not
+    multiply-adds, bound those kernels."""
     if len(shapes) <= 4:
         candidates = ["auto"]
     else:
@@ -736,8 +729,8 @@ def _path(spec, shapes, search=False):
                                       optimize=oe.DynamicProgramming(minimize="flops"))
         if info.opt_cost < best[2]:
             best = (path, info, int(info.opt_cost))
-    path, info, cost = best
-    return list(path), _layout_score(spec, info.contraction_list[-1]), cost
+    path, _, cost = best
+    return list(path), cost
 
 
 # one entry written to (and read back from) memory costs about as much as this many flops:
@@ -752,20 +745,6 @@ def _cost(info):
         out = step[2].split("->")[1]
         written += _prod(info.size_dict[c] for c in out)
     return int(info.opt_cost) + TRAFFIC_WEIGHT * written
-
-
-def _layout_score(spec, last):
-    """How well the last step's natural result layout matches the output: (exact, run)."""
-    _, idx_rm, einsum_str, _, blas = last
-    out = spec.split("->")[1]
-    if not blas:                      # einsum writes the output order itself
-        return (1, len(out))
-    left, right = einsum_str.split("->")[0].split(",")
-    natural = "".join(a for a in left + right if a not in idx_rm)
-    run = 0
-    while run < min(len(natural), len(out)) and natural[-1 - run] == out[-1 - run]:
-        run += 1
-    return (int(natural == out), run)
 
 
 def _pieces(factors):
