@@ -554,7 +554,7 @@ class Routine:
         needs_zero = fresh and _repeats(self, terms[0], r, c)
         if needs_zero:
             self.line(f"{target}[...] = 0")
-        groups = {}
+        printed = []
         for term in terms:
             atoms = self.lw.resolve(term, r) + self.lw.resolve(term, c)
             sizes = [self.lw.labels.size[a] for a in atoms]
@@ -563,35 +563,87 @@ class Routine:
             if len(order) < len(atoms):
                 view, order = _diag_view(self, view, atoms)
             coef, code, _ = self.network(term, order, fold_coef=True)
-            stack = code.stack_key() if isinstance(code, Final) and code.small and coef == 1 else None
-            key = (view, stack if stack is not None else id(term))
-            groups.setdefault(key, []).append((coef, code))
+            printed.append((view, coef, code))
         first = fresh and not needs_zero
-        for (view, _), members in groups.items():
-            if len(members) == 1:
+        for view, how, members in self._write_groups(printed):
+            if how == "alone":
                 coef, code = members[0]
                 rhs = _scaled(self, coef, str(code))
-            else:
+            elif how == "stack":
                 rhs = self._stacked([code for _, code in members])
+            else:
+                rhs = self._shared([code for _, code in members], how)
             self.line(f"{view}[...] = {rhs}" if first else f"{view} += {rhs}")
             first = False
+
+    def _write_groups(self, printed):
+        """[(view, how, members)]: terms written by one product each ("alone"), by one product
+        of stacked halves ("stack": small halves of the same arrangement), or by one product
+        of a half they share with the sum of their other halves ("M"/"N": Σ_t A B_t =
+        A Σ_t B_t, e.g. the functional terms of a post-LN block that share ∂Y/∂W_Q)."""
+        keys = []
+        for view, coef, code in printed:
+            final = isinstance(code, Final) and coef == 1
+            stack = code.stack_key() if final and code.small else None
+            shared = self._shared_keys(code) if final and stack is None else {}
+            keys.append((stack, shared))
+        count = {}
+        for view_code, (_, shared) in zip(printed, keys):
+            for k in shared.values():
+                count[(view_code[0], k)] = count.get((view_code[0], k), 0) + 1
+        groups = {}
+        for i, ((view, coef, code), (stack, shared)) in enumerate(zip(printed, keys)):
+            key = (view, "alone", i)
+            if stack is not None:
+                key = (view, "stack", stack)
+            else:
+                for side, k in shared.items():
+                    if count[(view, k)] > 1:
+                        key = (view, side, k)
+                        break
+            groups.setdefault(key, []).append((coef, code))
+        return [(view, how if len(members) > 1 else "alone", members)
+                for (view, how, _), members in groups.items()]
+
+    def _halves(self, f):
+        """(codes of the two halves arranged as (P…, M, K) and (P…, K, N), P, M, N)."""
+        (x, lx), (y, ly) = f.halves
+        swap, pre, m, n = _arrangement(lx, ly, f.out)
+        if swap:
+            (x, lx), (y, ly) = (y, ly), (x, lx)
+        return (self._grouped(x, lx, pre, [m, f.summed]), self._grouped(y, ly, pre, [f.summed, n]),
+                pre, m, n)
+
+    def _shared_keys(self, f):
+        """{"M": key, "N": key}: the product's arrangement with one half's code; two terms
+        with an equal key multiply the same tensor, laid out alike, on that side."""
+        if not f.summed or f.stack_key() is None:
+            return {}
+        xg, yg, _, _, _ = self._halves(f)
+        return {"M": (f.stack_key(), "M", xg), "N": (f.stack_key(), "N", yg)}
+
+    def _shared(self, finals, side):
+        """One product for Σ_t A B_t (``side`` "M": A on the left) or Σ_t B_t A ("N")."""
+        parts = [self._halves(f) for f in finals]
+        xg, yg, pre, m, n = parts[0]
+        if side == "M":
+            rest = self.emit(" + ".join(p[1] for p in parts), False)
+            code = f"({xg} @ {rest})"
+        else:
+            rest = self.emit(" + ".join(p[0] for p in parts), False)
+            code = f"({rest} @ {yg})"
+        return self._finish(code, pre, m, n, finals[0].out)
 
     def _stacked(self, finals):
         """One product for Σ_t L_t R_t: each term's halves arranged as (P…, M, K_t) and
         (P…, K_t, N), concatenated along K (the terms share P, M, N: same ``stack_key``)."""
-        xs, ys = [], []
-        for f in finals:
-            (x, lx), (y, ly) = f.halves
-            swap, pre, m, n = _arrangement(lx, ly, f.out)
-            if swap:
-                (x, lx), (y, ly) = (y, ly), (x, lx)
-            xs.append(self.emit(self._grouped(x, lx, pre, [m, f.summed]), False))
-            ys.append(self.emit(self._grouped(y, ly, pre, [f.summed, n]), False))
+        parts = [self._halves(f) for f in finals]
+        xs = [self.emit(p[0], False) for p in parts]
+        ys = [self.emit(p[1], False) for p in parts]
         big_x = self.emit(self.fmt("concat_last", ", ".join(xs)), False)
         big_y = self.emit(self.fmt("concat_rows", ", ".join(ys)), False)
-        f = finals[0]
-        _, pre, m, n = _arrangement(*(h[1] for h in f.halves), f.out)
-        return self._finish(f"({big_x} @ {big_y})", pre, m, n, f.out)
+        _, _, pre, m, n = parts[0]
+        return self._finish(f"({big_x} @ {big_y})", pre, m, n, finals[0].out)
 
     def scalar(self, networks):
         """Σ coef · contraction for scalar networks."""
