@@ -623,15 +623,31 @@ class Routine:
         return {"M": (f.stack_key(), "M", xg), "N": (f.stack_key(), "N", yg)}
 
     def _shared(self, finals, side):
-        """One product for Σ_t A B_t (``side`` "M": A on the left) or Σ_t B_t A ("N")."""
+        """One product for Σ_t A B_t (``side`` "M": A on the left) or Σ_t B_t A ("N").
+
+        The B_t are summed before they are permuted when their axes play the same roles
+        (one permuted copy of the sum instead of one per term: the halves can be as large
+        as the block)."""
         parts = [self._halves(f) for f in finals]
         xg, yg, pre, m, n = parts[0]
-        if side == "M":
-            rest = self.emit(" + ".join(p[1] for p in parts), False)
-            code = f"({xg} @ {rest})"
+        own = 1 if side == "M" else 0          # the half each term brings itself
+        raw = []
+        for f in finals:
+            (x, lx), (y, ly) = f.halves
+            swap, pre_t, m_t, n_t = _arrangement(lx, ly, f.out)
+            if swap:
+                (x, lx), (y, ly) = (y, ly), (x, lx)
+            name, labs = ((y, ly) if own else (x, lx))
+            order = pre_t + (f.summed + n_t if own else m_t + f.summed)
+            raw.append((name, labs, tuple(order.index(a) for a in labs)))
+        if len({r[2] for r in raw}) == 1:        # same roles: sum first, arrange once
+            total = self.emit(" + ".join(r[0] for r in raw), False)
+            f, labs = finals[0], raw[0][1]
+            groups = [f.summed, n] if own else [m, f.summed]
+            rest = self._grouped(total, labs, pre, groups)
         else:
-            rest = self.emit(" + ".join(p[0] for p in parts), False)
-            code = f"({rest} @ {yg})"
+            rest = self.emit(" + ".join(p[own] for p in parts), False)
+        code = f"({xg} @ {rest})" if own else f"({rest} @ {yg})"
         return self._finish(code, pre, m, n, finals[0].out)
 
     def _stacked(self, finals):
