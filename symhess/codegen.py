@@ -126,6 +126,12 @@ PAIRWISE_MAX_TERMS = 16
 SPLIT_PAIRWISE_MAX_TERMS = 64
 
 
+# a block below the diagonal of ``hessian`` with more index networks than this is copied from
+# the transposed block above it (H(q, p) = H(p, q)ᵀ for every part: B and the second
+# derivatives are symmetric); a transposed copy costs about three block-sized products
+MIRROR_MIN_TERMS = 3
+
+
 class Variant:
     """Prints every routine of one (layer, loss, options) for one target."""
 
@@ -189,12 +195,21 @@ class Variant:
         for p in names:
             offs.append(offs[-1] + self.numel(p))
         rt.line(f"H = {rt.fmt('empty', rt.shape((offs[-1], offs[-1])))}")
+
+        def block(i, j):
+            return rt.emit(f"H[{rt.size(offs[i])}:{rt.size(offs[i + 1])}, "
+                           f"{rt.size(offs[j])}:{rt.size(offs[j + 1])}]", False)
+
+        mirrored = []
         for i, p in enumerate(names):
             for j, q in enumerate(names):
-                sl = f"H[{rt.size(offs[i])}:{rt.size(offs[i + 1])}, {rt.size(offs[j])}:{rt.size(offs[j + 1])}]"
-                target = rt.emit(sl, False)
                 terms, r, c = self.low.terms(p, q, part)
-                rt.dense_into(target, terms, r, c, fresh=True)
+                if j < i and len(terms) > MIRROR_MIN_TERMS:
+                    mirrored.append((i, j))   # H(q, p) = H(p, q)ᵀ: copied once that is written
+                    continue
+                rt.dense_into(block(i, j), terms, r, c, fresh=True)
+        for i, j in mirrored:
+            rt.line(f"{block(i, j)}[...] = {rt.fmt('T', block(j, i))}")
         return self.function(f"hessian__{part}", rt, "H",
                              f"The full {part} Hessian, parameters in declared order {', '.join(names)}.")
 

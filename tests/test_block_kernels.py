@@ -12,7 +12,7 @@ from torch.func import jacrev
 
 import symhess as sh
 from symhess.evaluate import evaluate
-from symhess.verify import random_values
+from symhess.verify import autograd_blocks, random_values
 
 SIZES = {"L": 4, "d_V": 6, "d_K": 5, "d_ff": 7}      # distinct sizes
 TOL = 1e-9
@@ -46,3 +46,16 @@ def test_full_block_hessian_kernels_match_autograd(name):
     assert np.linalg.norm(got_np - ref) <= TOL * scale
     assert np.linalg.norm(got_t - ref) <= TOL * scale
     assert np.allclose(got_np, got_np.T, atol=1e-12 * scale)      # a Hessian is symmetric
+
+
+@pytest.mark.parametrize("part", ["outer", "functional"])
+def test_post_ln_hessian_parts_match_autograd(part):
+    """The Gauss–Newton split of the whole Hessian (blocks below the diagonal with many terms
+    are copied from the transposed block above it, so each part must be symmetric too)."""
+    d = sh.derive(sh.layer("post_ln_block"), "mse")
+    values = random_values(d, seed=4, sizes=SIZES)
+    names = list(d.layer.param_names)
+    ref = autograd_blocks(d, values)
+    want = np.block([[ref[(p, q, part)] for q in names] for p in names])
+    got = sh.kernel("post_ln_block", "numpy", "mse").hessian(values, part)
+    assert np.linalg.norm(got - want) <= TOL * np.linalg.norm(want)
