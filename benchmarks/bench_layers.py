@@ -20,6 +20,8 @@ import symhess as sh
 from symhess.evaluate import evaluate
 from symhess.verify import random_values
 
+from .timing import best as _best
+
 SIZES = {"small": {"L": 8, "d_V": 12, "d_K": 10, "d_H": 6, "d_ff": 16},
          "medium": {"L": 16, "d_V": 24, "d_K": 16, "d_H": 12, "d_ff": 48}}
 DEFAULT_LAYERS = ["attention", "linear_attention", "single_matrix_attention", "multihead_attention",
@@ -27,13 +29,8 @@ DEFAULT_LAYERS = ["attention", "linear_attention", "single_matrix_attention", "m
 
 
 def best(fn, repeat=3):
-    fn()
-    out = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return min(out)
+    """Minimum wall time of ``repeat`` calls after a warm-up (``benchmarks.timing``)."""
+    return _best(fn, repeat)
 
 
 def bench(name, sizes, loss="mse"):

@@ -254,10 +254,11 @@ def _size(d, env):
 class Interpreter:
     def __init__(self, xp, env, arrays):
         self.xp, self.env, self.arrays = xp, env, arrays
+        self.env_key = tuple(sorted(env.items(), key=lambda kv: str(kv[0])))   # for _size
         self.memo = {}
 
     def size(self, d) -> int:
-        v = _size(sp.sympify(d), tuple(sorted(self.env.items(), key=lambda kv: str(kv[0]))))
+        v = _size(sp.sympify(d), self.env_key)
         if v is None:
             raise InputError(f"dimension {d} is not determined by the values given")
         return v

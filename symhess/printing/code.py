@@ -607,20 +607,18 @@ class Routine:
 
     def _halves(self, f):
         """(codes of the two halves arranged as (P…, M, K) and (P…, K, N), P, M, N)."""
-        (x, lx), (y, ly) = f.halves
-        swap, pre, m, n = _arrangement(lx, ly, f.out)
-        if swap:
-            (x, lx), (y, ly) = (y, ly), (x, lx)
+        (x, lx), (y, ly), pre, m, n = f.oriented()
         return (self._grouped(x, lx, pre, [m, f.summed]), self._grouped(y, ly, pre, [f.summed, n]),
                 pre, m, n)
 
     def _shared_keys(self, f):
         """{"M": key, "N": key}: the product's arrangement with one half's code; two terms
         with an equal key multiply the same tensor, laid out alike, on that side."""
-        if not f.summed or f.stack_key() is None:
+        stack = f.stack_key()
+        if stack is None:
             return {}
         xg, yg, _, _, _ = self._halves(f)
-        return {"M": (f.stack_key(), "M", xg), "N": (f.stack_key(), "N", yg)}
+        return {"M": (stack, "M", xg), "N": (stack, "N", yg)}
 
     def _shared(self, finals, side):
         """One product for Σ_t A B_t (``side`` "M": A on the left) or Σ_t B_t A ("N").
@@ -633,10 +631,7 @@ class Routine:
         own = 1 if side == "M" else 0          # the half each term brings itself
         raw = []
         for f in finals:
-            (x, lx), (y, ly) = f.halves
-            swap, pre_t, m_t, n_t = _arrangement(lx, ly, f.out)
-            if swap:
-                (x, lx), (y, ly) = (y, ly), (x, lx)
+            (x, lx), (y, ly), pre_t, m_t, n_t = f.oriented()
             name, labs = ((y, ly) if own else (x, lx))
             order = pre_t + (f.summed + n_t if own else m_t + f.summed)
             raw.append((name, labs, tuple(order.index(a) for a in labs)))
@@ -691,13 +686,21 @@ class Final(str):
         obj.summed = [a for a in left[1] if a in right[1] and a not in out]
         return obj
 
+    def oriented(self):
+        """((x, lx), (y, ly), P, M, N): the halves in product order, the left one giving M."""
+        (x, lx), (y, ly) = self.halves
+        swap, pre, m, n = _arrangement(lx, ly, self.out)
+        if swap:
+            (x, lx), (y, ly) = (y, ly), (x, lx)
+        return (x, lx), (y, ly), pre, m, n
+
     def stack_key(self):
         """The arrangement (P, M, N, output order) of the product as a canonical string;
         terms of a block with equal keys are written by one product of stacked halves."""
         (_, la), (_, lb) = self.halves
         if not self.summed or len(set(la)) < len(la) or len(set(lb)) < len(lb):
             return None
-        swap, pre, m, n = _arrangement(la, lb, self.out)
+        _, _, pre, m, n = self.oriented()
         return _spec([pre + m + [STACKED], pre + [STACKED] + n], self.out)
 
 
