@@ -11,6 +11,8 @@ This module imports nothing from rules or printers.
 """
 from __future__ import annotations
 
+import hashlib
+
 import sympy as sp
 
 from .scalarfn import ScalarFn, get_function
@@ -38,6 +40,11 @@ def dims(names: str):
     return tuple(dim(n) for n in names.split())
 
 
+# structural sort keys longer than this keep a prefix and a digest (Expr.key)
+KEY_MAX = 512
+KEY_PREFIX = 256
+
+
 def _d(x) -> sp.Expr:
     return sp.sympify(x)
 
@@ -54,7 +61,7 @@ def same(a, b) -> bool:
 class Expr:
     """Base node: ``args`` (child expressions), ``params`` (hashable data), ``shape``."""
 
-    __slots__ = ("args", "params", "shape", "_hash", "_key", "_free")
+    __slots__ = ("args", "params", "shape", "_hash", "_key", "_free", "_t")
     precedence = 100
 
     def __init__(self, args=(), params=(), shape=None):
@@ -64,6 +71,7 @@ class Expr:
         self._hash = None
         self._key = None
         self._free = None
+        self._t = None        # the transpose, once asked for (DAGs share it across parents)
 
     # -- structure ---------------------------------------------------------------
     def rebuild(self, args):
@@ -89,10 +97,18 @@ class Expr:
 
     @property
     def key(self) -> str:
-        """A deterministic structural string, used to sort commutative operands."""
+        """A deterministic structural string, used to sort commutative operands. Past
+        ``KEY_MAX`` characters it keeps its first ``KEY_PREFIX`` and a digest of the rest:
+        the full strings of a derivation's DAGs grow exponentially with depth (gigabytes
+        for the post-LN block), the bounded ones stay short and sort the same way unless
+        two keys agree on their whole prefix."""
         if self._key is None:
             inner = ",".join(a.key for a in self.args)
-            self._key = f"{type(self).__name__}[{self.params!r}]({inner})"
+            key = f"{type(self).__name__}[{self.params!r}]({inner})"
+            if len(key) > KEY_MAX:
+                digest = hashlib.blake2b(key.encode(), digest_size=12).hexdigest()
+                key = f"{key[:KEY_PREFIX]}#{digest}"
+            self._key = key
         return self._key
 
     @property
@@ -700,7 +716,15 @@ def add(*terms) -> Expr:
 
 
 def transpose(a) -> Expr:
-    """Push transposes to the leaves: (AB)ᵀ = BᵀAᵀ, (A⊗B)ᵀ = Aᵀ⊗Bᵀ, K_{m,n}ᵀ = K_{n,m}."""
+    """Push transposes to the leaves: (AB)ᵀ = BᵀAᵀ, (A⊗B)ᵀ = Aᵀ⊗Bᵀ, K_{m,n}ᵀ = K_{n,m}.
+    Memoised on the node: a derivation's expressions are DAGs whose shared subexpressions
+    would otherwise be transposed once per path to them (exponential in depth)."""
+    if a._t is None:
+        a._t = _transpose(a)
+    return a._t
+
+
+def _transpose(a) -> Expr:
     if isinstance(a, Transpose):
         return a.args[0]
     if isinstance(a, (Zero, Ones)):

@@ -17844,16 +17844,16 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V
     t28 = t25 - (A * t25).sum(-1, keepdim=True)
     t29 = t27 * t28
     t30 = t29 - A * t29.sum(-1, keepdim=True)
-    t31 = V_W_O.transpose(-1, -2)
+    t31 = W_O.transpose(-1, -2)
     t32 = G @ t31
-    t33 = t16.transpose(-1, -2)
-    t34 = t32 @ t33
-    t35 = W_O.transpose(-1, -2)
-    t36 = G @ t35
-    t37 = V_W_V.transpose(-1, -2)
-    t38 = t37 @ t0
-    t39 = t36 @ t38
-    t40 = t34 + t39
+    t33 = V_W_V.transpose(-1, -2)
+    t34 = t33 @ t0
+    t35 = t32 @ t34
+    t36 = V_W_O.transpose(-1, -2)
+    t37 = G @ t36
+    t38 = t16.transpose(-1, -2)
+    t39 = t37 @ t38
+    t40 = t35 + t39
     t41 = t40 - (A * t40).sum(-1, keepdim=True)
     t42 = A * t41
     t43 = t30 + t42
@@ -17873,13 +17873,13 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V
     t57 = (1/math.sqrt(d_K)) * t56
     t58 = t0 @ t57
     t59 = t27.transpose(-1, -2)
-    t60 = t59 @ t36
+    t60 = t59 @ t32
     t61 = A.transpose(-1, -2)
-    t62 = t61 @ t32
+    t62 = t61 @ t37
     t63 = t60 + t62
     t64 = t0 @ t63
-    t65 = t38 @ t61
-    t66 = t33 @ t59
+    t65 = t34 @ t61
+    t66 = t38 @ t59
     t67 = t65 + t66
     t68 = t67 @ G
     return ((t51[0] if n_batch == 1 else t51.mean(0)), (t58[0] if n_batch == 1 else t58.mean(0)), (t64[0] if n_batch == 1 else t64.mean(0)), (t68[0] if n_batch == 1 else t68.mean(0)),)
@@ -26590,16 +26590,16 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V
     t30 = t27 - (A * t27).sum(-1, keepdim=True)
     t31 = t29 * t30
     t32 = t31 - A * t31.sum(-1, keepdim=True)
-    t33 = V_W_O.transpose(-1, -2)
+    t33 = W_O.transpose(-1, -2)
     t34 = G @ t33
-    t35 = t18.transpose(-1, -2)
-    t36 = t34 @ t35
-    t37 = W_O.transpose(-1, -2)
-    t38 = G @ t37
-    t39 = V_W_V.transpose(-1, -2)
-    t40 = t39 @ t0
-    t41 = t38 @ t40
-    t42 = t36 + t41
+    t35 = V_W_V.transpose(-1, -2)
+    t36 = t35 @ t0
+    t37 = t34 @ t36
+    t38 = V_W_O.transpose(-1, -2)
+    t39 = G @ t38
+    t40 = t18.transpose(-1, -2)
+    t41 = t39 @ t40
+    t42 = t37 + t41
     t43 = t42 - (A * t42).sum(-1, keepdim=True)
     t44 = A * t43
     t45 = t32 + t44
@@ -26619,13 +26619,13 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V
     t59 = (1/math.sqrt(d_K)) * t58
     t60 = t0 @ t59
     t61 = t29.transpose(-1, -2)
-    t62 = t61 @ t38
+    t62 = t61 @ t34
     t63 = A.transpose(-1, -2)
-    t64 = t63 @ t34
+    t64 = t63 @ t39
     t65 = t62 + t64
     t66 = t0 @ t65
-    t67 = t40 @ t63
-    t68 = t35 @ t61
+    t67 = t36 @ t63
+    t68 = t40 @ t61
     t69 = t67 + t68
     t70 = t69 @ G
     return ((t53[0] if n_batch == 1 else t53.mean(0)), (t60[0] if n_batch == 1 else t60.mean(0)), (t66[0] if n_batch == 1 else t66.mean(0)), (t70[0] if n_batch == 1 else t70.mean(0)),)
