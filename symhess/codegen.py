@@ -54,12 +54,14 @@ ON_DEMAND = {
     "addition_block": "the experiments model: its losses are the custom ce_answer/mse_sum and "
                       "its 7 parameters give 49 blocks through LayerNorm; kernels are rendered "
                       "in memory on first use",
-    "post_ln_block": "its outer blocks expand to up to 2048 index networks each (the attention "
-                     "Jacobian through two LayerNorms, every sum distributed); committing them "
-                     "would take minutes and tens of MB; rendered in memory on first use",
-    "pre_ln_block": "up to 168 index networks per block (LayerNorm Jacobians distributed "
-                    "through the attention); the four committed variants would be 23 MB per "
-                    "backend and take 90 s; rendered in memory on first use",
+}
+# layers committed at their default options only (both losses); every other option value,
+# causal included, is rendered in memory on first use (with the reason)
+DEFAULTS_ONLY = {
+    "post_ln_block": "5 parameters give 214 routines per variant (3.5 MB per backend); the "
+                     "causal variants would double generated/ and generation time",
+    "pre_ln_block": "5 parameters give 214 routines per variant (2 MB per backend); the causal "
+                    "variants would double generated/ and generation time",
 }
 
 
@@ -72,7 +74,8 @@ def generated_losses(layer_name):
 def variants(layer_name):
     """(loss, options) pairs committed for a layer: its losses × every value of causal."""
     opts = layer_options(layer_name)
-    flags = sorted(k for k in VARIED_OPTIONS if isinstance(opts.get(k), bool))
+    flags = [] if layer_name in DEFAULTS_ONLY else sorted(
+        k for k in VARIED_OPTIONS if isinstance(opts.get(k), bool))
     out = []
     for loss in generated_losses(layer_name):
         for values in itertools.product((False, True), repeat=len(flags)):

@@ -1,4 +1,4 @@
-"""The on-demand kernels of the full Transformer blocks (rendered in memory, not committed):
+"""The kernels of the full Transformer blocks (committed in generated/ at their defaults):
 the whole Hessian of the post-LN and pre-LN blocks against reverse-over-reverse autograd of
 the derivation's own loss (LayerNorm's forward-over-reverse issue), and NumPy against torch.
 
