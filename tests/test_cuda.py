@@ -198,7 +198,7 @@ def test_layer_jacobians_on_device(name, opts):
 
 
 def test_post_ln_block_hessian_block_on_device():
-    """One block of the (rendered on demand) post-LN block, against CPU and device autograd."""
+    """One block of the (committed) post-LN block kernels, against CPU and device autograd."""
     d = sh.derive(sh.layer("post_ln_block"), "mse")
     values = random_values(d, seed=1, sizes={"L": 4, "d_V": 8, "d_K": 6, "d_ff": 16})
     k = sh.kernel("post_ln_block", "torch", "mse")

@@ -61,6 +61,35 @@ def test_commutative_operands_are_sorted():
     assert A + (X + A) == (2 * A) + X
 
 
+def _doubling_dag(depth):
+    """x_k = tanh(x_{k-1} S) + x_{k-1}: each level refers to the previous one twice, so the
+    expression has depth + 1 distinct levels but 2**depth paths (a derivation's DAGs)."""
+    S = E.matrix("S", m, m)
+    x = S
+    for _ in range(depth):
+        x = E.elementwise("tanh", x @ S) + x
+    return x
+
+
+def test_transpose_of_a_shared_dag_is_memoised(monkeypatch):
+    calls = []
+    real = E._transpose
+    monkeypatch.setattr(E, "_transpose", lambda a: calls.append(a) or real(a))
+    x = _doubling_dag(12)
+    xt = E.transpose(x)
+    assert len(calls) < 20 * 12           # once per distinct node, not once per path (≥ 4096)
+    assert E.transpose(x) is xt
+    assert E.transpose(xt) == x
+
+
+def test_sort_keys_of_a_shared_dag_stay_short_and_deterministic():
+    x, y = _doubling_dag(16), _doubling_dag(16)
+    assert x is not y and x.key == y.key
+    assert len(x.key) <= E.KEY_MAX        # the spelled-out key would be ≥ 2**16 characters
+    assert E.matrix("S", m, m).key in _doubling_dag(2).key    # short keys are spelled out
+    assert _doubling_dag(15).key != x.key
+
+
 def test_identity_elimination():
     assert A @ E.identity(n) == A
     assert E.identity(m) @ A == A
