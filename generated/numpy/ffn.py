@@ -75,31 +75,32 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = W_2 @ t5
     t7 = (2/(L*d_V*n_batch)) * t2
-    t8 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t9 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4, (n_batch, L, 1, d_ff)))
-    t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t8, (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))
-    t1[...] = (np.reshape((np.reshape(t10.transpose(2, 1, 3, 0), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t6, (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(2, 0, 3, 1)
+    t8 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t9 = np.reshape((np.reshape(t6, (d_ff, d_ff, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_ff, n_batch, L))
+    t10 = (np.reshape((np.reshape(t9.transpose(1, 2, 3, 0), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_ff))).transpose(3, 0, 1, 2)
+    t1[...] = (np.reshape((np.reshape(t8, (d_V**2, L*n_batch)) @ np.reshape(t10.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t12 = np.reshape(t11, (d_V, d_ff, d_ff, d_V), copy=False)
     t13 = (t3 * np.heaviside(t3, 0.0))
-    t14 = np.reshape((np.reshape(t8.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t13, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
-    t12[...] = (np.reshape((np.reshape(t14, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
-    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t16 = np.reshape(t15, (d_ff, d_V, d_V, d_ff), copy=False)
-    t17 = np.swapaxes(t3, -1, -2)
-    t18 = np.swapaxes(t13, -1, -2)
-    t19 = (2/(L*d_V*n_batch)) * t18
-    t20 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t21 = np.reshape((np.reshape(t20.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V))), (d_ff, d_ff, d_V))
-    t16[...] = (np.reshape((np.reshape(t21, (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
-    t22 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t22[...] = 0
-    t23 = np.reshape(t22, (d_ff, d_V, d_ff, d_V), copy=False)
-    t24 = np.einsum('abcb->abc', t23)
-    t25 = t18 @ t13
-    t26 = np.ones((d_V,), dtype=X.dtype)
-    t27 = (2/(L*d_V*n_batch)) * t26
-    t24 += (np.reshape((np.reshape(t27, (d_V, 1)) * np.reshape(t25.sum((0,)), (1, d_ff**2))), (d_V, d_ff, d_ff))).transpose(1, 0, 2)
+    t14 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t15 = np.reshape((np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t13, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
+    t12[...] = (np.reshape((np.reshape(t15, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
+    t16 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t17 = np.reshape(t16, (d_ff, d_V, d_V, d_ff), copy=False)
+    t18 = np.swapaxes(t3, -1, -2)
+    t19 = np.swapaxes(t13, -1, -2)
+    t20 = (2/(L*d_V*n_batch)) * X
+    t21 = (np.reshape(t20, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+    t22 = np.reshape((np.reshape(t21.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_V, d_ff, d_ff))
+    t17[...] = (np.reshape((np.reshape(t22.transpose(2, 1, 0), (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
+    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t23[...] = 0
+    t24 = np.reshape(t23, (d_ff, d_V, d_ff, d_V), copy=False)
+    t25 = np.einsum('abcb->abc', t24)
+    t26 = t19 @ t13
+    t27 = np.ones((d_V,), dtype=X.dtype)
+    t28 = (2/(L*d_V*n_batch)) * t27
+    t25 += (np.reshape((np.reshape(t28, (d_V, 1)) * np.reshape(t26.sum((0,)), (1, d_ff**2))), (d_V, d_ff, d_ff))).transpose(1, 0, 2)
     return H
 
 
@@ -144,27 +145,27 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (np.reshape(t2, (n_batch, L, d_ff, 1)) * np.reshape(t2, (n_batch, L, 1, d_ff)))
-    t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_ff, d_ff, L*n_batch, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, n_batch, L))
-    t11 = np.reshape((np.reshape(t9, (L*n_batch, d_ff**2)) @ np.reshape(t10, (d_ff**2, L*n_batch))), (n_batch, L, n_batch, L))
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t9 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t9.transpose(1, 2, 3, 4, 0), (n_batch, L, n_batch, L, d_ff, 1)) * np.reshape(t8, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, d_ff))
+    t11 = (np.reshape(t9, (d_ff, L**2*n_batch**2)) @ np.reshape(t10, (L**2*n_batch**2, d_ff)))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.transpose(1, 0)).sum()
     t13 = np.sqrt(np.maximum(t12, 0.0))
     t14 = (t1 * np.heaviside(t1, 0.0))
     t15 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
     t16 = np.reshape((np.reshape(t14, (L*n_batch, d_ff)) @ np.reshape(t14.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t17 = t16 * t6
-    t18 = np.reshape((np.reshape(t15, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
-    t19 = np.reshape((np.reshape(t18, (d_ff, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
-    t20 = (4/(L**2*d_V**2*n_batch**2)) * (t19 * t2.transpose(2, 0, 1)).sum()
+    t17 = np.reshape((np.reshape(t15, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t18 = np.reshape((np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t16.transpose(2, 3, 0, 1)
+    t20 = (4/(L**2*d_V**2*n_batch**2)) * (t6 * t19.transpose(2, 3, 0, 1)).sum()
     t21 = np.sqrt(np.maximum(t20, 0.0))
     t22 = np.swapaxes(t1, -1, -2)
     t23 = np.swapaxes(t14, -1, -2)
     t24 = np.reshape((np.reshape(t3.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t3.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
     t25 = np.reshape((np.reshape(t23.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t23.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t26 = t7 * t25
-    t27 = np.reshape((np.reshape(t24, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
-    t28 = np.reshape((np.reshape(t27, (d_ff, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
-    t29 = (4/(L**2*d_V**2*n_batch**2)) * (t28 * t2.transpose(2, 0, 1)).sum()
+    t26 = np.reshape((np.reshape(t24, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t27 = np.reshape((np.reshape(t26.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t28 = t27 * t25.transpose(2, 3, 0, 1)
+    t29 = (4/(L**2*d_V**2*n_batch**2)) * (t7 * t28.transpose(2, 3, 0, 1)).sum()
     t30 = np.sqrt(np.maximum(t29, 0.0))
     t31 = t23 @ t14
     t32 = (4/(L**2*d_V*n_batch**2)) * (t31.sum((0,)) * t31.sum((0,))).sum()
@@ -204,10 +205,10 @@ def mse_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = np.swapaxes(W_2, -1, -2)
     t4 = W_2 @ t3
-    t5 = t2 * t2
-    t6 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t7 = np.reshape((np.reshape(t6, (1, L*n_batch)) @ np.reshape(t5, (L*n_batch, d_ff))), (d_ff,))
-    return (2/(L*d_V*n_batch)) * oe.contract('a,aa->', t7, t4)
+    t5 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t6 = oe.contract('abc,cc->abc', t2, t4)
+    t7 = np.reshape((np.reshape(t6, (n_batch, L, 1, d_ff)) @ np.reshape(t2, (n_batch, L, d_ff, 1))), (n_batch, L))
+    return (2/(L*d_V*n_batch)) * (t7 * t5).sum()
 
 
 def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
@@ -224,10 +225,10 @@ def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t7 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t8 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3, (n_batch, L, 1, d_ff)))
-    t9 = np.reshape((np.reshape(t8.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t7, (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))
-    t0[...] = (np.reshape((np.reshape(t9.transpose(2, 1, 3, 0), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t5, (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(2, 0, 3, 1)
+    t7 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t8 = np.reshape((np.reshape(t5, (d_ff, d_ff, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_ff, n_batch, L))
+    t9 = (np.reshape((np.reshape(t8.transpose(1, 2, 3, 0), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_ff))).transpose(3, 0, 1, 2)
+    t0[...] = (np.reshape((np.reshape(t7, (d_V**2, L*n_batch)) @ np.reshape(t9.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -246,10 +247,10 @@ def mse_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (np.reshape(t2, (n_batch, L, d_ff, 1)) * np.reshape(t2, (n_batch, L, 1, d_ff)))
-    t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_ff, d_ff, L*n_batch, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, n_batch, L))
-    t11 = np.reshape((np.reshape(t9, (L*n_batch, d_ff**2)) @ np.reshape(t10, (d_ff**2, L*n_batch))), (n_batch, L, n_batch, L))
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t9 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t9.transpose(1, 2, 3, 4, 0), (n_batch, L, n_batch, L, d_ff, 1)) * np.reshape(t8, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, d_ff))
+    t11 = (np.reshape(t9, (d_ff, L**2*n_batch**2)) @ np.reshape(t10, (L**2*n_batch**2, d_ff)))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.transpose(1, 0)).sum()
     t13 = np.sqrt(np.maximum(t12, 0.0))
     return t13
 
@@ -284,12 +285,12 @@ def mse_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = (t1 * np.heaviside(t1, 0.0))
     t4 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
-    t5 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t6 = np.reshape((np.reshape(t3, (L*n_batch, d_ff)) @ np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t7 = t6 * t5
-    t8 = np.reshape((np.reshape(t4, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
-    t9 = np.reshape((np.reshape(t8, (d_ff, L*n_batch)) @ np.reshape(t7.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
-    t10 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t2.transpose(2, 0, 1)).sum()
+    t5 = np.reshape((np.reshape(t3, (L*n_batch, d_ff)) @ np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t6 = np.reshape((np.reshape(t4, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t7 = np.reshape((np.reshape(t6.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = t7 * t5.transpose(2, 3, 0, 1)
+    t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t8.transpose(2, 3, 0, 1)).sum()
     t11 = np.sqrt(np.maximum(t10, 0.0))
     return t11
 
@@ -347,10 +348,10 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t6 = np.swapaxes(t3, -1, -2)
     t7 = np.heaviside(t3, 0.0)
     t8 = np.swapaxes(t7, -1, -2)
-    t9 = (2/(L*d_V*n_batch)) * t4
-    t10 = (np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t11 = np.reshape((np.reshape(t10.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V))), (d_ff, d_ff, d_V))
-    t0[...] = (np.reshape((np.reshape(t11, (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = (np.reshape(t9, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+    t11 = np.reshape((np.reshape(t10.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t8, (L*n_batch, d_ff))), (d_V, d_ff, d_ff))
+    t0[...] = (np.reshape((np.reshape(t11.transpose(2, 1, 0), (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
     return out
 
 
@@ -370,11 +371,11 @@ def mse_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t7 = np.swapaxes(t6, -1, -2)
     t8 = np.reshape((np.reshape(t4.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t4.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
     t9 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t11 = t10 * t9
-    t12 = np.reshape((np.reshape(t8, (d_ff, 1, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
-    t13 = np.reshape((np.reshape(t12, (d_ff, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
-    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t7.transpose(2, 0, 1)).sum()
+    t10 = np.reshape((np.reshape(t8, (d_ff, 1, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t11 = np.reshape((np.reshape(t10.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t9.transpose(2, 3, 0, 1)
+    t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t12.transpose(2, 3, 0, 1)).sum()
     t15 = np.sqrt(np.maximum(t14, 0.0))
     return t15
 
@@ -443,9 +444,9 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t10 = (2/(L*d_V)) * t9
     G = t10
     t11 = (1/n_batch) * t4
-    t12 = G.transpose(2, 0, 1)
-    t13 = ((np.reshape(t6, (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t3 += np.reshape((np.reshape(t13, (d_V*d_ff, L*n_batch)) @ np.reshape(t12.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
+    t12 = t6.transpose(2, 0, 1)
+    t13 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t3 += (np.reshape((np.reshape(t12, (d_ff, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     t14 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t14[...] = 0
     t15 = np.reshape(t14, (d_ff, d_V, d_V, d_ff), copy=False)
@@ -454,9 +455,9 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t18 = np.swapaxes(t5, -1, -2)
     t19 = np.swapaxes(t6, -1, -2)
     t20 = (1/n_batch) * t17
-    t21 = X.transpose(2, 0, 1)
-    t22 = ((np.reshape(t19.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t16 += np.reshape((np.reshape(t22, (d_V*d_ff, L*n_batch)) @ np.reshape(t21.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
+    t21 = t19.transpose(1, 0, 2)
+    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 += np.reshape((np.reshape(t21, (d_ff, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t23[...] = 0
     return H
@@ -506,8 +507,8 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t5 = F - Y
     t6 = (2/(L*d_V)) * t5
     G = t6
-    t7 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t8 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t7 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t9 = t8 * t7
     t10 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t11 = (n_batch**(-2)) * (t10 * t9).sum()
@@ -515,8 +516,8 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.swapaxes(t1, -1, -2)
     t15 = np.swapaxes(t2, -1, -2)
-    t16 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t17 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t15.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t15.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = t17 * t16
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = (n_batch**(-2)) * (t19 * t18).sum()
@@ -586,9 +587,9 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t8 = (2/(L*d_V)) * t7
     G = t8
     t9 = (1/n_batch) * t2
-    t10 = G.transpose(2, 0, 1)
-    t11 = ((np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1 += np.reshape((np.reshape(t11, (d_V*d_ff, L*n_batch)) @ np.reshape(t10.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
+    t10 = t4.transpose(2, 0, 1)
+    t11 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1 += (np.reshape((np.reshape(t10, (d_ff, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -607,8 +608,8 @@ def mse_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
     t5 = F - Y
     t6 = (2/(L*d_V)) * t5
     G = t6
-    t7 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t8 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t7 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t9 = t8 * t7
     t10 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t11 = (n_batch**(-2)) * (t10 * t9).sum()
@@ -659,9 +660,9 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t9 = np.heaviside(t2, 0.0)
     t10 = np.swapaxes(t9, -1, -2)
     t11 = (1/n_batch) * t7
-    t12 = X.transpose(2, 0, 1)
-    t13 = ((np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t1 += np.reshape((np.reshape(t13, (d_V*d_ff, L*n_batch)) @ np.reshape(t12.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
+    t12 = t10.transpose(1, 0, 2)
+    t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1 += np.reshape((np.reshape(t12, (d_ff, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     return out
 
 
@@ -682,8 +683,8 @@ def mse_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t6 = np.swapaxes(t0, -1, -2)
     t7 = np.heaviside(t0, 0.0)
     t8 = np.swapaxes(t7, -1, -2)
-    t9 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t8.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t8.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t11 = t10 * t9
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = (n_batch**(-2)) * (t12 * t11).sum()
@@ -727,48 +728,49 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = W_2 @ t5
     t7 = (2/(L*d_V*n_batch)) * t2
-    t8 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t9 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4, (n_batch, L, 1, d_ff)))
-    t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t8, (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))
-    t1[...] = (np.reshape((np.reshape(t10.transpose(2, 1, 3, 0), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t6, (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(2, 0, 3, 1)
+    t8 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t9 = np.reshape((np.reshape(t6, (d_ff, d_ff, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_ff, n_batch, L))
+    t10 = (np.reshape((np.reshape(t9.transpose(1, 2, 3, 0), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_ff))).transpose(3, 0, 1, 2)
+    t1[...] = (np.reshape((np.reshape(t8, (d_V**2, L*n_batch)) @ np.reshape(t10.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t12 = np.reshape(t11, (d_V, d_ff, d_ff, d_V), copy=False)
     t13 = (t3 * np.heaviside(t3, 0.0))
-    t14 = np.reshape((np.reshape(t8.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t13, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
-    t15 = np.einsum('abbc->abc', t12)
-    t16 = t13 @ W_2
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = (1/n_batch) * t2
-    t20 = G.transpose(2, 0, 1)
-    t21 = ((np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t12[...] = (np.reshape((np.reshape(t14, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
-    t15 += np.reshape((np.reshape(t21, (d_V*d_ff, L*n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
-    t22 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t23 = np.reshape(t22, (d_ff, d_V, d_V, d_ff), copy=False)
-    t24 = np.swapaxes(t3, -1, -2)
-    t25 = np.swapaxes(t13, -1, -2)
-    t26 = (2/(L*d_V*n_batch)) * t25
-    t27 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t26.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t28 = np.reshape((np.reshape(t27.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V))), (d_ff, d_ff, d_V))
-    t29 = np.einsum('abca->abc', t23)
-    t30 = np.swapaxes(G, -1, -2)
-    t31 = np.swapaxes(t4, -1, -2)
-    t32 = (1/n_batch) * t30
-    t33 = X.transpose(2, 0, 1)
-    t34 = ((np.reshape(t31.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t23[...] = (np.reshape((np.reshape(t28, (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
-    t29 += np.reshape((np.reshape(t34, (d_V*d_ff, L*n_batch)) @ np.reshape(t33.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
-    t35 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t35[...] = 0
-    t36 = np.reshape(t35, (d_ff, d_V, d_ff, d_V), copy=False)
-    t37 = np.einsum('abcb->abc', t36)
-    t38 = t25 @ t13
-    t39 = np.ones((d_V,), dtype=X.dtype)
-    t40 = (2/(L*d_V*n_batch)) * t39
-    t37 += (np.reshape((np.reshape(t40, (d_V, 1)) * np.reshape(t38.sum((0,)), (1, d_ff**2))), (d_V, d_ff, d_ff))).transpose(1, 0, 2)
+    t14 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t15 = np.reshape((np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t13, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
+    t16 = np.einsum('abbc->abc', t12)
+    t17 = t13 @ W_2
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = (1/n_batch) * t2
+    t21 = t4.transpose(2, 0, 1)
+    t22 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t12[...] = (np.reshape((np.reshape(t15, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
+    t16 += (np.reshape((np.reshape(t21, (d_ff, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
+    t23 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t24 = np.reshape(t23, (d_ff, d_V, d_V, d_ff), copy=False)
+    t25 = np.swapaxes(t3, -1, -2)
+    t26 = np.swapaxes(t13, -1, -2)
+    t27 = (2/(L*d_V*n_batch)) * X
+    t28 = (np.reshape(t27, (n_batch, L, d_V, 1)) * np.reshape(t26.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+    t29 = np.reshape((np.reshape(t28.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_V, d_ff, d_ff))
+    t30 = np.einsum('abca->abc', t24)
+    t31 = np.swapaxes(G, -1, -2)
+    t32 = np.swapaxes(t4, -1, -2)
+    t33 = (1/n_batch) * t31
+    t34 = t32.transpose(1, 0, 2)
+    t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t24[...] = (np.reshape((np.reshape(t29.transpose(2, 1, 0), (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
+    t30 += np.reshape((np.reshape(t34, (d_ff, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
+    t36 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t36[...] = 0
+    t37 = np.reshape(t36, (d_ff, d_V, d_ff, d_V), copy=False)
+    t38 = np.einsum('abcb->abc', t37)
+    t39 = t26 @ t13
+    t40 = np.ones((d_V,), dtype=X.dtype)
+    t41 = (2/(L*d_V*n_batch)) * t40
+    t38 += (np.reshape((np.reshape(t41, (d_V, 1)) * np.reshape(t39.sum((0,)), (1, d_ff**2))), (d_V, d_ff, d_ff))).transpose(1, 0, 2)
     return H
 
 
@@ -825,17 +827,17 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (np.reshape(t2, (n_batch, L, d_ff, 1)) * np.reshape(t2, (n_batch, L, 1, d_ff)))
-    t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_ff, d_ff, L*n_batch, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, n_batch, L))
-    t11 = np.reshape((np.reshape(t9, (L*n_batch, d_ff**2)) @ np.reshape(t10, (d_ff**2, L*n_batch))), (n_batch, L, n_batch, L))
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t9 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t9.transpose(1, 2, 3, 4, 0), (n_batch, L, n_batch, L, d_ff, 1)) * np.reshape(t8, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, d_ff))
+    t11 = (np.reshape(t9, (d_ff, L**2*n_batch**2)) @ np.reshape(t10, (L**2*n_batch**2, d_ff)))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.transpose(1, 0)).sum()
     t13 = np.sqrt(np.maximum(t12, 0.0))
     t14 = (t1 * np.heaviside(t1, 0.0))
     t15 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
     t16 = np.reshape((np.reshape(t14, (L*n_batch, d_ff)) @ np.reshape(t14.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t17 = t16 * t6
-    t18 = np.reshape((np.reshape(t15, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
-    t19 = np.reshape((np.reshape(t18, (d_ff, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
+    t17 = np.reshape((np.reshape(t15, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t18 = np.reshape((np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t19 = t18 * t16.transpose(2, 3, 0, 1)
     t20 = t14 @ W_2
     F = t20
     t21 = F - Y
@@ -844,29 +846,29 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t23 = t14 * t2
     t24 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff))
     t25 = t24 * t2
-    t26 = np.reshape((np.reshape(t6, (L*n_batch, L*n_batch)) @ np.reshape(t23, (L*n_batch, d_ff))), (n_batch, L, d_ff))
+    t26 = np.reshape((np.reshape(t25, (L*n_batch, d_ff)) @ np.reshape(t23.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t27 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t28 = t27 * t6
+    t28 = t6 * t27
     t29 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t30 = (4/(L**2*d_V**2*n_batch**2)) * (t19 * t2.transpose(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t26 * t25).sum() + (n_batch**(-2)) * (t29 * t28).sum()
+    t30 = (4/(L**2*d_V**2*n_batch**2)) * (t6 * t19.transpose(2, 3, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t26 * t6).sum() + (n_batch**(-2)) * (t29 * t28).sum()
     t31 = np.sqrt(np.maximum(t30, 0.0))
     t32 = np.swapaxes(t1, -1, -2)
     t33 = np.swapaxes(t14, -1, -2)
     t34 = np.reshape((np.reshape(t3.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t3.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
     t35 = np.reshape((np.reshape(t33.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t33.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t36 = t7 * t35
-    t37 = np.reshape((np.reshape(t34, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
-    t38 = np.reshape((np.reshape(t37, (d_ff, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
+    t36 = np.reshape((np.reshape(t34, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t37 = np.reshape((np.reshape(t36.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t38 = t37 * t35.transpose(2, 3, 0, 1)
     t39 = np.swapaxes(G, -1, -2)
     t40 = np.swapaxes(t2, -1, -2)
     t41 = t2 * t33.transpose(0, 2, 1)
     t42 = np.reshape((np.reshape(t39.transpose(0, 2, 1), (L*n_batch, d_V)) @ t3), (n_batch, L, d_ff))
     t43 = t42 * t40.transpose(0, 2, 1)
-    t44 = np.reshape((np.reshape(t7, (L*n_batch, L*n_batch)) @ np.reshape(t41, (L*n_batch, d_ff))), (n_batch, L, d_ff))
-    t45 = np.reshape((np.reshape(t39.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t39.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t46 = np.reshape((np.reshape(t40.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t40.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t44 = np.reshape((np.reshape(t43, (L*n_batch, d_ff)) @ np.reshape(t41.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t45 = np.reshape((np.reshape(t40.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t40.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t46 = np.reshape((np.reshape(t39.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t39.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t47 = t46 * t45
-    t48 = (4/(L**2*d_V**2*n_batch**2)) * (t38 * t2.transpose(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t44 * t43).sum() + (n_batch**(-2)) * (t7 * t47).sum()
+    t48 = (4/(L**2*d_V**2*n_batch**2)) * (t7 * t38.transpose(2, 3, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t7 * t44).sum() + (n_batch**(-2)) * (t7 * t47).sum()
     t49 = np.sqrt(np.maximum(t48, 0.0))
     t50 = t33 @ t14
     t51 = (4/(L**2*d_V*n_batch**2)) * (t50.sum((0,)) * t50.sum((0,))).sum()
@@ -906,10 +908,10 @@ def mse_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = np.swapaxes(W_2, -1, -2)
     t4 = W_2 @ t3
-    t5 = t2 * t2
-    t6 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
-    t7 = np.reshape((np.reshape(t6, (1, L*n_batch)) @ np.reshape(t5, (L*n_batch, d_ff))), (d_ff,))
-    return (2/(L*d_V*n_batch)) * oe.contract('a,aa->', t7, t4)
+    t5 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
+    t6 = oe.contract('abc,cc->abc', t2, t4)
+    t7 = np.reshape((np.reshape(t6, (n_batch, L, 1, d_ff)) @ np.reshape(t2, (n_batch, L, d_ff, 1))), (n_batch, L))
+    return (2/(L*d_V*n_batch)) * (t7 * t5).sum()
 
 
 def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
@@ -926,10 +928,10 @@ def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t7 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t8 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3, (n_batch, L, 1, d_ff)))
-    t9 = np.reshape((np.reshape(t8.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t7, (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))
-    t0[...] = (np.reshape((np.reshape(t9.transpose(2, 1, 3, 0), (d_ff, d_ff, d_V**2, 1)) * np.reshape(t5, (d_ff, d_ff, 1, 1))), (d_ff, d_ff, d_V, d_V))).transpose(2, 0, 3, 1)
+    t7 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t8 = np.reshape((np.reshape(t5, (d_ff, d_ff, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_ff, n_batch, L))
+    t9 = (np.reshape((np.reshape(t8.transpose(1, 2, 3, 0), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_ff))).transpose(3, 0, 1, 2)
+    t0[...] = (np.reshape((np.reshape(t7, (d_V**2, L*n_batch)) @ np.reshape(t9.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     return out
 
 
@@ -948,10 +950,10 @@ def mse_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (np.reshape(t2, (n_batch, L, d_ff, 1)) * np.reshape(t2, (n_batch, L, 1, d_ff)))
-    t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_ff, d_ff, L*n_batch, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, n_batch, L))
-    t11 = np.reshape((np.reshape(t9, (L*n_batch, d_ff**2)) @ np.reshape(t10, (d_ff**2, L*n_batch))), (n_batch, L, n_batch, L))
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t9 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t9.transpose(1, 2, 3, 4, 0), (n_batch, L, n_batch, L, d_ff, 1)) * np.reshape(t8, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, d_ff))
+    t11 = (np.reshape(t9, (d_ff, L**2*n_batch**2)) @ np.reshape(t10, (L**2*n_batch**2, d_ff)))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.transpose(1, 0)).sum()
     t13 = np.sqrt(np.maximum(t12, 0.0))
     return t13
 
@@ -978,10 +980,10 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t11 = (2/(L*d_V)) * t10
     G = t11
     t12 = (1/n_batch) * t1
-    t13 = G.transpose(2, 0, 1)
-    t14 = ((np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t13 = t3.transpose(2, 0, 1)
+    t14 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t7, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
-    t8 += np.reshape((np.reshape(t14, (d_V*d_ff, L*n_batch)) @ np.reshape(t13.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
+    t8 += (np.reshape((np.reshape(t13, (d_ff, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -996,11 +998,11 @@ def mse_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = (t1 * np.heaviside(t1, 0.0))
     t4 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
-    t5 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t6 = np.reshape((np.reshape(t3, (L*n_batch, d_ff)) @ np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t7 = t6 * t5
-    t8 = np.reshape((np.reshape(t4, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
-    t9 = np.reshape((np.reshape(t8, (d_ff, L*n_batch)) @ np.reshape(t7.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
+    t5 = np.reshape((np.reshape(t3, (L*n_batch, d_ff)) @ np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t6 = np.reshape((np.reshape(t4, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t7 = np.reshape((np.reshape(t6.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = t7 * t5.transpose(2, 3, 0, 1)
+    t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t10 = t3 @ W_2
     F = t10
     t11 = F - Y
@@ -1009,11 +1011,11 @@ def mse_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t13 = t3 * t2
     t14 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff))
     t15 = t14 * t2
-    t16 = np.reshape((np.reshape(t5, (L*n_batch, L*n_batch)) @ np.reshape(t13, (L*n_batch, d_ff))), (n_batch, L, d_ff))
+    t16 = np.reshape((np.reshape(t15, (L*n_batch, d_ff)) @ np.reshape(t13.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t18 = t17 * t5
+    t18 = t9 * t17
     t19 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t20 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t2.transpose(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t16 * t15).sum() + (n_batch**(-2)) * (t19 * t18).sum()
+    t20 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t8.transpose(2, 3, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t16 * t9).sum() + (n_batch**(-2)) * (t19 * t18).sum()
     t21 = np.sqrt(np.maximum(t20, 0.0))
     return t21
 
@@ -1071,9 +1073,9 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t6 = np.swapaxes(t3, -1, -2)
     t7 = np.heaviside(t3, 0.0)
     t8 = np.swapaxes(t7, -1, -2)
-    t9 = (2/(L*d_V*n_batch)) * t4
-    t10 = (np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t11 = np.reshape((np.reshape(t10.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V))), (d_ff, d_ff, d_V))
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = (np.reshape(t9, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+    t11 = np.reshape((np.reshape(t10.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t8, (L*n_batch, d_ff))), (d_V, d_ff, d_ff))
     t12 = np.einsum('abca->abc', t0)
     t13 = np.swapaxes(t4, -1, -2)
     t14 = t13 @ W_2
@@ -1083,10 +1085,10 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     G = t16
     t17 = np.swapaxes(G, -1, -2)
     t18 = (1/n_batch) * t17
-    t19 = X.transpose(2, 0, 1)
-    t20 = ((np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t11, (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
-    t12 += np.reshape((np.reshape(t20, (d_V*d_ff, L*n_batch)) @ np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
+    t19 = t7.transpose(1, 0, 2)
+    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t0[...] = (np.reshape((np.reshape(t11.transpose(2, 1, 0), (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
+    t12 += np.reshape((np.reshape(t19, (d_ff, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     return out
 
 
@@ -1106,10 +1108,10 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t7 = np.swapaxes(t6, -1, -2)
     t8 = np.reshape((np.reshape(t4.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t4.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
     t9 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t11 = t10 * t9
-    t12 = np.reshape((np.reshape(t8, (d_ff, 1, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
-    t13 = np.reshape((np.reshape(t12, (d_ff, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
+    t10 = np.reshape((np.reshape(t8, (d_ff, 1, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t11 = np.reshape((np.reshape(t10.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t9.transpose(2, 3, 0, 1)
+    t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t14 = np.swapaxes(t3, -1, -2)
     t15 = t14 @ W_2
     F = t15
@@ -1120,11 +1122,11 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t19 = t7 * t3.transpose(0, 2, 1)
     t20 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ t4), (n_batch, L, d_ff))
     t21 = t20 * t6.transpose(0, 2, 1)
-    t22 = np.reshape((np.reshape(t10, (L*n_batch, L*n_batch)) @ np.reshape(t19, (L*n_batch, d_ff))), (n_batch, L, d_ff))
-    t23 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t6.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t6.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = np.reshape((np.reshape(t21, (L*n_batch, d_ff)) @ np.reshape(t19.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = np.reshape((np.reshape(t6.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t6.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t24 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = t24 * t23
-    t26 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t7.transpose(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t22 * t21).sum() + (n_batch**(-2)) * (t10 * t25).sum()
+    t26 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t12.transpose(2, 3, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t13 * t22).sum() + (n_batch**(-2)) * (t13 * t25).sum()
     t27 = np.sqrt(np.maximum(t26, 0.0))
     return t27
 
@@ -1185,10 +1187,10 @@ def mse_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (np.reshape(t2, (n_batch, L, d_ff, 1)) * np.reshape(t2, (n_batch, L, 1, d_ff)))
-    t10 = np.reshape((np.reshape(t9.transpose(2, 3, 0, 1), (d_ff, d_ff, L*n_batch, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, d_ff, 1, 1))), (d_ff, d_ff, n_batch, L))
-    t11 = np.reshape((np.reshape(t9, (L*n_batch, d_ff**2)) @ np.reshape(t10, (d_ff**2, L*n_batch))), (n_batch, L, n_batch, L))
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t9 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(t9.transpose(1, 2, 3, 4, 0), (n_batch, L, n_batch, L, d_ff, 1)) * np.reshape(t8, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, d_ff))
+    t11 = (np.reshape(t9, (d_ff, L**2*n_batch**2)) @ np.reshape(t10, (L**2*n_batch**2, d_ff)))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.transpose(1, 0)).sum()
     t13 = t12
     t14 = np.sqrt(np.maximum(t12, 0.0))
     zero = np.zeros((), dtype=X.dtype)
@@ -1207,26 +1209,26 @@ def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = (t1 * np.heaviside(t1, 0.0))
     t4 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
-    t5 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t6 = np.reshape((np.reshape(t3, (L*n_batch, d_ff)) @ np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t7 = t6 * t5
-    t8 = np.reshape((np.reshape(t4, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
-    t9 = np.reshape((np.reshape(t8, (d_ff, L*n_batch)) @ np.reshape(t7.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
-    t10 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t2.transpose(2, 0, 1)).sum()
+    t5 = np.reshape((np.reshape(t3, (L*n_batch, d_ff)) @ np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t6 = np.reshape((np.reshape(t4, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t7 = np.reshape((np.reshape(t6.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t8 = t7 * t5.transpose(2, 3, 0, 1)
+    t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t8.transpose(2, 3, 0, 1)).sum()
     t11 = t3 @ W_2
     F = t11
     t12 = F - Y
     t13 = (2/(L*d_V)) * t12
     G = t13
     t14 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t15 = t14 * t5
+    t15 = t9 * t14
     t16 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = (n_batch**(-2)) * (t16 * t15).sum()
     t18 = t3 * t2
     t19 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff))
     t20 = t19 * t2
-    t21 = np.reshape((np.reshape(t5, (L*n_batch, L*n_batch)) @ np.reshape(t18, (L*n_batch, d_ff))), (n_batch, L, d_ff))
-    t22 = (4/(L*d_V*n_batch**2)) * (t21 * t20).sum()
+    t21 = np.reshape((np.reshape(t20, (L*n_batch, d_ff)) @ np.reshape(t18.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t22 = (4/(L*d_V*n_batch**2)) * (t21 * t9).sum()
     t23 = t10 + t17 + t22
     t24 = np.sqrt(np.maximum(t10, 0.0))
     t25 = np.sqrt(np.maximum(t17, 0.0))
@@ -1250,11 +1252,11 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t7 = np.swapaxes(t6, -1, -2)
     t8 = np.reshape((np.reshape(t4.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t4.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
     t9 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t11 = t10 * t9
-    t12 = np.reshape((np.reshape(t8, (d_ff, 1, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
-    t13 = np.reshape((np.reshape(t12, (d_ff, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, n_batch, L))
-    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t7.transpose(2, 0, 1)).sum()
+    t10 = np.reshape((np.reshape(t8, (d_ff, 1, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t11 = np.reshape((np.reshape(t10.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t9.transpose(2, 3, 0, 1)
+    t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t12.transpose(2, 3, 0, 1)).sum()
     t15 = np.swapaxes(t3, -1, -2)
     t16 = t15 @ W_2
     F = t16
@@ -1262,15 +1264,15 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t18 = (2/(L*d_V)) * t17
     G = t18
     t19 = np.swapaxes(G, -1, -2)
-    t20 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t19.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t21 = np.reshape((np.reshape(t6.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t6.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(t6.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t6.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t19.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = t21 * t20
-    t23 = (n_batch**(-2)) * (t10 * t22).sum()
+    t23 = (n_batch**(-2)) * (t13 * t22).sum()
     t24 = t7 * t3.transpose(0, 2, 1)
     t25 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_V)) @ t4), (n_batch, L, d_ff))
     t26 = t25 * t6.transpose(0, 2, 1)
-    t27 = np.reshape((np.reshape(t10, (L*n_batch, L*n_batch)) @ np.reshape(t24, (L*n_batch, d_ff))), (n_batch, L, d_ff))
-    t28 = (4/(L*d_V*n_batch**2)) * (t27 * t26).sum()
+    t27 = np.reshape((np.reshape(t26, (L*n_batch, d_ff)) @ np.reshape(t24.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t28 = (4/(L*d_V*n_batch**2)) * (t13 * t27).sum()
     t29 = t14 + t23 + t28
     t30 = np.sqrt(np.maximum(t14, 0.0))
     t31 = np.sqrt(np.maximum(t23, 0.0))
@@ -1432,10 +1434,10 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t12 = (1/(L*n_batch)) * t2
     t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t15 = np.reshape((np.reshape(t14, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
-    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t17 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t4, (n_batch, L, 1, d_ff)))
-    t18 = (t17 * t16).transpose(3, 2, 0, 1)
+    t15 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t16 = np.reshape((np.reshape(t4.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t17 = (t15.transpose(2, 3, 0, 1) @ t14)
+    t18 = ((t17 @ t16.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
     t1[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     t19 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t20 = np.reshape(t19, (d_V, d_ff, d_ff, d_V), copy=False)
@@ -1447,15 +1449,15 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t25 = np.reshape(t24, (d_ff, d_V, d_V, d_ff), copy=False)
     t26 = np.swapaxes(t3, -1, -2)
     t27 = np.swapaxes(t7, -1, -2)
-    t28 = (1/(L*n_batch)) * t27
-    t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t30 = np.reshape((np.reshape(t4.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
-    t31 = ((t30.transpose(1, 2, 0, 3) @ t14.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t28 = (1/(L*n_batch)) * t6
+    t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t30 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t28, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t31 = ((t16.transpose(1, 2, 0, 3) @ t30.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t25[...] = (np.reshape((np.reshape(t29, (d_V*d_ff, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
     t32 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t33 = np.reshape(t32, (d_ff, d_V, d_ff, d_V), copy=False)
-    t34 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t6.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t35 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t34 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t28.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t35 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
     t33[...] = (np.reshape((np.reshape(t35, (d_ff**2, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -1515,38 +1517,40 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
-    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t14 = t13 * t12
-    t15 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t17 = np.reshape((np.reshape(t16.transpose(3, 0, 1, 2), (d_ff, L*n_batch, d_ff)) @ np.reshape(t16.transpose(3, 2, 0, 1), (d_ff, d_ff, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
-    t18 = np.reshape((np.reshape(t17.transpose(0, 3, 4, 1, 2), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
-    t19 = np.reshape((np.reshape(t18.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t2, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
-    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t16 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t17 = (t16.transpose(2, 3, 0, 1) @ t15.transpose(0, 1, 3, 2))
+    t18 = np.reshape((np.reshape(t17.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_ff, n_batch, L))
+    t19 = (t18.transpose(2, 3, 0, 1) @ t15)
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t16.transpose(2, 3, 0, 1)).sum()
     t21 = np.sqrt(np.maximum(t20, 0.0))
     t22 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t23 = t22 * t12
-    t24 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
-    t25 = (t24.transpose(2, 3, 0, 1) @ t10)
-    t26 = np.reshape((np.reshape(t25, (L*n_batch, d_V*d_ff)) @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t27 = (1/(L**2*n_batch**2)) * (t26 * t23).sum()
-    t28 = np.sqrt(np.maximum(t27, 0.0))
-    t29 = np.swapaxes(t1, -1, -2)
-    t30 = np.swapaxes(t5, -1, -2)
-    t31 = np.reshape((np.reshape(t30.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t30.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t32 = t13 * t31
-    t33 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t9.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
-    t34 = (t33.transpose(1, 2, 0, 3) @ t10.transpose(0, 1, 3, 2))
-    t35 = np.reshape((np.reshape(t34, (L*n_batch, d_V*d_ff)) @ np.reshape(t34.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t36 = (1/(L**2*n_batch**2)) * (t35 * t32).sum()
-    t37 = np.sqrt(np.maximum(t36, 0.0))
-    t38 = np.reshape((np.reshape(t10, (L*n_batch, d_V**2)) @ np.reshape(t10.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
-    t39 = t38 * t31
-    t40 = (1/(L**2*n_batch**2)) * (t39 * t22).sum()
-    t41 = np.sqrt(np.maximum(t40, 0.0))
-    return (t21, t28, t37, t41,)
+    t23 = t11 * t22
+    t24 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t26 = np.reshape((np.reshape(t25.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t27 = (t26.transpose(2, 3, 0, 1) @ t10.transpose(0, 1, 3, 2))
+    t28 = np.reshape((np.reshape(t27.transpose(2, 3, 0, 1), (d_ff, d_V, L*n_batch)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1))), (d_ff, d_V))
+    t29 = (1/(L**2*n_batch**2)) * (t28 * W_2).sum()
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    t31 = np.swapaxes(t1, -1, -2)
+    t32 = np.swapaxes(t5, -1, -2)
+    t33 = np.reshape((np.reshape(t32.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t32.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t34 = t12 * t33
+    t35 = np.reshape((np.reshape(t15.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t36 = (t35.transpose(2, 3, 0, 1) @ t10)
+    t37 = np.reshape((np.reshape(t36.transpose(2, 0, 1, 3), (d_ff, L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0), (d_ff, d_V, 1))), (d_ff, n_batch, L))
+    t38 = (1/(L**2*n_batch**2)) * (t37 * t2.transpose(2, 0, 1)).sum()
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    t40 = t22 * t33
+    t41 = np.reshape((np.reshape(t10, (L*n_batch, d_V**2)) @ np.reshape(t10.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t42 = (1/(L**2*n_batch**2)) * (t41 * t40).sum()
+    t43 = np.sqrt(np.maximum(t42, 0.0))
+    return (t21, t30, t39, t43,)
 
 
 def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
@@ -1602,11 +1606,11 @@ def ce_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t11 = t2 * t2
-    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t13 = np.reshape((np.reshape(t11, (n_batch, L, d_ff, 1)) * np.reshape(t10, (n_batch, L, 1, 1))), (n_batch, L, d_ff))
-    t14 = (np.reshape(t9.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(W_2, (d_ff, 1, d_V)))
-    t15 = np.reshape((np.reshape(t14, (d_ff, d_V**2)) @ np.reshape(t12.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
-    return (1/(L*n_batch)) * (t15 * t13.transpose(2, 0, 1)).sum()
+    t12 = np.reshape((np.reshape(t11.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t9.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t13 = np.reshape((np.reshape(t12.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ W_2), (n_batch, L, d_V, d_V))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, d_V, 1, d_V)) @ np.reshape(dA, (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))
+    t15 = np.reshape((np.reshape(t14, (n_batch, L, 1, d_V)) @ np.reshape(t4, (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*n_batch)) * (t15 * t10).sum()
 
 
 def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
@@ -1633,10 +1637,10 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t11 = (1/(L*n_batch)) * t1
     t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t13 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t14 = np.reshape((np.reshape(t13, (L*d_V*n_batch, d_V)) @ t10), (n_batch, L, d_V, d_ff))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t16 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t3, (n_batch, L, 1, d_ff)))
-    t17 = (t16 * t15).transpose(3, 2, 0, 1)
+    t14 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t15 = np.reshape((np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t10.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t16 = (t14.transpose(2, 3, 0, 1) @ t13)
+    t17 = ((t16 @ t15.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
     t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     return out
 
@@ -1661,16 +1665,16 @@ def ce_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
-    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t14 = t13 * t12
-    t15 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t17 = np.reshape((np.reshape(t16.transpose(3, 0, 1, 2), (d_ff, L*n_batch, d_ff)) @ np.reshape(t16.transpose(3, 2, 0, 1), (d_ff, d_ff, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
-    t18 = np.reshape((np.reshape(t17.transpose(0, 3, 4, 1, 2), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
-    t19 = np.reshape((np.reshape(t18.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t2, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
-    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t16 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t17 = (t16.transpose(2, 3, 0, 1) @ t15.transpose(0, 1, 3, 2))
+    t18 = np.reshape((np.reshape(t17.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_ff, n_batch, L))
+    t19 = (t18.transpose(2, 3, 0, 1) @ t15)
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t16.transpose(2, 3, 0, 1)).sum()
     t21 = np.sqrt(np.maximum(t20, 0.0))
     return t21
 
@@ -1722,16 +1726,18 @@ def ce_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t9 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t11 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t12 = t11 * t10
-    t13 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
-    t14 = (t13.transpose(2, 3, 0, 1) @ t9)
-    t15 = np.reshape((np.reshape(t14, (L*n_batch, d_V*d_ff)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t16 = (1/(L**2*n_batch**2)) * (t15 * t12).sum()
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    return t17
+    t9 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t9
+    t13 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t15 = np.reshape((np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t16 = (t15.transpose(2, 3, 0, 1) @ t10.transpose(0, 1, 3, 2))
+    t17 = np.reshape((np.reshape(t16.transpose(2, 3, 0, 1), (d_ff, d_V, L*n_batch)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1))), (d_ff, d_V))
+    t18 = (1/(L**2*n_batch**2)) * (t17 * W_2).sum()
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
@@ -1756,9 +1762,9 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t12 = (1/(L*n_batch)) * t4
-    t13 = (t8 * t12.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t14 = (oe.contract('abcc,abc->abc', dA, t6)).transpose(2, 0, 1)
+    t12 = (1/(L*n_batch)) * t6
+    t13 = (t8 * t4.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t14 = (oe.contract('abcc,abc->abc', dA, t12)).transpose(2, 0, 1)
     t0[...] = (np.reshape(t13, (d_ff, L*n_batch)) @ np.reshape(t14.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
@@ -1813,9 +1819,9 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t12 = np.swapaxes(W_2, -1, -2)
     t13 = np.heaviside(t3, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
-    t15 = (1/(L*n_batch)) * t4
-    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = (1/(L*n_batch)) * t6
+    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t14.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t12.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
     t19 = ((t18.transpose(1, 2, 0, 3) @ t17.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t16, (d_V*d_ff, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
@@ -1845,16 +1851,18 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t15 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t17 = t16 * t15
-    t18 = np.reshape((np.reshape(t13.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
-    t19 = (t18.transpose(1, 2, 0, 3) @ t14.transpose(0, 1, 3, 2))
-    t20 = np.reshape((np.reshape(t19, (L*n_batch, d_V*d_ff)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t21 = (1/(L**2*n_batch**2)) * (t20 * t17).sum()
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    return t22
+    t17 = t16 * t14
+    t18 = np.reshape((np.reshape(t15, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t13, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t20 = np.reshape((np.reshape(t19.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t21 = (t20.transpose(2, 3, 0, 1) @ t15)
+    t22 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (d_ff, L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0), (d_ff, d_V, 1))), (d_ff, n_batch, L))
+    t23 = (1/(L**2*n_batch**2)) * (t22 * t13.transpose(2, 0, 1)).sum()
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -1879,9 +1887,9 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t12 = (1/(L*n_batch)) * t4
-    t13 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t6.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t14 = ((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t12 = (1/(L*n_batch)) * t6
+    t13 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t14 = ((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t14, (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -1906,11 +1914,11 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t13 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t14 = np.reshape((np.reshape(t11, (L*n_batch, d_V**2)) @ np.reshape(t11.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
-    t15 = t14 * t12
+    t11 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
     t17 = np.sqrt(np.maximum(t16, 0.0))
     return t17
@@ -1944,9 +1952,9 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t14 = (1/L) * t13
     G = t14
     t15 = (1/n_batch) * t4
-    t16 = G.transpose(2, 0, 1)
-    t17 = ((np.reshape(t6, (n_batch, L, d_ff, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t3 += np.reshape((np.reshape(t17, (d_V*d_ff, L*n_batch)) @ np.reshape(t16.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
+    t16 = t6.transpose(2, 0, 1)
+    t17 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t3 += (np.reshape((np.reshape(t16, (d_ff, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t18[...] = 0
     t19 = np.reshape(t18, (d_ff, d_V, d_V, d_ff), copy=False)
@@ -1955,9 +1963,9 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t22 = np.swapaxes(t5, -1, -2)
     t23 = np.swapaxes(t6, -1, -2)
     t24 = (1/n_batch) * t21
-    t25 = X.transpose(2, 0, 1)
-    t26 = ((np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t20 += np.reshape((np.reshape(t26, (d_V*d_ff, L*n_batch)) @ np.reshape(t25.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
+    t25 = t23.transpose(1, 0, 2)
+    t26 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20 += np.reshape((np.reshape(t25, (d_ff, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t27[...] = 0
     return H
@@ -2017,8 +2025,8 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t9 = t8 - Y
     t10 = (1/L) * t9
     G = t10
-    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t12 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = t12 * t11
     t14 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = (n_batch**(-2)) * (t14 * t13).sum()
@@ -2026,8 +2034,8 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.swapaxes(t1, -1, -2)
     t19 = np.swapaxes(t2, -1, -2)
-    t20 = np.reshape((np.reshape(t17.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t17.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t21 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t19.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t19.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t21 = np.reshape((np.reshape(t17.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t17.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = (n_batch**(-2)) * (t23 * t22).sum()
@@ -2102,9 +2110,9 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t12 = (1/L) * t11
     G = t12
     t13 = (1/n_batch) * t2
-    t14 = G.transpose(2, 0, 1)
-    t15 = ((np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t1 += np.reshape((np.reshape(t15, (d_V*d_ff, L*n_batch)) @ np.reshape(t14.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
+    t14 = t4.transpose(2, 0, 1)
+    t15 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1 += (np.reshape((np.reshape(t14, (d_ff, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -2128,8 +2136,8 @@ def ce_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
     t9 = t8 - Y
     t10 = (1/L) * t9
     G = t10
-    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t12 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t11 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = t12 * t11
     t14 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = (n_batch**(-2)) * (t14 * t13).sum()
@@ -2185,9 +2193,9 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t13 = np.heaviside(t4, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
     t15 = (1/n_batch) * t11
-    t16 = X.transpose(2, 0, 1)
-    t17 = ((np.reshape(t14.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t1 += np.reshape((np.reshape(t17, (d_V*d_ff, L*n_batch)) @ np.reshape(t16.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
+    t16 = t14.transpose(1, 0, 2)
+    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t1 += np.reshape((np.reshape(t16, (d_ff, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     return out
 
 
@@ -2213,8 +2221,8 @@ def ce_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t10 = np.swapaxes(t2, -1, -2)
     t11 = np.heaviside(t2, 0.0)
     t12 = np.swapaxes(t11, -1, -2)
-    t13 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t14 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = t14 * t13
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = (n_batch**(-2)) * (t16 * t15).sum()
@@ -2268,10 +2276,10 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t12 = (1/(L*n_batch)) * t2
     t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t15 = np.reshape((np.reshape(t14, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
-    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t17 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t4, (n_batch, L, 1, d_ff)))
-    t18 = (t17 * t16).transpose(3, 2, 0, 1)
+    t15 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t16 = np.reshape((np.reshape(t4.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t17 = (t15.transpose(2, 3, 0, 1) @ t14)
+    t18 = ((t17 @ t16.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
     t1[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     t19 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t20 = np.reshape(t19, (d_V, d_ff, d_ff, d_V), copy=False)
@@ -2287,30 +2295,30 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t29 = (1/L) * t28
     G = t29
     t30 = (1/n_batch) * t2
-    t31 = G.transpose(2, 0, 1)
-    t32 = ((np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t30.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t31 = t4.transpose(2, 0, 1)
+    t32 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t30.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t20[...] = (np.reshape((np.reshape(t21, (d_V*d_ff, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))).transpose(0, 2, 1, 3)
-    t24 += np.reshape((np.reshape(t32, (d_V*d_ff, L*n_batch)) @ np.reshape(t31.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
+    t24 += (np.reshape((np.reshape(t31, (d_ff, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t34 = np.reshape(t33, (d_ff, d_V, d_V, d_ff), copy=False)
     t35 = np.swapaxes(t3, -1, -2)
     t36 = np.swapaxes(t7, -1, -2)
-    t37 = (1/(L*n_batch)) * t36
-    t38 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t37.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t39 = np.reshape((np.reshape(t4.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
-    t40 = ((t39.transpose(1, 2, 0, 3) @ t14.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+    t37 = (1/(L*n_batch)) * t6
+    t38 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t39 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t37, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t40 = ((t16.transpose(1, 2, 0, 3) @ t39.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t41 = np.einsum('abca->abc', t34)
     t42 = np.swapaxes(G, -1, -2)
     t43 = np.swapaxes(t4, -1, -2)
     t44 = (1/n_batch) * t42
-    t45 = X.transpose(2, 0, 1)
-    t46 = ((np.reshape(t43.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t45 = t43.transpose(1, 0, 2)
+    t46 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t34[...] = (np.reshape((np.reshape(t38, (d_V*d_ff, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
-    t41 += np.reshape((np.reshape(t46, (d_V*d_ff, L*n_batch)) @ np.reshape(t45.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
+    t41 += np.reshape((np.reshape(t45, (d_ff, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     t47 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t48 = np.reshape(t47, (d_ff, d_V, d_ff, d_V), copy=False)
-    t49 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t6.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t50 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t37.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t49 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t37.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t50 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
     t48[...] = (np.reshape((np.reshape(t50, (d_ff**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -2382,62 +2390,65 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
-    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t14 = t13 * t12
-    t15 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t17 = np.reshape((np.reshape(t16.transpose(3, 0, 1, 2), (d_ff, L*n_batch, d_ff)) @ np.reshape(t16.transpose(3, 2, 0, 1), (d_ff, d_ff, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
-    t18 = np.reshape((np.reshape(t17.transpose(0, 3, 4, 1, 2), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
-    t19 = np.reshape((np.reshape(t18.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t2, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
-    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t16 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t17 = (t16.transpose(2, 3, 0, 1) @ t15.transpose(0, 1, 3, 2))
+    t18 = np.reshape((np.reshape(t17.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_ff, n_batch, L))
+    t19 = (t18.transpose(2, 3, 0, 1) @ t15)
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t16.transpose(2, 3, 0, 1)).sum()
     t21 = np.sqrt(np.maximum(t20, 0.0))
     t22 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t23 = t22 * t12
-    t24 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
-    t25 = (t24.transpose(2, 3, 0, 1) @ t10)
-    t26 = np.reshape((np.reshape(t25, (L*n_batch, d_V*d_ff)) @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t23 = t11 * t22
+    t24 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t26 = np.reshape((np.reshape(t25.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t27 = (t26.transpose(2, 3, 0, 1) @ t10.transpose(0, 1, 3, 2))
+    t28 = np.reshape((np.reshape(t27.transpose(2, 3, 0, 1), (d_ff, d_V, L*n_batch)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1))), (d_ff, d_V))
     F = t6
-    t27 = np.exp(F - F.max(-1, keepdims=True))
-    A28 = t27 / t27.sum(-1, keepdims=True)
-    t29 = t4 * A28
-    t30 = t29 - Y
-    t31 = (1/L) * t30
-    G = t31
-    t32 = t5 * t2
-    t33 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, d_V, n_batch, L))
-    t34 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, n_batch, L, d_ff))
-    t35 = np.reshape((np.reshape(t34.transpose(2, 3, 4, 0, 1), (n_batch, L, d_ff, L*n_batch, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, n_batch, L))
-    t36 = np.reshape((np.reshape(t35.transpose(3, 4, 0, 1, 2), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t32, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
-    t37 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t38 = t37 * t12
-    t39 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t40 = (1/(L**2*n_batch**2)) * (t26 * t23).sum() + (2/(L*n_batch**2)) * (t36 * t12.transpose(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t39 * t38).sum()
-    t41 = np.sqrt(np.maximum(t40, 0.0))
-    t42 = np.swapaxes(t1, -1, -2)
-    t43 = np.swapaxes(t5, -1, -2)
-    t44 = np.reshape((np.reshape(t43.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t43.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t45 = t13 * t44
-    t46 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t9.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
-    t47 = (t46.transpose(1, 2, 0, 3) @ t10.transpose(0, 1, 3, 2))
-    t48 = np.reshape((np.reshape(t47, (L*n_batch, d_V*d_ff)) @ np.reshape(t47.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t49 = np.swapaxes(G, -1, -2)
-    t50 = np.swapaxes(t2, -1, -2)
-    t51 = t2 * t43.transpose(0, 2, 1)
-    t52 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ np.reshape(t49.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, d_ff, n_batch, L))
-    t53 = np.reshape((np.reshape(t52.transpose(2, 3, 4, 0, 1), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t50.transpose(1, 0, 2), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
-    t54 = np.reshape((np.reshape(t53.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t51, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
-    t55 = np.reshape((np.reshape(t49.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t49.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t56 = np.reshape((np.reshape(t50.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t50.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t57 = t56 * t55
-    t58 = (1/(L**2*n_batch**2)) * (t48 * t45).sum() + (2/(L*n_batch**2)) * (t54 * t13.transpose(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t13 * t57).sum()
-    t59 = np.sqrt(np.maximum(t58, 0.0))
-    t60 = np.reshape((np.reshape(t10, (L*n_batch, d_V**2)) @ np.reshape(t10.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
-    t61 = t60 * t44
-    t62 = (1/(L**2*n_batch**2)) * (t61 * t22).sum()
-    t63 = np.sqrt(np.maximum(t62, 0.0))
-    return (t21, t41, t59, t63,)
+    t29 = np.exp(F - F.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = t4 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = t5 * t2
+    t35 = np.reshape((np.reshape(t11, (n_batch, L, L*n_batch, 1)) * np.reshape(G, (n_batch, L, 1, d_V))), (n_batch, L, n_batch, L, d_V))
+    t36 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t37 = np.reshape((np.reshape(t36.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ np.reshape(t34.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t38 = np.reshape((np.reshape(t35.transpose(2, 3, 0, 1, 4), (n_batch, L, L*n_batch, d_V)) @ t10.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, d_V))
+    t39 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t40 = t11 * t39
+    t41 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t42 = (1/(L**2*n_batch**2)) * (t28 * W_2).sum() + (2/(L*n_batch**2)) * (t38 * t37.transpose(3, 4, 0, 1, 2)).sum() + (n_batch**(-2)) * (t41 * t40).sum()
+    t43 = np.sqrt(np.maximum(t42, 0.0))
+    t44 = np.swapaxes(t1, -1, -2)
+    t45 = np.swapaxes(t5, -1, -2)
+    t46 = np.reshape((np.reshape(t45.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t45.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t47 = t12 * t46
+    t48 = np.reshape((np.reshape(t15.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t49 = (t48.transpose(2, 3, 0, 1) @ t10)
+    t50 = np.reshape((np.reshape(t49.transpose(2, 0, 1, 3), (d_ff, L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0), (d_ff, d_V, 1))), (d_ff, n_batch, L))
+    t51 = np.swapaxes(G, -1, -2)
+    t52 = np.swapaxes(t2, -1, -2)
+    t53 = t2 * t45.transpose(0, 2, 1)
+    t54 = np.reshape((np.reshape(t12, (n_batch, L, L*n_batch, 1)) * np.reshape(t51.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, n_batch, L, d_V))
+    t55 = np.reshape((np.reshape(t52.transpose(1, 0, 2), (d_ff, L*n_batch, 1)) * np.reshape(t9.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t56 = np.reshape((np.reshape(t55.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ np.reshape(t53.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t57 = np.reshape((np.reshape(t54.transpose(2, 3, 0, 1, 4), (n_batch, L, L*n_batch, d_V)) @ t10), (n_batch, L, n_batch, L, d_V))
+    t58 = np.reshape((np.reshape(t52.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t52.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t59 = np.reshape((np.reshape(t51.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t51.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t60 = t59 * t58
+    t61 = (1/(L**2*n_batch**2)) * (t50 * t2.transpose(2, 0, 1)).sum() + (2/(L*n_batch**2)) * (t57 * t56.transpose(3, 4, 0, 1, 2)).sum() + (n_batch**(-2)) * (t12 * t60).sum()
+    t62 = np.sqrt(np.maximum(t61, 0.0))
+    t63 = t22 * t46
+    t64 = np.reshape((np.reshape(t10, (L*n_batch, d_V**2)) @ np.reshape(t10.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
+    t65 = (1/(L**2*n_batch**2)) * (t64 * t63).sum()
+    t66 = np.sqrt(np.maximum(t65, 0.0))
+    return (t21, t43, t62, t66,)
 
 
 def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
@@ -2493,11 +2504,11 @@ def ce_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t11 = t2 * t2
-    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t13 = np.reshape((np.reshape(t11, (n_batch, L, d_ff, 1)) * np.reshape(t10, (n_batch, L, 1, 1))), (n_batch, L, d_ff))
-    t14 = (np.reshape(t9.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(W_2, (d_ff, 1, d_V)))
-    t15 = np.reshape((np.reshape(t14, (d_ff, d_V**2)) @ np.reshape(t12.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
-    return (1/(L*n_batch)) * (t15 * t13.transpose(2, 0, 1)).sum()
+    t12 = np.reshape((np.reshape(t11.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t9.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t13 = np.reshape((np.reshape(t12.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ W_2), (n_batch, L, d_V, d_V))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, d_V, 1, d_V)) @ np.reshape(dA, (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))
+    t15 = np.reshape((np.reshape(t14, (n_batch, L, 1, d_V)) @ np.reshape(t4, (n_batch, L, d_V, 1))), (n_batch, L))
+    return (1/(L*n_batch)) * (t15 * t10).sum()
 
 
 def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
@@ -2524,10 +2535,10 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t11 = (1/(L*n_batch)) * t1
     t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t13 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t14 = np.reshape((np.reshape(t13, (L*d_V*n_batch, d_V)) @ t10), (n_batch, L, d_V, d_ff))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t16 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t3, (n_batch, L, 1, d_ff)))
-    t17 = (t16 * t15).transpose(3, 2, 0, 1)
+    t14 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t15 = np.reshape((np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t10.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t16 = (t14.transpose(2, 3, 0, 1) @ t13)
+    t17 = ((t16 @ t15.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
     t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     return out
 
@@ -2552,16 +2563,16 @@ def ce_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
-    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t14 = t13 * t12
-    t15 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t17 = np.reshape((np.reshape(t16.transpose(3, 0, 1, 2), (d_ff, L*n_batch, d_ff)) @ np.reshape(t16.transpose(3, 2, 0, 1), (d_ff, d_ff, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
-    t18 = np.reshape((np.reshape(t17.transpose(0, 3, 4, 1, 2), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
-    t19 = np.reshape((np.reshape(t18.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t2, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
-    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t16 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t17 = (t16.transpose(2, 3, 0, 1) @ t15.transpose(0, 1, 3, 2))
+    t18 = np.reshape((np.reshape(t17.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_ff, n_batch, L))
+    t19 = (t18.transpose(2, 3, 0, 1) @ t15)
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t16.transpose(2, 3, 0, 1)).sum()
     t21 = np.sqrt(np.maximum(t20, 0.0))
     return t21
 
@@ -2600,10 +2611,10 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t20 = (1/L) * t19
     G = t20
     t21 = (1/n_batch) * t1
-    t22 = G.transpose(2, 0, 1)
-    t23 = ((np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = t3.transpose(2, 0, 1)
+    t23 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t11, (d_V*d_ff, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))).transpose(0, 2, 1, 3)
-    t15 += np.reshape((np.reshape(t23, (d_V*d_ff, L*n_batch)) @ np.reshape(t22.transpose(1, 2, 0), (L*n_batch, d_V))), (d_V, d_ff, d_V))
+    t15 += (np.reshape((np.reshape(t22, (d_ff, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -2625,31 +2636,33 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t9 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t11 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t12 = t11 * t10
-    t13 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
-    t14 = (t13.transpose(2, 3, 0, 1) @ t9)
-    t15 = np.reshape((np.reshape(t14, (L*n_batch, d_V*d_ff)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t9 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t9
+    t13 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t15 = np.reshape((np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t16 = (t15.transpose(2, 3, 0, 1) @ t10.transpose(0, 1, 3, 2))
+    t17 = np.reshape((np.reshape(t16.transpose(2, 3, 0, 1), (d_ff, d_V, L*n_batch)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1))), (d_ff, d_V))
     F = t6
-    t16 = np.exp(F - F.max(-1, keepdims=True))
-    A17 = t16 / t16.sum(-1, keepdims=True)
-    t18 = t4 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = t5 * t2
-    t22 = np.reshape((np.reshape(t9, (L*d_V*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, d_V, n_batch, L))
-    t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, n_batch, L, d_ff))
-    t24 = np.reshape((np.reshape(t23.transpose(2, 3, 4, 0, 1), (n_batch, L, d_ff, L*n_batch, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, n_batch, L))
-    t25 = np.reshape((np.reshape(t24.transpose(3, 4, 0, 1, 2), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t21, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
-    t26 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t27 = t26 * t10
-    t28 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t29 = (1/(L**2*n_batch**2)) * (t15 * t12).sum() + (2/(L*n_batch**2)) * (t25 * t10.transpose(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t28 * t27).sum()
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    return t30
+    t18 = np.exp(F - F.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = t4 * A19
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = t5 * t2
+    t24 = np.reshape((np.reshape(t11, (n_batch, L, L*n_batch, 1)) * np.reshape(G, (n_batch, L, 1, d_V))), (n_batch, L, n_batch, L, d_V))
+    t25 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t26 = np.reshape((np.reshape(t25.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ np.reshape(t23.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t27 = np.reshape((np.reshape(t24.transpose(2, 3, 0, 1, 4), (n_batch, L, L*n_batch, d_V)) @ t10.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, d_V))
+    t28 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t29 = t11 * t28
+    t30 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t31 = (1/(L**2*n_batch**2)) * (t17 * W_2).sum() + (2/(L*n_batch**2)) * (t27 * t26.transpose(3, 4, 0, 1, 2)).sum() + (n_batch**(-2)) * (t30 * t29).sum()
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    return t32
 
 
 def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
@@ -2674,9 +2687,9 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t12 = (1/(L*n_batch)) * t4
-    t13 = (t8 * t12.transpose(0, 2, 1)).transpose(2, 0, 1)
-    t14 = (oe.contract('abcc,abc->abc', dA, t6)).transpose(2, 0, 1)
+    t12 = (1/(L*n_batch)) * t6
+    t13 = (t8 * t4.transpose(0, 2, 1)).transpose(2, 0, 1)
+    t14 = (oe.contract('abcc,abc->abc', dA, t12)).transpose(2, 0, 1)
     t0[...] = (np.reshape(t13, (d_ff, L*n_batch)) @ np.reshape(t14.transpose(1, 2, 0), (L*n_batch, d_V)))
     return out
 
@@ -2731,9 +2744,9 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t12 = np.swapaxes(W_2, -1, -2)
     t13 = np.heaviside(t3, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
-    t15 = (1/(L*n_batch)) * t4
-    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = (1/(L*n_batch)) * t6
+    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t18 = np.reshape((np.reshape(t14.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t12.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
     t19 = ((t18.transpose(1, 2, 0, 3) @ t17.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t20 = np.einsum('abca->abc', t0)
@@ -2746,10 +2759,10 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     G = t25
     t26 = np.swapaxes(G, -1, -2)
     t27 = (1/n_batch) * t26
-    t28 = X.transpose(2, 0, 1)
-    t29 = ((np.reshape(t13.transpose(0, 2, 1), (n_batch, L, d_ff, 1)) * np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t28 = t13.transpose(1, 0, 2)
+    t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t16, (d_V*d_ff, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
-    t20 += np.reshape((np.reshape(t29, (d_V*d_ff, L*n_batch)) @ np.reshape(t28.transpose(1, 2, 0), (L*n_batch, d_V))), (d_ff, d_V, d_V))
+    t20 += np.reshape((np.reshape(t28, (d_ff, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     return out
 
 
@@ -2776,32 +2789,34 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t15 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t17 = t16 * t15
-    t18 = np.reshape((np.reshape(t13.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
-    t19 = (t18.transpose(1, 2, 0, 3) @ t14.transpose(0, 1, 3, 2))
-    t20 = np.reshape((np.reshape(t19, (L*n_batch, d_V*d_ff)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t17 = t16 * t14
+    t18 = np.reshape((np.reshape(t15, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t13, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t20 = np.reshape((np.reshape(t19.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t21 = (t20.transpose(2, 3, 0, 1) @ t15)
+    t22 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (d_ff, L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0), (d_ff, d_V, 1))), (d_ff, n_batch, L))
     F = t8
-    t21 = np.exp(F - F.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t5 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = np.swapaxes(G, -1, -2)
-    t27 = t13 * t3.transpose(0, 2, 1)
-    t28 = np.reshape((np.reshape(t14, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
-    t29 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ np.reshape(t26.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, d_ff, n_batch, L))
-    t30 = np.reshape((np.reshape(t29.transpose(2, 3, 4, 0, 1), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t12.transpose(1, 0, 2), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
-    t31 = np.reshape((np.reshape(t30.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t27, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
-    t32 = np.reshape((np.reshape(t26.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t26.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t33 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t34 = t33 * t32
-    t35 = (1/(L**2*n_batch**2)) * (t20 * t17).sum() + (2/(L*n_batch**2)) * (t31 * t16.transpose(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t16 * t34).sum()
-    t36 = np.sqrt(np.maximum(t35, 0.0))
-    return t36
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t5 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = np.swapaxes(G, -1, -2)
+    t29 = t13 * t3.transpose(0, 2, 1)
+    t30 = np.reshape((np.reshape(t16, (n_batch, L, L*n_batch, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, n_batch, L, d_V))
+    t31 = np.reshape((np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t32 = np.reshape((np.reshape(t31.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ np.reshape(t29.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t33 = np.reshape((np.reshape(t30.transpose(2, 3, 0, 1, 4), (n_batch, L, L*n_batch, d_V)) @ t15), (n_batch, L, n_batch, L, d_V))
+    t34 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t35 = np.reshape((np.reshape(t28.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t28.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t36 = t35 * t34
+    t37 = (1/(L**2*n_batch**2)) * (t22 * t13.transpose(2, 0, 1)).sum() + (2/(L*n_batch**2)) * (t33 * t32.transpose(3, 4, 0, 1, 2)).sum() + (n_batch**(-2)) * (t16 * t36).sum()
+    t38 = np.sqrt(np.maximum(t37, 0.0))
+    return t38
 
 
 def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
@@ -2826,9 +2841,9 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t12 = (1/(L*n_batch)) * t4
-    t13 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t6.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t14 = ((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t12 = (1/(L*n_batch)) * t6
+    t13 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t14 = ((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t14, (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -2853,11 +2868,11 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t13 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t14 = np.reshape((np.reshape(t11, (L*n_batch, d_V**2)) @ np.reshape(t11.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
-    t15 = t14 * t12
+    t11 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
     t17 = np.sqrt(np.maximum(t16, 0.0))
     return t17
@@ -2883,16 +2898,16 @@ def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t11 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
-    t12 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t14 = t13 * t12
-    t15 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_ff, d_ff))
-    t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_ff))
-    t17 = np.reshape((np.reshape(t16.transpose(3, 0, 1, 2), (d_ff, L*n_batch, d_ff)) @ np.reshape(t16.transpose(3, 2, 0, 1), (d_ff, d_ff, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
-    t18 = np.reshape((np.reshape(t17.transpose(0, 3, 4, 1, 2), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
-    t19 = np.reshape((np.reshape(t18.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t2, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
-    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
+    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t16 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t17 = (t16.transpose(2, 3, 0, 1) @ t15.transpose(0, 1, 3, 2))
+    t18 = np.reshape((np.reshape(t17.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_ff, n_batch, L))
+    t19 = (t18.transpose(2, 3, 0, 1) @ t15)
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t16.transpose(2, 3, 0, 1)).sum()
     t21 = t20
     t22 = np.sqrt(np.maximum(t20, 0.0))
     zero = np.zeros((), dtype=X.dtype)
@@ -2918,36 +2933,38 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t9 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t11 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t12 = t11 * t10
-    t13 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
-    t14 = (t13.transpose(2, 3, 0, 1) @ t9)
-    t15 = np.reshape((np.reshape(t14, (L*n_batch, d_V*d_ff)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t16 = (1/(L**2*n_batch**2)) * (t15 * t12).sum()
+    t9 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = t11 * t9
+    t13 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t15 = np.reshape((np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t16 = (t15.transpose(2, 3, 0, 1) @ t10.transpose(0, 1, 3, 2))
+    t17 = np.reshape((np.reshape(t16.transpose(2, 3, 0, 1), (d_ff, d_V, L*n_batch)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1))), (d_ff, d_V))
+    t18 = (1/(L**2*n_batch**2)) * (t17 * W_2).sum()
     F = t6
-    t17 = np.exp(F - F.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = t4 * A18
-    t20 = t19 - Y
-    t21 = (1/L) * t20
-    G = t21
-    t22 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t23 = t22 * t10
-    t24 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t25 = (n_batch**(-2)) * (t24 * t23).sum()
-    t26 = t5 * t2
-    t27 = np.reshape((np.reshape(t9, (L*d_V*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, d_V, n_batch, L))
-    t28 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, n_batch, L, d_ff))
-    t29 = np.reshape((np.reshape(t28.transpose(2, 3, 4, 0, 1), (n_batch, L, d_ff, L*n_batch, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, n_batch, L))
-    t30 = np.reshape((np.reshape(t29.transpose(3, 4, 0, 1, 2), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t26, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
-    t31 = (2/(L*n_batch**2)) * (t30 * t10.transpose(2, 3, 0, 1)).sum()
-    t32 = t16 + t25 + t31
-    t33 = np.sqrt(np.maximum(t16, 0.0))
-    t34 = np.sqrt(np.maximum(t25, 0.0))
-    t35 = np.sqrt(np.maximum(t32, 0.0))
-    return (t33, t34, t35,)
+    t19 = np.exp(F - F.max(-1, keepdims=True))
+    A20 = t19 / t19.sum(-1, keepdims=True)
+    t21 = t4 * A20
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t25 = t11 * t24
+    t26 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t27 = (n_batch**(-2)) * (t26 * t25).sum()
+    t28 = t5 * t2
+    t29 = np.reshape((np.reshape(t11, (n_batch, L, L*n_batch, 1)) * np.reshape(G, (n_batch, L, 1, d_V))), (n_batch, L, n_batch, L, d_V))
+    t30 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t31 = np.reshape((np.reshape(t30.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ np.reshape(t28.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t32 = np.reshape((np.reshape(t29.transpose(2, 3, 0, 1, 4), (n_batch, L, L*n_batch, d_V)) @ t10.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, d_V))
+    t33 = (2/(L*n_batch**2)) * (t32 * t31.transpose(3, 4, 0, 1, 2)).sum()
+    t34 = t18 + t27 + t33
+    t35 = np.sqrt(np.maximum(t18, 0.0))
+    t36 = np.sqrt(np.maximum(t27, 0.0))
+    t37 = np.sqrt(np.maximum(t34, 0.0))
+    return (t35, t36, t37,)
 
 
 def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
@@ -2973,37 +2990,39 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t15 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t14 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t17 = t16 * t15
-    t18 = np.reshape((np.reshape(t13.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
-    t19 = (t18.transpose(1, 2, 0, 3) @ t14.transpose(0, 1, 3, 2))
-    t20 = np.reshape((np.reshape(t19, (L*n_batch, d_V*d_ff)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t21 = (1/(L**2*n_batch**2)) * (t20 * t17).sum()
+    t17 = t16 * t14
+    t18 = np.reshape((np.reshape(t15, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
+    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t13, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t20 = np.reshape((np.reshape(t19.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t21 = (t20.transpose(2, 3, 0, 1) @ t15)
+    t22 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (d_ff, L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0), (d_ff, d_V, 1))), (d_ff, n_batch, L))
+    t23 = (1/(L**2*n_batch**2)) * (t22 * t13.transpose(2, 0, 1)).sum()
     F = t8
-    t22 = np.exp(F - F.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = t5 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = np.swapaxes(G, -1, -2)
-    t28 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t27.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t29 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t30 = t29 * t28
-    t31 = (n_batch**(-2)) * (t16 * t30).sum()
-    t32 = t13 * t3.transpose(0, 2, 1)
-    t33 = np.reshape((np.reshape(t14, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
-    t34 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (L*d_ff*n_batch, d_V)) @ np.reshape(t27.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, d_ff, n_batch, L))
-    t35 = np.reshape((np.reshape(t34.transpose(2, 3, 4, 0, 1), (d_ff, n_batch, L, L*n_batch, 1)) * np.reshape(t12.transpose(1, 0, 2), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, n_batch, L))
-    t36 = np.reshape((np.reshape(t35.transpose(3, 4, 1, 2, 0), (n_batch, L, L*n_batch, d_ff)) @ np.reshape(t32, (n_batch, L, d_ff, 1))), (n_batch, L, n_batch, L))
-    t37 = (2/(L*n_batch**2)) * (t36 * t16.transpose(2, 3, 0, 1)).sum()
-    t38 = t21 + t31 + t37
-    t39 = np.sqrt(np.maximum(t21, 0.0))
-    t40 = np.sqrt(np.maximum(t31, 0.0))
-    t41 = np.sqrt(np.maximum(t38, 0.0))
-    return (t39, t40, t41,)
+    t24 = np.exp(F - F.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = t5 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = np.swapaxes(G, -1, -2)
+    t30 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t31 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t29.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
+    t32 = t31 * t30
+    t33 = (n_batch**(-2)) * (t16 * t32).sum()
+    t34 = t13 * t3.transpose(0, 2, 1)
+    t35 = np.reshape((np.reshape(t16, (n_batch, L, L*n_batch, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, n_batch, L, d_V))
+    t36 = np.reshape((np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t37 = np.reshape((np.reshape(t36.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ np.reshape(t34.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, d_V, n_batch, L))
+    t38 = np.reshape((np.reshape(t35.transpose(2, 3, 0, 1, 4), (n_batch, L, L*n_batch, d_V)) @ t15), (n_batch, L, n_batch, L, d_V))
+    t39 = (2/(L*n_batch**2)) * (t38 * t37.transpose(3, 4, 0, 1, 2)).sum()
+    t40 = t23 + t33 + t39
+    t41 = np.sqrt(np.maximum(t23, 0.0))
+    t42 = np.sqrt(np.maximum(t33, 0.0))
+    t43 = np.sqrt(np.maximum(t40, 0.0))
+    return (t41, t42, t43,)
 
 
 def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
@@ -3026,11 +3045,11 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t11 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t13 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t14 = np.reshape((np.reshape(t11, (L*n_batch, d_V**2)) @ np.reshape(t11.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
-    t15 = t14 * t12
+    t11 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t12 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
     t17 = t16
     t18 = np.sqrt(np.maximum(t16, 0.0))

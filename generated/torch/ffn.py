@@ -74,31 +74,32 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t5 = W_2.transpose(-1, -2)
     t6 = W_2 @ t5
     t7 = (2/(L*d_V*n_batch)) * t2
-    t8 = (t4.reshape((n_batch, L, d_ff, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t9 = (X.reshape((n_batch, L, d_V, 1)) * t4.reshape((n_batch, L, 1, d_ff)))
-    t10 = (t9.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t8.reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))
-    t1[...] = ((t10.permute(2, 1, 3, 0).reshape((d_ff, d_ff, d_V**2, 1)) * t6.reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(2, 0, 3, 1)
+    t8 = ((X.reshape((n_batch, L, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t9 = (t6.reshape((d_ff, d_ff, 1)) * t4.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
+    t10 = ((t9.permute(1, 2, 3, 0).reshape((d_ff, n_batch, L, d_ff, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_ff))).permute(3, 0, 1, 2)
+    t1[...] = ((t8.reshape((d_V**2, L*n_batch)) @ t10.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t12 = t11.view((d_V, d_ff, d_ff, d_V))
     t13 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
-    t14 = (t8.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t13.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-    t12[...] = ((t14.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
-    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t16 = t15.view((d_ff, d_V, d_V, d_ff))
-    t17 = t3.transpose(-1, -2)
-    t18 = t13.transpose(-1, -2)
-    t19 = (2/(L*d_V*n_batch)) * t18
-    t20 = (t4.reshape((n_batch, L, d_ff, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t21 = (t20.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ X.reshape((L*n_batch, d_V))).reshape((d_ff, d_ff, d_V))
-    t16[...] = ((t21.reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
-    t22 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t22[...] = 0
-    t23 = t22.view((d_ff, d_V, d_ff, d_V))
-    t24 = t23.diagonal(0, 1, 3)
-    t25 = t18 @ t13
-    t26 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t27 = (2/(L*d_V*n_batch)) * t26
-    t24 += (t25.sum((0,)).reshape((d_ff**2, 1)) * t27.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
+    t14 = (t4.reshape((n_batch, L, d_ff, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t15 = (t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t13.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t12[...] = ((t15.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t16 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t17 = t16.view((d_ff, d_V, d_V, d_ff))
+    t18 = t3.transpose(-1, -2)
+    t19 = t13.transpose(-1, -2)
+    t20 = (2/(L*d_V*n_batch)) * X
+    t21 = (t20.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t22 = (t21.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+    t17[...] = ((t22.permute(2, 1, 0).reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t23[...] = 0
+    t24 = t23.view((d_ff, d_V, d_ff, d_V))
+    t25 = t24.diagonal(0, 1, 3)
+    t26 = t19 @ t13
+    t27 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t28 = (2/(L*d_V*n_batch)) * t27
+    t25 += (t26.sum((0,)).reshape((d_ff**2, 1)) * t28.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
     return H
 
 
@@ -143,27 +144,27 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (t2.reshape((n_batch, L, d_ff, 1)) * t2.reshape((n_batch, L, 1, d_ff)))
-    t10 = (t9.permute(2, 3, 0, 1).reshape((d_ff, d_ff, L*n_batch, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, n_batch, L))
-    t11 = (t9.reshape((L*n_batch, d_ff**2)) @ t10.reshape((d_ff**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t9 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
+    t10 = (t9.permute(1, 2, 3, 4, 0).reshape((n_batch, L, n_batch, L, d_ff, 1)) * t8.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, d_ff))
+    t11 = (t9.reshape((d_ff, L**2*n_batch**2)) @ t10.reshape((L**2*n_batch**2, d_ff)))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.permute(1, 0)).sum()
     t13 = torch.sqrt(torch.clamp(t12, min=0.0))
     t14 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t15 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t16 = (t14.reshape((L*n_batch, d_ff)) @ t14.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t17 = t16 * t6
-    t18 = (t15.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
-    t19 = (t18.reshape((d_ff, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
-    t20 = (4/(L**2*d_V**2*n_batch**2)) * (t19 * t2.permute(2, 0, 1)).sum()
+    t17 = (t15.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t18 = (t17.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t16.permute(2, 3, 0, 1)
+    t20 = (4/(L**2*d_V**2*n_batch**2)) * (t6 * t19.permute(2, 3, 0, 1)).sum()
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     t22 = t1.transpose(-1, -2)
     t23 = t14.transpose(-1, -2)
     t24 = (t3.permute(1, 0).reshape((d_ff, 1, d_V)) @ t3.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t25 = (t23.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t23.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t26 = t7 * t25
-    t27 = (t24.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
-    t28 = (t27.reshape((d_ff, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
-    t29 = (4/(L**2*d_V**2*n_batch**2)) * (t28 * t2.permute(2, 0, 1)).sum()
+    t26 = (t24.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t27 = (t26.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t28 = t27 * t25.permute(2, 3, 0, 1)
+    t29 = (4/(L**2*d_V**2*n_batch**2)) * (t7 * t28.permute(2, 3, 0, 1)).sum()
     t30 = torch.sqrt(torch.clamp(t29, min=0.0))
     t31 = t23 @ t14
     t32 = (4/(L**2*d_V*n_batch**2)) * (t31.sum((0,)) * t31.sum((0,))).sum()
@@ -203,10 +204,10 @@ def mse_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = W_2.transpose(-1, -2)
     t4 = W_2 @ t3
-    t5 = t2 * t2
-    t6 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t7 = (t6.reshape((1, L*n_batch)) @ t5.reshape((L*n_batch, d_ff))).reshape((d_ff,))
-    return (2/(L*d_V*n_batch)) * oe.contract('a,aa->', t7, t4)
+    t5 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t6 = oe.contract('abc,cc->abc', t2, t4)
+    t7 = (t6.reshape((n_batch, L, 1, d_ff)) @ t2.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L))
+    return (2/(L*d_V*n_batch)) * (t7 * t5).sum()
 
 
 def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
@@ -223,10 +224,10 @@ def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t7 = (t3.reshape((n_batch, L, d_ff, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t8 = (X.reshape((n_batch, L, d_V, 1)) * t3.reshape((n_batch, L, 1, d_ff)))
-    t9 = (t8.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t7.reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))
-    t0[...] = ((t9.permute(2, 1, 3, 0).reshape((d_ff, d_ff, d_V**2, 1)) * t5.reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(2, 0, 3, 1)
+    t7 = ((X.reshape((n_batch, L, d_V, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t8 = (t5.reshape((d_ff, d_ff, 1)) * t3.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
+    t9 = ((t8.permute(1, 2, 3, 0).reshape((d_ff, n_batch, L, d_ff, 1)) * t3.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_ff))).permute(3, 0, 1, 2)
+    t0[...] = ((t7.reshape((d_V**2, L*n_batch)) @ t9.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     return out
 
 
@@ -245,10 +246,10 @@ def mse_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (t2.reshape((n_batch, L, d_ff, 1)) * t2.reshape((n_batch, L, 1, d_ff)))
-    t10 = (t9.permute(2, 3, 0, 1).reshape((d_ff, d_ff, L*n_batch, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, n_batch, L))
-    t11 = (t9.reshape((L*n_batch, d_ff**2)) @ t10.reshape((d_ff**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t9 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
+    t10 = (t9.permute(1, 2, 3, 4, 0).reshape((n_batch, L, n_batch, L, d_ff, 1)) * t8.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, d_ff))
+    t11 = (t9.reshape((d_ff, L**2*n_batch**2)) @ t10.reshape((L**2*n_batch**2, d_ff)))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.permute(1, 0)).sum()
     t13 = torch.sqrt(torch.clamp(t12, min=0.0))
     return t13
 
@@ -283,12 +284,12 @@ def mse_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t4 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
-    t5 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t6 = (t3.reshape((L*n_batch, d_ff)) @ t3.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t7 = t6 * t5
-    t8 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
-    t9 = (t8.reshape((d_ff, L*n_batch)) @ t7.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
-    t10 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t2.permute(2, 0, 1)).sum()
+    t5 = (t3.reshape((L*n_batch, d_ff)) @ t3.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t6 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t7 = (t6.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = t7 * t5.permute(2, 3, 0, 1)
+    t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t8.permute(2, 3, 0, 1)).sum()
     t11 = torch.sqrt(torch.clamp(t10, min=0.0))
     return t11
 
@@ -346,10 +347,10 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t6 = t3.transpose(-1, -2)
     t7 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t8 = t7.transpose(-1, -2)
-    t9 = (2/(L*d_V*n_batch)) * t4
-    t10 = (t8.reshape((n_batch, L, d_ff, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t11 = (t10.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ X.reshape((L*n_batch, d_V))).reshape((d_ff, d_ff, d_V))
-    t0[...] = ((t11.reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = (t9.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t11 = (t10.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t8.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+    t0[...] = ((t11.permute(2, 1, 0).reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
     return out
 
 
@@ -369,11 +370,11 @@ def mse_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t7 = t6.transpose(-1, -2)
     t8 = (t4.permute(1, 0).reshape((d_ff, 1, d_V)) @ t4.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t9 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t11 = t10 * t9
-    t12 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
-    t13 = (t12.reshape((d_ff, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
-    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t7.permute(2, 0, 1)).sum()
+    t10 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t11 = (t10.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t9.permute(2, 3, 0, 1)
+    t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t12.permute(2, 3, 0, 1)).sum()
     t15 = torch.sqrt(torch.clamp(t14, min=0.0))
     return t15
 
@@ -442,9 +443,9 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t10 = (2/(L*d_V)) * t9
     G = t10
     t11 = (1/n_batch) * t4
-    t12 = G.permute(2, 0, 1)
-    t13 = ((t6.reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t3 += ((t12.reshape((d_V, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t12 = t6.permute(2, 0, 1)
+    t13 = ((G.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t3 += (t13.reshape((d_V**2, L*n_batch)) @ t12.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t14 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t14[...] = 0
     t15 = t14.view((d_ff, d_V, d_V, d_ff))
@@ -453,9 +454,9 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t18 = t5.transpose(-1, -2)
     t19 = t6.transpose(-1, -2)
     t20 = (1/n_batch) * t17
-    t21 = X.permute(2, 0, 1)
-    t22 = ((t19.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t16 += ((t21.reshape((d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t21 = t19.permute(1, 0, 2)
+    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 += (t22.reshape((d_V**2, L*n_batch)) @ t21.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t23[...] = 0
     return H
@@ -505,8 +506,8 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t5 = F - Y
     t6 = (2/(L*d_V)) * t5
     G = t6
-    t7 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t8 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t7 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t9 = t8 * t7
     t10 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t11 = (n_batch**(-2)) * (t10 * t9).sum()
@@ -514,8 +515,8 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t13 = G.transpose(-1, -2)
     t14 = t1.transpose(-1, -2)
     t15 = t2.transpose(-1, -2)
-    t16 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t17 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t15.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t16 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t15.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = t17 * t16
     t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (n_batch**(-2)) * (t19 * t18).sum()
@@ -585,9 +586,9 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t8 = (2/(L*d_V)) * t7
     G = t8
     t9 = (1/n_batch) * t2
-    t10 = G.permute(2, 0, 1)
-    t11 = ((t4.reshape((n_batch, L, d_ff, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1 += ((t10.reshape((d_V, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t10 = t4.permute(2, 0, 1)
+    t11 = ((G.reshape((n_batch, L, d_V, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1 += (t11.reshape((d_V**2, L*n_batch)) @ t10.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
 
@@ -606,8 +607,8 @@ def mse_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
     t5 = F - Y
     t6 = (2/(L*d_V)) * t5
     G = t6
-    t7 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t8 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t7 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t9 = t8 * t7
     t10 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t11 = (n_batch**(-2)) * (t10 * t9).sum()
@@ -658,9 +659,9 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t9 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t10 = t9.transpose(-1, -2)
     t11 = (1/n_batch) * t7
-    t12 = X.permute(2, 0, 1)
-    t13 = ((t10.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1 += ((t12.reshape((d_V, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t12 = t10.permute(1, 0, 2)
+    t13 = ((X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1 += (t13.reshape((d_V**2, L*n_batch)) @ t12.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
 
@@ -681,8 +682,8 @@ def mse_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t6 = t0.transpose(-1, -2)
     t7 = torch.heaviside(t0, torch.full_like(t0, 0.0))
     t8 = t7.transpose(-1, -2)
-    t9 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t10 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t8.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t8.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t11 = t10 * t9
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = (n_batch**(-2)) * (t12 * t11).sum()
@@ -726,48 +727,49 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t5 = W_2.transpose(-1, -2)
     t6 = W_2 @ t5
     t7 = (2/(L*d_V*n_batch)) * t2
-    t8 = (t4.reshape((n_batch, L, d_ff, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t9 = (X.reshape((n_batch, L, d_V, 1)) * t4.reshape((n_batch, L, 1, d_ff)))
-    t10 = (t9.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t8.reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))
-    t1[...] = ((t10.permute(2, 1, 3, 0).reshape((d_ff, d_ff, d_V**2, 1)) * t6.reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(2, 0, 3, 1)
+    t8 = ((X.reshape((n_batch, L, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t9 = (t6.reshape((d_ff, d_ff, 1)) * t4.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
+    t10 = ((t9.permute(1, 2, 3, 0).reshape((d_ff, n_batch, L, d_ff, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_ff))).permute(3, 0, 1, 2)
+    t1[...] = ((t8.reshape((d_V**2, L*n_batch)) @ t10.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t12 = t11.view((d_V, d_ff, d_ff, d_V))
     t13 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
-    t14 = (t8.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t13.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-    t15 = t12.diagonal(0, 1, 2)
-    t16 = t13 @ W_2
-    F = t16
-    t17 = F - Y
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = (1/n_batch) * t2
-    t20 = G.permute(2, 0, 1)
-    t21 = ((t4.reshape((n_batch, L, d_ff, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t12[...] = ((t14.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
-    t15 += ((t20.reshape((d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
-    t22 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t23 = t22.view((d_ff, d_V, d_V, d_ff))
-    t24 = t3.transpose(-1, -2)
-    t25 = t13.transpose(-1, -2)
-    t26 = (2/(L*d_V*n_batch)) * t25
-    t27 = (t4.reshape((n_batch, L, d_ff, 1)) * t26.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t28 = (t27.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ X.reshape((L*n_batch, d_V))).reshape((d_ff, d_ff, d_V))
-    t29 = t23.diagonal(0, 0, 3)
-    t30 = G.transpose(-1, -2)
-    t31 = t4.transpose(-1, -2)
-    t32 = (1/n_batch) * t30
-    t33 = X.permute(2, 0, 1)
-    t34 = ((t31.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t32.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t23[...] = ((t28.reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
-    t29 += ((t33.reshape((d_V, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
-    t35 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t35[...] = 0
-    t36 = t35.view((d_ff, d_V, d_ff, d_V))
-    t37 = t36.diagonal(0, 1, 3)
-    t38 = t25 @ t13
-    t39 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t40 = (2/(L*d_V*n_batch)) * t39
-    t37 += (t38.sum((0,)).reshape((d_ff**2, 1)) * t40.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
+    t14 = (t4.reshape((n_batch, L, d_ff, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t15 = (t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t13.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t16 = t12.diagonal(0, 1, 2)
+    t17 = t13 @ W_2
+    F = t17
+    t18 = F - Y
+    t19 = (2/(L*d_V)) * t18
+    G = t19
+    t20 = (1/n_batch) * t2
+    t21 = t4.permute(2, 0, 1)
+    t22 = ((G.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t12[...] = ((t15.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t16 += (t22.reshape((d_V**2, L*n_batch)) @ t21.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    t23 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t24 = t23.view((d_ff, d_V, d_V, d_ff))
+    t25 = t3.transpose(-1, -2)
+    t26 = t13.transpose(-1, -2)
+    t27 = (2/(L*d_V*n_batch)) * X
+    t28 = (t27.reshape((n_batch, L, d_V, 1)) * t26.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t29 = (t28.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+    t30 = t24.diagonal(0, 0, 3)
+    t31 = G.transpose(-1, -2)
+    t32 = t4.transpose(-1, -2)
+    t33 = (1/n_batch) * t31
+    t34 = t32.permute(1, 0, 2)
+    t35 = ((X.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t24[...] = ((t29.permute(2, 1, 0).reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t30 += (t35.reshape((d_V**2, L*n_batch)) @ t34.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    t36 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t36[...] = 0
+    t37 = t36.view((d_ff, d_V, d_ff, d_V))
+    t38 = t37.diagonal(0, 1, 3)
+    t39 = t26 @ t13
+    t40 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t41 = (2/(L*d_V*n_batch)) * t40
+    t38 += (t39.sum((0,)).reshape((d_ff**2, 1)) * t41.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
     return H
 
 
@@ -824,17 +826,17 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (t2.reshape((n_batch, L, d_ff, 1)) * t2.reshape((n_batch, L, 1, d_ff)))
-    t10 = (t9.permute(2, 3, 0, 1).reshape((d_ff, d_ff, L*n_batch, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, n_batch, L))
-    t11 = (t9.reshape((L*n_batch, d_ff**2)) @ t10.reshape((d_ff**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t9 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
+    t10 = (t9.permute(1, 2, 3, 4, 0).reshape((n_batch, L, n_batch, L, d_ff, 1)) * t8.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, d_ff))
+    t11 = (t9.reshape((d_ff, L**2*n_batch**2)) @ t10.reshape((L**2*n_batch**2, d_ff)))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.permute(1, 0)).sum()
     t13 = torch.sqrt(torch.clamp(t12, min=0.0))
     t14 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t15 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t16 = (t14.reshape((L*n_batch, d_ff)) @ t14.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t17 = t16 * t6
-    t18 = (t15.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
-    t19 = (t18.reshape((d_ff, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
+    t17 = (t15.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t18 = (t17.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t19 = t18 * t16.permute(2, 3, 0, 1)
     t20 = t14 @ W_2
     F = t20
     t21 = F - Y
@@ -843,29 +845,29 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t23 = t14 * t2
     t24 = (G.reshape((L*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff))
     t25 = t24 * t2
-    t26 = (t6.reshape((L*n_batch, L*n_batch)) @ t23.reshape((L*n_batch, d_ff))).reshape((n_batch, L, d_ff))
+    t26 = (t25.reshape((L*n_batch, d_ff)) @ t23.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t27 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t28 = t27 * t6
+    t28 = t6 * t27
     t29 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t30 = (4/(L**2*d_V**2*n_batch**2)) * (t19 * t2.permute(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t26 * t25).sum() + (n_batch**(-2)) * (t29 * t28).sum()
+    t30 = (4/(L**2*d_V**2*n_batch**2)) * (t6 * t19.permute(2, 3, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t26 * t6).sum() + (n_batch**(-2)) * (t29 * t28).sum()
     t31 = torch.sqrt(torch.clamp(t30, min=0.0))
     t32 = t1.transpose(-1, -2)
     t33 = t14.transpose(-1, -2)
     t34 = (t3.permute(1, 0).reshape((d_ff, 1, d_V)) @ t3.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t35 = (t33.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t33.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t36 = t7 * t35
-    t37 = (t34.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
-    t38 = (t37.reshape((d_ff, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
+    t36 = (t34.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t37 = (t36.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t38 = t37 * t35.permute(2, 3, 0, 1)
     t39 = G.transpose(-1, -2)
     t40 = t2.transpose(-1, -2)
     t41 = t2 * t33.permute(0, 2, 1)
     t42 = (t39.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3).reshape((n_batch, L, d_ff))
     t43 = t42 * t40.permute(0, 2, 1)
-    t44 = (t7.reshape((L*n_batch, L*n_batch)) @ t41.reshape((L*n_batch, d_ff))).reshape((n_batch, L, d_ff))
-    t45 = (t39.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t39.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t46 = (t40.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t40.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t44 = (t43.reshape((L*n_batch, d_ff)) @ t41.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t45 = (t40.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t40.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t46 = (t39.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t39.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t47 = t46 * t45
-    t48 = (4/(L**2*d_V**2*n_batch**2)) * (t38 * t2.permute(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t44 * t43).sum() + (n_batch**(-2)) * (t7 * t47).sum()
+    t48 = (4/(L**2*d_V**2*n_batch**2)) * (t7 * t38.permute(2, 3, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t7 * t44).sum() + (n_batch**(-2)) * (t7 * t47).sum()
     t49 = torch.sqrt(torch.clamp(t48, min=0.0))
     t50 = t33 @ t14
     t51 = (4/(L**2*d_V*n_batch**2)) * (t50.sum((0,)) * t50.sum((0,))).sum()
@@ -905,10 +907,10 @@ def mse_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = W_2.transpose(-1, -2)
     t4 = W_2 @ t3
-    t5 = t2 * t2
-    t6 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
-    t7 = (t6.reshape((1, L*n_batch)) @ t5.reshape((L*n_batch, d_ff))).reshape((d_ff,))
-    return (2/(L*d_V*n_batch)) * oe.contract('a,aa->', t7, t4)
+    t5 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    t6 = oe.contract('abc,cc->abc', t2, t4)
+    t7 = (t6.reshape((n_batch, L, 1, d_ff)) @ t2.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L))
+    return (2/(L*d_V*n_batch)) * (t7 * t5).sum()
 
 
 def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
@@ -925,10 +927,10 @@ def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t7 = (t3.reshape((n_batch, L, d_ff, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t8 = (X.reshape((n_batch, L, d_V, 1)) * t3.reshape((n_batch, L, 1, d_ff)))
-    t9 = (t8.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t7.reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))
-    t0[...] = ((t9.permute(2, 1, 3, 0).reshape((d_ff, d_ff, d_V**2, 1)) * t5.reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, d_V, d_V))).permute(2, 0, 3, 1)
+    t7 = ((X.reshape((n_batch, L, d_V, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t8 = (t5.reshape((d_ff, d_ff, 1)) * t3.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
+    t9 = ((t8.permute(1, 2, 3, 0).reshape((d_ff, n_batch, L, d_ff, 1)) * t3.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_ff))).permute(3, 0, 1, 2)
+    t0[...] = ((t7.reshape((d_V**2, L*n_batch)) @ t9.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     return out
 
 
@@ -947,10 +949,10 @@ def mse_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (t2.reshape((n_batch, L, d_ff, 1)) * t2.reshape((n_batch, L, 1, d_ff)))
-    t10 = (t9.permute(2, 3, 0, 1).reshape((d_ff, d_ff, L*n_batch, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, n_batch, L))
-    t11 = (t9.reshape((L*n_batch, d_ff**2)) @ t10.reshape((d_ff**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t9 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
+    t10 = (t9.permute(1, 2, 3, 4, 0).reshape((n_batch, L, n_batch, L, d_ff, 1)) * t8.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, d_ff))
+    t11 = (t9.reshape((d_ff, L**2*n_batch**2)) @ t10.reshape((L**2*n_batch**2, d_ff)))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.permute(1, 0)).sum()
     t13 = torch.sqrt(torch.clamp(t12, min=0.0))
     return t13
 
@@ -977,10 +979,10 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t11 = (2/(L*d_V)) * t10
     G = t11
     t12 = (1/n_batch) * t1
-    t13 = G.permute(2, 0, 1)
-    t14 = ((t3.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = t3.permute(2, 0, 1)
+    t14 = ((G.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t7.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
-    t8 += ((t13.reshape((d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t8 += (t14.reshape((d_V**2, L*n_batch)) @ t13.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
 
@@ -995,11 +997,11 @@ def mse_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t4 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
-    t5 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t6 = (t3.reshape((L*n_batch, d_ff)) @ t3.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t7 = t6 * t5
-    t8 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
-    t9 = (t8.reshape((d_ff, L*n_batch)) @ t7.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
+    t5 = (t3.reshape((L*n_batch, d_ff)) @ t3.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t6 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t7 = (t6.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = t7 * t5.permute(2, 3, 0, 1)
+    t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t10 = t3 @ W_2
     F = t10
     t11 = F - Y
@@ -1008,11 +1010,11 @@ def mse_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t13 = t3 * t2
     t14 = (G.reshape((L*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff))
     t15 = t14 * t2
-    t16 = (t5.reshape((L*n_batch, L*n_batch)) @ t13.reshape((L*n_batch, d_ff))).reshape((n_batch, L, d_ff))
+    t16 = (t15.reshape((L*n_batch, d_ff)) @ t13.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t18 = t17 * t5
+    t18 = t9 * t17
     t19 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t20 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t2.permute(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t16 * t15).sum() + (n_batch**(-2)) * (t19 * t18).sum()
+    t20 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t8.permute(2, 3, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t16 * t9).sum() + (n_batch**(-2)) * (t19 * t18).sum()
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     return t21
 
@@ -1070,9 +1072,9 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t6 = t3.transpose(-1, -2)
     t7 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t8 = t7.transpose(-1, -2)
-    t9 = (2/(L*d_V*n_batch)) * t4
-    t10 = (t8.reshape((n_batch, L, d_ff, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t11 = (t10.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ X.reshape((L*n_batch, d_V))).reshape((d_ff, d_ff, d_V))
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = (t9.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t11 = (t10.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t8.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
     t12 = t0.diagonal(0, 0, 3)
     t13 = t4.transpose(-1, -2)
     t14 = t13 @ W_2
@@ -1082,10 +1084,10 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     G = t16
     t17 = G.transpose(-1, -2)
     t18 = (1/n_batch) * t17
-    t19 = X.permute(2, 0, 1)
-    t20 = ((t7.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t11.reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
-    t12 += ((t19.reshape((d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t19 = t7.permute(1, 0, 2)
+    t20 = ((X.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t0[...] = ((t11.permute(2, 1, 0).reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t12 += (t20.reshape((d_V**2, L*n_batch)) @ t19.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
 
@@ -1105,10 +1107,10 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t7 = t6.transpose(-1, -2)
     t8 = (t4.permute(1, 0).reshape((d_ff, 1, d_V)) @ t4.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t9 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t11 = t10 * t9
-    t12 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
-    t13 = (t12.reshape((d_ff, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
+    t10 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t11 = (t10.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t9.permute(2, 3, 0, 1)
+    t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t14 = t3.transpose(-1, -2)
     t15 = t14 @ W_2
     F = t15
@@ -1119,11 +1121,11 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t19 = t7 * t3.permute(0, 2, 1)
     t20 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t4).reshape((n_batch, L, d_ff))
     t21 = t20 * t6.permute(0, 2, 1)
-    t22 = (t10.reshape((L*n_batch, L*n_batch)) @ t19.reshape((L*n_batch, d_ff))).reshape((n_batch, L, d_ff))
-    t23 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t24 = (t6.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t6.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (t21.reshape((L*n_batch, d_ff)) @ t19.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = (t6.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t6.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t24 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = t24 * t23
-    t26 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t7.permute(2, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t22 * t21).sum() + (n_batch**(-2)) * (t10 * t25).sum()
+    t26 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t12.permute(2, 3, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t13 * t22).sum() + (n_batch**(-2)) * (t13 * t25).sum()
     t27 = torch.sqrt(torch.clamp(t26, min=0.0))
     return t27
 
@@ -1184,10 +1186,10 @@ def mse_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (t2.reshape((n_batch, L, d_ff, 1)) * t2.reshape((n_batch, L, 1, d_ff)))
-    t10 = (t9.permute(2, 3, 0, 1).reshape((d_ff, d_ff, L*n_batch, 1)) * t5.permute(1, 0).reshape((d_ff, d_ff, 1, 1))).reshape((d_ff, d_ff, n_batch, L))
-    t11 = (t9.reshape((L*n_batch, d_ff**2)) @ t10.reshape((d_ff**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t8).sum()
+    t9 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
+    t10 = (t9.permute(1, 2, 3, 4, 0).reshape((n_batch, L, n_batch, L, d_ff, 1)) * t8.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, d_ff))
+    t11 = (t9.reshape((d_ff, L**2*n_batch**2)) @ t10.reshape((L**2*n_batch**2, d_ff)))
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.permute(1, 0)).sum()
     t13 = t12
     t14 = torch.sqrt(torch.clamp(t12, min=0.0))
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
@@ -1206,26 +1208,26 @@ def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t4 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
-    t5 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t6 = (t3.reshape((L*n_batch, d_ff)) @ t3.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t7 = t6 * t5
-    t8 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
-    t9 = (t8.reshape((d_ff, L*n_batch)) @ t7.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
-    t10 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t2.permute(2, 0, 1)).sum()
+    t5 = (t3.reshape((L*n_batch, d_ff)) @ t3.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t6 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t7 = (t6.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t8 = t7 * t5.permute(2, 3, 0, 1)
+    t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (4/(L**2*d_V**2*n_batch**2)) * (t9 * t8.permute(2, 3, 0, 1)).sum()
     t11 = t3 @ W_2
     F = t11
     t12 = F - Y
     t13 = (2/(L*d_V)) * t12
     G = t13
     t14 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t15 = t14 * t5
+    t15 = t9 * t14
     t16 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (n_batch**(-2)) * (t16 * t15).sum()
     t18 = t3 * t2
     t19 = (G.reshape((L*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff))
     t20 = t19 * t2
-    t21 = (t5.reshape((L*n_batch, L*n_batch)) @ t18.reshape((L*n_batch, d_ff))).reshape((n_batch, L, d_ff))
-    t22 = (4/(L*d_V*n_batch**2)) * (t21 * t20).sum()
+    t21 = (t20.reshape((L*n_batch, d_ff)) @ t18.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t22 = (4/(L*d_V*n_batch**2)) * (t21 * t9).sum()
     t23 = t10 + t17 + t22
     t24 = torch.sqrt(torch.clamp(t10, min=0.0))
     t25 = torch.sqrt(torch.clamp(t17, min=0.0))
@@ -1249,11 +1251,11 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t7 = t6.transpose(-1, -2)
     t8 = (t4.permute(1, 0).reshape((d_ff, 1, d_V)) @ t4.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t9 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t11 = t10 * t9
-    t12 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
-    t13 = (t12.reshape((d_ff, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, n_batch, L))
-    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t7.permute(2, 0, 1)).sum()
+    t10 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t11 = (t10.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t9.permute(2, 3, 0, 1)
+    t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (4/(L**2*d_V**2*n_batch**2)) * (t13 * t12.permute(2, 3, 0, 1)).sum()
     t15 = t3.transpose(-1, -2)
     t16 = t15 @ W_2
     F = t16
@@ -1261,15 +1263,15 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t18 = (2/(L*d_V)) * t17
     G = t18
     t19 = G.transpose(-1, -2)
-    t20 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t21 = (t6.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t6.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (t6.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t6.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = t21 * t20
-    t23 = (n_batch**(-2)) * (t10 * t22).sum()
+    t23 = (n_batch**(-2)) * (t13 * t22).sum()
     t24 = t7 * t3.permute(0, 2, 1)
     t25 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t4).reshape((n_batch, L, d_ff))
     t26 = t25 * t6.permute(0, 2, 1)
-    t27 = (t10.reshape((L*n_batch, L*n_batch)) @ t24.reshape((L*n_batch, d_ff))).reshape((n_batch, L, d_ff))
-    t28 = (4/(L*d_V*n_batch**2)) * (t27 * t26).sum()
+    t27 = (t26.reshape((L*n_batch, d_ff)) @ t24.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t28 = (4/(L*d_V*n_batch**2)) * (t13 * t27).sum()
     t29 = t14 + t23 + t28
     t30 = torch.sqrt(torch.clamp(t14, min=0.0))
     t31 = torch.sqrt(torch.clamp(t23, min=0.0))
@@ -1431,10 +1433,10 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t12 = (1/(L*n_batch)) * t2
     t13 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t15 = (t14.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
-    t16 = (t15.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t17 = (t4.reshape((n_batch, L, d_ff, 1)) * t4.reshape((n_batch, L, 1, d_ff)))
-    t18 = (t17 * t16).permute(3, 2, 0, 1)
+    t15 = (W_2.reshape((d_ff, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t16 = (t4.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t17 = (t15.permute(2, 3, 0, 1) @ t14)
+    t18 = ((t17 @ t16.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
     t1[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     t19 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t20 = t19.view((d_V, d_ff, d_ff, d_V))
@@ -1446,15 +1448,15 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t25 = t24.view((d_ff, d_V, d_V, d_ff))
     t26 = t3.transpose(-1, -2)
     t27 = t7.transpose(-1, -2)
-    t28 = (1/(L*n_batch)) * t27
-    t29 = ((X.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t30 = (t4.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
-    t31 = ((t30.permute(1, 2, 0, 3) @ t14.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t28 = (1/(L*n_batch)) * t6
+    t29 = ((X.reshape((n_batch, L, d_V, 1)) * t27.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t30 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t28.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t31 = ((t16.permute(1, 2, 0, 3) @ t30.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t25[...] = ((t29.reshape((d_V*d_ff, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
     t32 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t33 = t32.view((d_ff, d_V, d_ff, d_V))
-    t34 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t6.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t35 = ((t7.reshape((n_batch, L, d_ff, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t34 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t28.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t35 = ((t7.reshape((n_batch, L, d_ff, 1)) * t27.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
     t33[...] = ((t35.reshape((d_ff**2, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -1514,38 +1516,40 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
-    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t14 = t13 * t12
-    t15 = (t11.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t16 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t17 = (t16.permute(3, 0, 1, 2).reshape((d_ff, L*n_batch, d_ff)) @ t16.permute(3, 2, 0, 1).reshape((d_ff, d_ff, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
-    t18 = (t17.permute(0, 3, 4, 1, 2).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
-    t19 = (t18.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t2.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
-    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t16 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t17 = (t16.permute(2, 3, 0, 1) @ t15.permute(0, 1, 3, 2))
+    t18 = (t17.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
+    t19 = (t18.permute(2, 3, 0, 1) @ t15)
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t16.permute(2, 3, 0, 1)).sum()
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     t22 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t23 = t22 * t12
-    t24 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-    t25 = (t24.permute(2, 3, 0, 1) @ t10)
-    t26 = (t25.reshape((L*n_batch, d_V*d_ff)) @ t25.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t27 = (1/(L**2*n_batch**2)) * (t26 * t23).sum()
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t29 = t1.transpose(-1, -2)
-    t30 = t5.transpose(-1, -2)
-    t31 = (t30.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t30.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t32 = t13 * t31
-    t33 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t9.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
-    t34 = (t33.permute(1, 2, 0, 3) @ t10.permute(0, 1, 3, 2))
-    t35 = (t34.reshape((L*n_batch, d_V*d_ff)) @ t34.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t36 = (1/(L**2*n_batch**2)) * (t35 * t32).sum()
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = (t10.reshape((L*n_batch, d_V**2)) @ t10.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t39 = t38 * t31
-    t40 = (1/(L**2*n_batch**2)) * (t39 * t22).sum()
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    return (t21, t28, t37, t41,)
+    t23 = t11 * t22
+    t24 = (t10.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t26 = (t25.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t27 = (t26.permute(2, 3, 0, 1) @ t10.permute(0, 1, 3, 2))
+    t28 = (t27.permute(2, 3, 0, 1).reshape((d_ff, d_V, L*n_batch)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))
+    t29 = (1/(L**2*n_batch**2)) * (t28 * W_2).sum()
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = t1.transpose(-1, -2)
+    t32 = t5.transpose(-1, -2)
+    t33 = (t32.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t32.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t34 = t12 * t33
+    t35 = (t15.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t36 = (t35.permute(2, 3, 0, 1) @ t10)
+    t37 = (t36.permute(2, 0, 1, 3).reshape((d_ff, L*n_batch, d_V)) @ t9.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff, n_batch, L))
+    t38 = (1/(L**2*n_batch**2)) * (t37 * t2.permute(2, 0, 1)).sum()
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t40 = t22 * t33
+    t41 = (t10.reshape((L*n_batch, d_V**2)) @ t10.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t42 = (1/(L**2*n_batch**2)) * (t41 * t40).sum()
+    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
+    return (t21, t30, t39, t43,)
 
 
 def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
@@ -1601,11 +1605,11 @@ def ce_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     t9 = W_2.transpose(-1, -2)
     t10 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t11 = t2 * t2
-    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t13 = (t11.reshape((n_batch, L, d_ff, 1)) * t10.reshape((n_batch, L, 1, 1))).reshape((n_batch, L, d_ff))
-    t14 = (t9.permute(1, 0).reshape((d_ff, d_V, 1)) * W_2.reshape((d_ff, 1, d_V)))
-    t15 = (t14.reshape((d_ff, d_V**2)) @ t12.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
-    return (1/(L*n_batch)) * (t15 * t13.permute(2, 0, 1)).sum()
+    t12 = (t11.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t9.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t13 = (t12.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
+    t14 = (t13.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V)) @ dA.reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))
+    t15 = (t14.reshape((n_batch, L, 1, d_V)) @ t4.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*n_batch)) * (t15 * t10).sum()
 
 
 def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
@@ -1632,10 +1636,10 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t11 = (1/(L*n_batch)) * t1
     t12 = ((X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t13 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t14 = (t13.reshape((L*d_V*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V, d_ff))
-    t15 = (t14.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t16 = (t3.reshape((n_batch, L, d_ff, 1)) * t3.reshape((n_batch, L, 1, d_ff)))
-    t17 = (t16 * t15).permute(3, 2, 0, 1)
+    t14 = (W_2.reshape((d_ff, d_V, 1)) * t3.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t15 = (t3.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t10.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t16 = (t14.permute(2, 3, 0, 1) @ t13)
+    t17 = ((t16 @ t15.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
     t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     return out
 
@@ -1660,16 +1664,16 @@ def ce_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
-    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t14 = t13 * t12
-    t15 = (t11.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t16 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t17 = (t16.permute(3, 0, 1, 2).reshape((d_ff, L*n_batch, d_ff)) @ t16.permute(3, 2, 0, 1).reshape((d_ff, d_ff, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
-    t18 = (t17.permute(0, 3, 4, 1, 2).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
-    t19 = (t18.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t2.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
-    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t16 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t17 = (t16.permute(2, 3, 0, 1) @ t15.permute(0, 1, 3, 2))
+    t18 = (t17.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
+    t19 = (t18.permute(2, 3, 0, 1) @ t15)
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t16.permute(2, 3, 0, 1)).sum()
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     return t21
 
@@ -1721,16 +1725,18 @@ def ce_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t9 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t11 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t12 = t11 * t10
-    t13 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-    t14 = (t13.permute(2, 3, 0, 1) @ t9)
-    t15 = (t14.reshape((L*n_batch, d_V*d_ff)) @ t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t16 = (1/(L**2*n_batch**2)) * (t15 * t12).sum()
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t9 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t9
+    t13 = (t10.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t14 = (t13.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t15 = (t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t16 = (t15.permute(2, 3, 0, 1) @ t10.permute(0, 1, 3, 2))
+    t17 = (t16.permute(2, 3, 0, 1).reshape((d_ff, d_V, L*n_batch)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))
+    t18 = (1/(L**2*n_batch**2)) * (t17 * W_2).sum()
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
@@ -1755,9 +1761,9 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t12 = (1/(L*n_batch)) * t4
-    t13 = (t8 * t12.permute(0, 2, 1)).permute(2, 0, 1)
-    t14 = (oe.contract('abcc,abc->abc', dA, t6)).permute(2, 0, 1)
+    t12 = (1/(L*n_batch)) * t6
+    t13 = (t8 * t4.permute(0, 2, 1)).permute(2, 0, 1)
+    t14 = (oe.contract('abcc,abc->abc', dA, t12)).permute(2, 0, 1)
     t0[...] = (t13.reshape((d_ff, L*n_batch)) @ t14.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
@@ -1812,9 +1818,9 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t12 = W_2.transpose(-1, -2)
     t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t14 = t13.transpose(-1, -2)
-    t15 = (1/(L*n_batch)) * t4
-    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (1/(L*n_batch)) * t6
+    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t15.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t14.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t12.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
     t19 = ((t18.permute(1, 2, 0, 3) @ t17.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t0[...] = ((t16.reshape((d_V*d_ff, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
@@ -1844,16 +1850,18 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t15 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t17 = t16 * t15
-    t18 = (t13.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
-    t19 = (t18.permute(1, 2, 0, 3) @ t14.permute(0, 1, 3, 2))
-    t20 = (t19.reshape((L*n_batch, d_V*d_ff)) @ t19.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t21 = (1/(L**2*n_batch**2)) * (t20 * t17).sum()
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    t17 = t16 * t14
+    t18 = (t15.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t13.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t20 = (t19.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t21 = (t20.permute(2, 3, 0, 1) @ t15)
+    t22 = (t21.permute(2, 0, 1, 3).reshape((d_ff, L*n_batch, d_V)) @ t11.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff, n_batch, L))
+    t23 = (1/(L**2*n_batch**2)) * (t22 * t13.permute(2, 0, 1)).sum()
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -1878,9 +1886,9 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t12 = (1/(L*n_batch)) * t4
-    t13 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t6.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t14 = ((t8.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t12 = (1/(L*n_batch)) * t6
+    t13 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t14 = ((t8.reshape((n_batch, L, d_ff, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
     t0[...] = ((t14.reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -1905,11 +1913,11 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t13 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t14 = (t11.reshape((L*n_batch, d_V**2)) @ t11.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t15 = t14 * t12
+    t11 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
     t17 = torch.sqrt(torch.clamp(t16, min=0.0))
     return t17
@@ -1943,9 +1951,9 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t14 = (1/L) * t13
     G = t14
     t15 = (1/n_batch) * t4
-    t16 = G.permute(2, 0, 1)
-    t17 = ((t6.reshape((n_batch, L, d_ff, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t3 += ((t16.reshape((d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t16 = t6.permute(2, 0, 1)
+    t17 = ((G.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t3 += (t17.reshape((d_V**2, L*n_batch)) @ t16.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t18[...] = 0
     t19 = t18.view((d_ff, d_V, d_V, d_ff))
@@ -1954,9 +1962,9 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t22 = t5.transpose(-1, -2)
     t23 = t6.transpose(-1, -2)
     t24 = (1/n_batch) * t21
-    t25 = X.permute(2, 0, 1)
-    t26 = ((t23.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t20 += ((t25.reshape((d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t25 = t23.permute(1, 0, 2)
+    t26 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 += (t26.reshape((d_V**2, L*n_batch)) @ t25.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t27[...] = 0
     return H
@@ -2016,8 +2024,8 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t9 = t8 - Y
     t10 = (1/L) * t9
     G = t10
-    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t12 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = t12 * t11
     t14 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (n_batch**(-2)) * (t14 * t13).sum()
@@ -2025,8 +2033,8 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t17 = G.transpose(-1, -2)
     t18 = t1.transpose(-1, -2)
     t19 = t2.transpose(-1, -2)
-    t20 = (t17.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t21 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t19.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t20 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t19.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t21 = (t17.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (n_batch**(-2)) * (t23 * t22).sum()
@@ -2101,9 +2109,9 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t12 = (1/L) * t11
     G = t12
     t13 = (1/n_batch) * t2
-    t14 = G.permute(2, 0, 1)
-    t15 = ((t4.reshape((n_batch, L, d_ff, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1 += ((t14.reshape((d_V, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t14 = t4.permute(2, 0, 1)
+    t15 = ((G.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1 += (t15.reshape((d_V**2, L*n_batch)) @ t14.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
 
@@ -2127,8 +2135,8 @@ def ce_bias0_residual0__frobenius__W_1__W_2__functional(X, W_1, W_2, Y):
     t9 = t8 - Y
     t10 = (1/L) * t9
     G = t10
-    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t12 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t11 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = t12 * t11
     t14 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (n_batch**(-2)) * (t14 * t13).sum()
@@ -2184,9 +2192,9 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t13 = torch.heaviside(t4, torch.full_like(t4, 0.0))
     t14 = t13.transpose(-1, -2)
     t15 = (1/n_batch) * t11
-    t16 = X.permute(2, 0, 1)
-    t17 = ((t14.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t1 += ((t16.reshape((d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t16 = t14.permute(1, 0, 2)
+    t17 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t1 += (t17.reshape((d_V**2, L*n_batch)) @ t16.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
 
@@ -2212,8 +2220,8 @@ def ce_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t10 = t2.transpose(-1, -2)
     t11 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t12 = t11.transpose(-1, -2)
-    t13 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t14 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t12.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t12.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = t14 * t13
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (n_batch**(-2)) * (t16 * t15).sum()
@@ -2267,10 +2275,10 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t12 = (1/(L*n_batch)) * t2
     t13 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t15 = (t14.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
-    t16 = (t15.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t17 = (t4.reshape((n_batch, L, d_ff, 1)) * t4.reshape((n_batch, L, 1, d_ff)))
-    t18 = (t17 * t16).permute(3, 2, 0, 1)
+    t15 = (W_2.reshape((d_ff, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t16 = (t4.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t17 = (t15.permute(2, 3, 0, 1) @ t14)
+    t18 = ((t17 @ t16.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
     t1[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     t19 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t20 = t19.view((d_V, d_ff, d_ff, d_V))
@@ -2286,30 +2294,30 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t29 = (1/L) * t28
     G = t29
     t30 = (1/n_batch) * t2
-    t31 = G.permute(2, 0, 1)
-    t32 = ((t4.reshape((n_batch, L, d_ff, 1)) * t30.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t31 = t4.permute(2, 0, 1)
+    t32 = ((G.reshape((n_batch, L, d_V, 1)) * t30.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t20[...] = ((t21.reshape((d_V*d_ff, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
-    t24 += ((t31.reshape((d_V, L*n_batch)) @ t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t24 += (t32.reshape((d_V**2, L*n_batch)) @ t31.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t34 = t33.view((d_ff, d_V, d_V, d_ff))
     t35 = t3.transpose(-1, -2)
     t36 = t7.transpose(-1, -2)
-    t37 = (1/(L*n_batch)) * t36
-    t38 = ((X.reshape((n_batch, L, d_V, 1)) * t37.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t39 = (t4.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
-    t40 = ((t39.permute(1, 2, 0, 3) @ t14.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t37 = (1/(L*n_batch)) * t6
+    t38 = ((X.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t39 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t40 = ((t16.permute(1, 2, 0, 3) @ t39.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t41 = t34.diagonal(0, 0, 3)
     t42 = G.transpose(-1, -2)
     t43 = t4.transpose(-1, -2)
     t44 = (1/n_batch) * t42
-    t45 = X.permute(2, 0, 1)
-    t46 = ((t43.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t45 = t43.permute(1, 0, 2)
+    t46 = ((X.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t34[...] = ((t38.reshape((d_V*d_ff, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
-    t41 += ((t45.reshape((d_V, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t41 += (t46.reshape((d_V**2, L*n_batch)) @ t45.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t47 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t48 = t47.view((d_ff, d_V, d_ff, d_V))
-    t49 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t6.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t50 = ((t7.reshape((n_batch, L, d_ff, 1)) * t37.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t49 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t37.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t50 = ((t7.reshape((n_batch, L, d_ff, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
     t48[...] = ((t50.reshape((d_ff**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -2381,62 +2389,65 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
-    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t14 = t13 * t12
-    t15 = (t11.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t16 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t17 = (t16.permute(3, 0, 1, 2).reshape((d_ff, L*n_batch, d_ff)) @ t16.permute(3, 2, 0, 1).reshape((d_ff, d_ff, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
-    t18 = (t17.permute(0, 3, 4, 1, 2).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
-    t19 = (t18.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t2.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
-    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t16 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t17 = (t16.permute(2, 3, 0, 1) @ t15.permute(0, 1, 3, 2))
+    t18 = (t17.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
+    t19 = (t18.permute(2, 3, 0, 1) @ t15)
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t16.permute(2, 3, 0, 1)).sum()
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     t22 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t23 = t22 * t12
-    t24 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-    t25 = (t24.permute(2, 3, 0, 1) @ t10)
-    t26 = (t25.reshape((L*n_batch, d_V*d_ff)) @ t25.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t23 = t11 * t22
+    t24 = (t10.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t26 = (t25.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t27 = (t26.permute(2, 3, 0, 1) @ t10.permute(0, 1, 3, 2))
+    t28 = (t27.permute(2, 3, 0, 1).reshape((d_ff, d_V, L*n_batch)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))
     F = t6
-    t27 = torch.exp(F - F.amax(-1, keepdim=True))
-    A28 = t27 / t27.sum(-1, keepdim=True)
-    t29 = t4 * A28
-    t30 = t29 - Y
-    t31 = (1/L) * t30
-    G = t31
-    t32 = t5 * t2
-    t33 = (t10.reshape((L*d_V*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
-    t34 = (t33.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, n_batch, L, d_ff))
-    t35 = (t34.permute(2, 3, 4, 0, 1).reshape((n_batch, L, d_ff, L*n_batch, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, n_batch, L))
-    t36 = (t35.permute(3, 4, 0, 1, 2).reshape((n_batch, L, L*n_batch, d_ff)) @ t32.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
-    t37 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t38 = t37 * t12
-    t39 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t40 = (1/(L**2*n_batch**2)) * (t26 * t23).sum() + (2/(L*n_batch**2)) * (t36 * t12.permute(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t39 * t38).sum()
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = t1.transpose(-1, -2)
-    t43 = t5.transpose(-1, -2)
-    t44 = (t43.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t43.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t45 = t13 * t44
-    t46 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t9.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
-    t47 = (t46.permute(1, 2, 0, 3) @ t10.permute(0, 1, 3, 2))
-    t48 = (t47.reshape((L*n_batch, d_V*d_ff)) @ t47.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t49 = G.transpose(-1, -2)
-    t50 = t2.transpose(-1, -2)
-    t51 = t2 * t43.permute(0, 2, 1)
-    t52 = (t11.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ t49.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, d_ff, n_batch, L))
-    t53 = (t52.permute(2, 3, 4, 0, 1).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t50.permute(1, 0, 2).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
-    t54 = (t53.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t51.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
-    t55 = (t49.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t49.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t56 = (t50.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t50.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t57 = t56 * t55
-    t58 = (1/(L**2*n_batch**2)) * (t48 * t45).sum() + (2/(L*n_batch**2)) * (t54 * t13.permute(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t13 * t57).sum()
-    t59 = torch.sqrt(torch.clamp(t58, min=0.0))
-    t60 = (t10.reshape((L*n_batch, d_V**2)) @ t10.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t61 = t60 * t44
-    t62 = (1/(L**2*n_batch**2)) * (t61 * t22).sum()
-    t63 = torch.sqrt(torch.clamp(t62, min=0.0))
-    return (t21, t41, t59, t63,)
+    t29 = torch.exp(F - F.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = t4 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = t5 * t2
+    t35 = (t11.reshape((n_batch, L, L*n_batch, 1)) * G.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, n_batch, L, d_V))
+    t36 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t37 = (t36.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t34.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t38 = (t35.permute(2, 3, 0, 1, 4).reshape((n_batch, L, L*n_batch, d_V)) @ t10.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, d_V))
+    t39 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t40 = t11 * t39
+    t41 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t42 = (1/(L**2*n_batch**2)) * (t28 * W_2).sum() + (2/(L*n_batch**2)) * (t38 * t37.permute(3, 4, 0, 1, 2)).sum() + (n_batch**(-2)) * (t41 * t40).sum()
+    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
+    t44 = t1.transpose(-1, -2)
+    t45 = t5.transpose(-1, -2)
+    t46 = (t45.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t45.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t47 = t12 * t46
+    t48 = (t15.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t49 = (t48.permute(2, 3, 0, 1) @ t10)
+    t50 = (t49.permute(2, 0, 1, 3).reshape((d_ff, L*n_batch, d_V)) @ t9.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff, n_batch, L))
+    t51 = G.transpose(-1, -2)
+    t52 = t2.transpose(-1, -2)
+    t53 = t2 * t45.permute(0, 2, 1)
+    t54 = (t12.reshape((n_batch, L, L*n_batch, 1)) * t51.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, n_batch, L, d_V))
+    t55 = (t52.permute(1, 0, 2).reshape((d_ff, L*n_batch, 1)) * t9.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t56 = (t55.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t53.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t57 = (t54.permute(2, 3, 0, 1, 4).reshape((n_batch, L, L*n_batch, d_V)) @ t10).reshape((n_batch, L, n_batch, L, d_V))
+    t58 = (t52.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t52.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t59 = (t51.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t51.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t60 = t59 * t58
+    t61 = (1/(L**2*n_batch**2)) * (t50 * t2.permute(2, 0, 1)).sum() + (2/(L*n_batch**2)) * (t57 * t56.permute(3, 4, 0, 1, 2)).sum() + (n_batch**(-2)) * (t12 * t60).sum()
+    t62 = torch.sqrt(torch.clamp(t61, min=0.0))
+    t63 = t22 * t46
+    t64 = (t10.reshape((L*n_batch, d_V**2)) @ t10.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t65 = (1/(L**2*n_batch**2)) * (t64 * t63).sum()
+    t66 = torch.sqrt(torch.clamp(t65, min=0.0))
+    return (t21, t43, t62, t66,)
 
 
 def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
@@ -2492,11 +2503,11 @@ def ce_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     t9 = W_2.transpose(-1, -2)
     t10 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t11 = t2 * t2
-    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t13 = (t11.reshape((n_batch, L, d_ff, 1)) * t10.reshape((n_batch, L, 1, 1))).reshape((n_batch, L, d_ff))
-    t14 = (t9.permute(1, 0).reshape((d_ff, d_V, 1)) * W_2.reshape((d_ff, 1, d_V)))
-    t15 = (t14.reshape((d_ff, d_V**2)) @ t12.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
-    return (1/(L*n_batch)) * (t15 * t13.permute(2, 0, 1)).sum()
+    t12 = (t11.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t9.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t13 = (t12.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
+    t14 = (t13.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V)) @ dA.reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))
+    t15 = (t14.reshape((n_batch, L, 1, d_V)) @ t4.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
+    return (1/(L*n_batch)) * (t15 * t10).sum()
 
 
 def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
@@ -2523,10 +2534,10 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t11 = (1/(L*n_batch)) * t1
     t12 = ((X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t13 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t14 = (t13.reshape((L*d_V*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V, d_ff))
-    t15 = (t14.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t16 = (t3.reshape((n_batch, L, d_ff, 1)) * t3.reshape((n_batch, L, 1, d_ff)))
-    t17 = (t16 * t15).permute(3, 2, 0, 1)
+    t14 = (W_2.reshape((d_ff, d_V, 1)) * t3.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t15 = (t3.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t10.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t16 = (t14.permute(2, 3, 0, 1) @ t13)
+    t17 = ((t16 @ t15.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
     t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     return out
 
@@ -2551,16 +2562,16 @@ def ce_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
-    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t14 = t13 * t12
-    t15 = (t11.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t16 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t17 = (t16.permute(3, 0, 1, 2).reshape((d_ff, L*n_batch, d_ff)) @ t16.permute(3, 2, 0, 1).reshape((d_ff, d_ff, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
-    t18 = (t17.permute(0, 3, 4, 1, 2).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
-    t19 = (t18.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t2.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
-    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t16 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t17 = (t16.permute(2, 3, 0, 1) @ t15.permute(0, 1, 3, 2))
+    t18 = (t17.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
+    t19 = (t18.permute(2, 3, 0, 1) @ t15)
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t16.permute(2, 3, 0, 1)).sum()
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     return t21
 
@@ -2599,10 +2610,10 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t20 = (1/L) * t19
     G = t20
     t21 = (1/n_batch) * t1
-    t22 = G.permute(2, 0, 1)
-    t23 = ((t3.reshape((n_batch, L, d_ff, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = t3.permute(2, 0, 1)
+    t23 = ((G.reshape((n_batch, L, d_V, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t11.reshape((d_V*d_ff, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
-    t15 += ((t22.reshape((d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t15 += (t23.reshape((d_V**2, L*n_batch)) @ t22.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
 
@@ -2624,31 +2635,33 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t9 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t11 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t12 = t11 * t10
-    t13 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-    t14 = (t13.permute(2, 3, 0, 1) @ t9)
-    t15 = (t14.reshape((L*n_batch, d_V*d_ff)) @ t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t9 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t9
+    t13 = (t10.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t14 = (t13.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t15 = (t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t16 = (t15.permute(2, 3, 0, 1) @ t10.permute(0, 1, 3, 2))
+    t17 = (t16.permute(2, 3, 0, 1).reshape((d_ff, d_V, L*n_batch)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))
     F = t6
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t4 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = t5 * t2
-    t22 = (t9.reshape((L*d_V*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
-    t23 = (t22.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, n_batch, L, d_ff))
-    t24 = (t23.permute(2, 3, 4, 0, 1).reshape((n_batch, L, d_ff, L*n_batch, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, n_batch, L))
-    t25 = (t24.permute(3, 4, 0, 1, 2).reshape((n_batch, L, L*n_batch, d_ff)) @ t21.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
-    t26 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t27 = t26 * t10
-    t28 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t29 = (1/(L**2*n_batch**2)) * (t15 * t12).sum() + (2/(L*n_batch**2)) * (t25 * t10.permute(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t28 * t27).sum()
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return t30
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t4 * A19
+    t21 = t20 - Y
+    t22 = (1/L) * t21
+    G = t22
+    t23 = t5 * t2
+    t24 = (t11.reshape((n_batch, L, L*n_batch, 1)) * G.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, n_batch, L, d_V))
+    t25 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t26 = (t25.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t23.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t27 = (t24.permute(2, 3, 0, 1, 4).reshape((n_batch, L, L*n_batch, d_V)) @ t10.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, d_V))
+    t28 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t29 = t11 * t28
+    t30 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t31 = (1/(L**2*n_batch**2)) * (t17 * W_2).sum() + (2/(L*n_batch**2)) * (t27 * t26.permute(3, 4, 0, 1, 2)).sum() + (n_batch**(-2)) * (t30 * t29).sum()
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    return t32
 
 
 def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
@@ -2673,9 +2686,9 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t12 = (1/(L*n_batch)) * t4
-    t13 = (t8 * t12.permute(0, 2, 1)).permute(2, 0, 1)
-    t14 = (oe.contract('abcc,abc->abc', dA, t6)).permute(2, 0, 1)
+    t12 = (1/(L*n_batch)) * t6
+    t13 = (t8 * t4.permute(0, 2, 1)).permute(2, 0, 1)
+    t14 = (oe.contract('abcc,abc->abc', dA, t12)).permute(2, 0, 1)
     t0[...] = (t13.reshape((d_ff, L*n_batch)) @ t14.permute(1, 2, 0).reshape((L*n_batch, d_V)))
     return out
 
@@ -2730,9 +2743,9 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t12 = W_2.transpose(-1, -2)
     t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t14 = t13.transpose(-1, -2)
-    t15 = (1/(L*n_batch)) * t4
-    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (1/(L*n_batch)) * t6
+    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t15.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t18 = (t14.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t12.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
     t19 = ((t18.permute(1, 2, 0, 3) @ t17.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t20 = t0.diagonal(0, 0, 3)
@@ -2745,10 +2758,10 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     G = t25
     t26 = G.transpose(-1, -2)
     t27 = (1/n_batch) * t26
-    t28 = X.permute(2, 0, 1)
-    t29 = ((t13.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1)) * t27.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t28 = t13.permute(1, 0, 2)
+    t29 = ((X.reshape((n_batch, L, d_V, 1)) * t27.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t0[...] = ((t16.reshape((d_V*d_ff, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
-    t20 += ((t28.reshape((d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff))).permute(1, 0, 2)
+    t20 += (t29.reshape((d_V**2, L*n_batch)) @ t28.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
 
@@ -2775,32 +2788,34 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t15 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t17 = t16 * t15
-    t18 = (t13.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
-    t19 = (t18.permute(1, 2, 0, 3) @ t14.permute(0, 1, 3, 2))
-    t20 = (t19.reshape((L*n_batch, d_V*d_ff)) @ t19.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t17 = t16 * t14
+    t18 = (t15.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t13.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t20 = (t19.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t21 = (t20.permute(2, 3, 0, 1) @ t15)
+    t22 = (t21.permute(2, 0, 1, 3).reshape((d_ff, L*n_batch, d_V)) @ t11.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff, n_batch, L))
     F = t8
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t5 * A22
-    t24 = t23 - Y
-    t25 = (1/L) * t24
-    G = t25
-    t26 = G.transpose(-1, -2)
-    t27 = t13 * t3.permute(0, 2, 1)
-    t28 = (t14.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
-    t29 = (t28.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ t26.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, d_ff, n_batch, L))
-    t30 = (t29.permute(2, 3, 4, 0, 1).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t12.permute(1, 0, 2).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
-    t31 = (t30.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t27.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
-    t32 = (t26.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t26.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t33 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t12.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t34 = t33 * t32
-    t35 = (1/(L**2*n_batch**2)) * (t20 * t17).sum() + (2/(L*n_batch**2)) * (t31 * t16.permute(2, 3, 0, 1)).sum() + (n_batch**(-2)) * (t16 * t34).sum()
-    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
-    return t36
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t5 * A24
+    t26 = t25 - Y
+    t27 = (1/L) * t26
+    G = t27
+    t28 = G.transpose(-1, -2)
+    t29 = t13 * t3.permute(0, 2, 1)
+    t30 = (t16.reshape((n_batch, L, L*n_batch, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, n_batch, L, d_V))
+    t31 = (t12.permute(1, 0, 2).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t32 = (t31.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t29.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t33 = (t30.permute(2, 3, 0, 1, 4).reshape((n_batch, L, L*n_batch, d_V)) @ t15).reshape((n_batch, L, n_batch, L, d_V))
+    t34 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t12.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t35 = (t28.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t28.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t36 = t35 * t34
+    t37 = (1/(L**2*n_batch**2)) * (t22 * t13.permute(2, 0, 1)).sum() + (2/(L*n_batch**2)) * (t33 * t32.permute(3, 4, 0, 1, 2)).sum() + (n_batch**(-2)) * (t16 * t36).sum()
+    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
+    return t38
 
 
 def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
@@ -2825,9 +2840,9 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t12 = (1/(L*n_batch)) * t4
-    t13 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t6.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t14 = ((t8.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t12 = (1/(L*n_batch)) * t6
+    t13 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t14 = ((t8.reshape((n_batch, L, d_ff, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
     t0[...] = ((t14.reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -2852,11 +2867,11 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t13 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t14 = (t11.reshape((L*n_batch, d_V**2)) @ t11.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t15 = t14 * t12
+    t11 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
     t17 = torch.sqrt(torch.clamp(t16, min=0.0))
     return t17
@@ -2882,16 +2897,16 @@ def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
     t9 = W_2.transpose(-1, -2)
     t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t11 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
-    t12 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t14 = t13 * t12
-    t15 = (t11.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_ff, d_ff))
-    t16 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_ff))
-    t17 = (t16.permute(3, 0, 1, 2).reshape((d_ff, L*n_batch, d_ff)) @ t16.permute(3, 2, 0, 1).reshape((d_ff, d_ff, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
-    t18 = (t17.permute(0, 3, 4, 1, 2).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
-    t19 = (t18.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t2.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
-    t20 = (1/(L**2*n_batch**2)) * (t19 * t14).sum()
+    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
+    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t16 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t17 = (t16.permute(2, 3, 0, 1) @ t15.permute(0, 1, 3, 2))
+    t18 = (t17.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
+    t19 = (t18.permute(2, 3, 0, 1) @ t15)
+    t20 = (1/(L**2*n_batch**2)) * (t19 * t16.permute(2, 3, 0, 1)).sum()
     t21 = t20
     t22 = torch.sqrt(torch.clamp(t20, min=0.0))
     zero = torch.zeros((), dtype=X.dtype, device=X.device)
@@ -2917,36 +2932,38 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t9 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t11 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t12 = t11 * t10
-    t13 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-    t14 = (t13.permute(2, 3, 0, 1) @ t9)
-    t15 = (t14.reshape((L*n_batch, d_V*d_ff)) @ t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t16 = (1/(L**2*n_batch**2)) * (t15 * t12).sum()
+    t9 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = t11 * t9
+    t13 = (t10.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t14 = (t13.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t15 = (t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t16 = (t15.permute(2, 3, 0, 1) @ t10.permute(0, 1, 3, 2))
+    t17 = (t16.permute(2, 3, 0, 1).reshape((d_ff, d_V, L*n_batch)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))
+    t18 = (1/(L**2*n_batch**2)) * (t17 * W_2).sum()
     F = t6
-    t17 = torch.exp(F - F.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = t4 * A18
-    t20 = t19 - Y
-    t21 = (1/L) * t20
-    G = t21
-    t22 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t23 = t22 * t10
-    t24 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t25 = (n_batch**(-2)) * (t24 * t23).sum()
-    t26 = t5 * t2
-    t27 = (t9.reshape((L*d_V*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
-    t28 = (t27.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, n_batch, L, d_ff))
-    t29 = (t28.permute(2, 3, 4, 0, 1).reshape((n_batch, L, d_ff, L*n_batch, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, n_batch, L))
-    t30 = (t29.permute(3, 4, 0, 1, 2).reshape((n_batch, L, L*n_batch, d_ff)) @ t26.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
-    t31 = (2/(L*n_batch**2)) * (t30 * t10.permute(2, 3, 0, 1)).sum()
-    t32 = t16 + t25 + t31
-    t33 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t34 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t35 = torch.sqrt(torch.clamp(t32, min=0.0))
-    return (t33, t34, t35,)
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t4 * A20
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t25 = t11 * t24
+    t26 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t27 = (n_batch**(-2)) * (t26 * t25).sum()
+    t28 = t5 * t2
+    t29 = (t11.reshape((n_batch, L, L*n_batch, 1)) * G.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, n_batch, L, d_V))
+    t30 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t31 = (t30.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t28.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t32 = (t29.permute(2, 3, 0, 1, 4).reshape((n_batch, L, L*n_batch, d_V)) @ t10.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, d_V))
+    t33 = (2/(L*n_batch**2)) * (t32 * t31.permute(3, 4, 0, 1, 2)).sum()
+    t34 = t18 + t27 + t33
+    t35 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t36 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t37 = torch.sqrt(torch.clamp(t34, min=0.0))
+    return (t35, t36, t37,)
 
 
 def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
@@ -2972,37 +2989,39 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t15 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t14 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t17 = t16 * t15
-    t18 = (t13.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
-    t19 = (t18.permute(1, 2, 0, 3) @ t14.permute(0, 1, 3, 2))
-    t20 = (t19.reshape((L*n_batch, d_V*d_ff)) @ t19.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t21 = (1/(L**2*n_batch**2)) * (t20 * t17).sum()
+    t17 = t16 * t14
+    t18 = (t15.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
+    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t13.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t20 = (t19.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t21 = (t20.permute(2, 3, 0, 1) @ t15)
+    t22 = (t21.permute(2, 0, 1, 3).reshape((d_ff, L*n_batch, d_V)) @ t11.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff, n_batch, L))
+    t23 = (1/(L**2*n_batch**2)) * (t22 * t13.permute(2, 0, 1)).sum()
     F = t8
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t5 * A23
-    t25 = t24 - Y
-    t26 = (1/L) * t25
-    G = t26
-    t27 = G.transpose(-1, -2)
-    t28 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t29 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t12.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t30 = t29 * t28
-    t31 = (n_batch**(-2)) * (t16 * t30).sum()
-    t32 = t13 * t3.permute(0, 2, 1)
-    t33 = (t14.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
-    t34 = (t33.permute(0, 1, 3, 2).reshape((L*d_ff*n_batch, d_V)) @ t27.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, d_ff, n_batch, L))
-    t35 = (t34.permute(2, 3, 4, 0, 1).reshape((d_ff, n_batch, L, L*n_batch, 1)) * t12.permute(1, 0, 2).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, n_batch, L))
-    t36 = (t35.permute(3, 4, 1, 2, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t32.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
-    t37 = (2/(L*n_batch**2)) * (t36 * t16.permute(2, 3, 0, 1)).sum()
-    t38 = t21 + t31 + t37
-    t39 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t40 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t41 = torch.sqrt(torch.clamp(t38, min=0.0))
-    return (t39, t40, t41,)
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t5 * A25
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = G.transpose(-1, -2)
+    t30 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t12.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t31 = (t29.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t29.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t32 = t31 * t30
+    t33 = (n_batch**(-2)) * (t16 * t32).sum()
+    t34 = t13 * t3.permute(0, 2, 1)
+    t35 = (t16.reshape((n_batch, L, L*n_batch, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, n_batch, L, d_V))
+    t36 = (t12.permute(1, 0, 2).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t37 = (t36.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t34.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t38 = (t35.permute(2, 3, 0, 1, 4).reshape((n_batch, L, L*n_batch, d_V)) @ t15).reshape((n_batch, L, n_batch, L, d_V))
+    t39 = (2/(L*n_batch**2)) * (t38 * t37.permute(3, 4, 0, 1, 2)).sum()
+    t40 = t23 + t33 + t39
+    t41 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t42 = torch.sqrt(torch.clamp(t33, min=0.0))
+    t43 = torch.sqrt(torch.clamp(t40, min=0.0))
+    return (t41, t42, t43,)
 
 
 def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
@@ -3025,11 +3044,11 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t11 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t13 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t14 = (t11.reshape((L*n_batch, d_V**2)) @ t11.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t15 = t14 * t12
+    t11 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t12 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t13 = t12 * t11
+    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
     t17 = t16
     t18 = torch.sqrt(torch.clamp(t16, min=0.0))
