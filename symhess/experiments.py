@@ -29,6 +29,7 @@ from . import models  # noqa: F401  (registers addition_block and the answer los
 from .evaluate import Interpreter, _Torch
 from .hessian import derive
 from .layers import layer
+from .memory import retain_freed_memory
 from .rules import differential
 
 PARTS = ("outer", "functional", "full")
@@ -514,6 +515,7 @@ def main_experiment(argv=None) -> int:
     """Entry point for ``symhess experiment ...``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    retain_freed_memory()         # this command owns its process: reuse freed temporaries
     try:
         return args.func(args)
     except ValueError as exc:
