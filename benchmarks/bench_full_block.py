@@ -81,7 +81,7 @@ def main(argv=None):
     on = "" if dev.type == "cpu" else f", device {device_label(dev)} (kernel and autograd)"
     print(f"post-LN block, MSE, float64, L={L}, d={d}, d_K={dk}, d_ff={dff}: Hessian {n}×{n}, "
           f"torch threads {a.threads}{on}")
-    print(f"  kernel.hessian (torch)         {t_kernel * 1e3:9.2f} ms   (first call incl. rendering {render:.1f} s)")
+    print(f"  kernel.hessian (torch)         {t_kernel * 1e3:9.2f} ms   (first call incl. loading or rendering {render:.1f} s)")
     same = "" if dev.type == "cpu" else " (same device)"
     print(f"  torch.func.hessian             {t_ad * 1e3:9.2f} ms   → kernel {t_ad / t_kernel:.1f}× faster{same}   [target ≥ 10]")
     cpu = "" if dev.type == "cpu" else " (cpu)"

@@ -1,0 +1,72 @@
+"""Committed modules load lazily: each function compiles on its first call, same results,
+tracebacks into the generated file at the right lines."""
+import traceback
+
+import numpy as np
+import pytest
+
+from symhess import codegen, kernels
+from symhess.verify import random_values
+import symhess as sh
+
+PATH = codegen.ROOT / "generated" / "numpy" / "attention.py"
+
+
+def whole_module():
+    ns = {"__name__": "whole"}
+    exec(compile(PATH.read_text(), str(PATH), "exec"), ns)
+    return ns
+
+
+def test_lazy_module_has_the_same_table_and_compiles_nothing_up_front():
+    lazy = kernels.lazy_module(PATH.read_text(), str(PATH), "lazy")
+    whole = whole_module()
+    assert lazy["VARIANTS"].keys() == whole["VARIANTS"].keys()
+    for variant, table in whole["VARIANTS"].items():
+        got = lazy["VARIANTS"][variant]
+        assert got.keys() == table.keys()
+        for key, fn in table.items():
+            if callable(fn):
+                assert got[key].__name__ == fn.__name__, key
+                assert not got[key].compiled, key
+            else:
+                assert got[key] == fn, key          # layouts and other data entries
+
+
+def test_lazy_functions_compute_what_the_whole_module_computes():
+    lazy = kernels.lazy_module(PATH.read_text(), str(PATH), "lazy")
+    whole = whole_module()
+    d = sh.derive(sh.layer("attention"), "mse")
+    values = random_values(d, seed=5)
+    variant = next(iter(whole["VARIANTS"]))
+    for key in [("hessian", "full"), ("frobenius_all", "outer"), ("gradient",)]:
+        fn, ref = lazy["VARIANTS"][variant][key], whole["VARIANTS"][variant][key]
+        args = [values[a][None] if a in ("X", "Y") else values[a]
+                for a in ref.__code__.co_varnames[:ref.__code__.co_argcount]]
+        got, want = fn(*args), ref(*args)
+        assert fn.compiled
+        for g, w in zip(np.atleast_1d(got) if not isinstance(got, tuple) else got,
+                        np.atleast_1d(want) if not isinstance(want, tuple) else want):
+            np.testing.assert_array_equal(g, w)
+    untouched = lazy["VARIANTS"][variant][("hvp", "outer")]
+    assert not untouched.compiled
+
+
+def _failing_line(fn):
+    """(function name, line) of the generated file's frame where ``fn`` fails on bad shapes."""
+    with pytest.raises(Exception) as info:
+        fn(*([np.zeros((1, 2, 3))] * 5))     # X, W_Q, W_K, W_V, Y of clashing shapes
+    frames = [f for f in traceback.extract_tb(info.value.__traceback__) if f.filename == str(PATH)]
+    assert frames
+    return frames[-1].name, frames[-1].lineno
+
+
+def test_tracebacks_point_into_the_generated_file_at_the_same_lines():
+    lazy = kernels.lazy_module(PATH.read_text(), str(PATH), "lazy")
+    whole = whole_module()
+    variant = next(iter(lazy["VARIANTS"]))
+    for key in [("hessian", "full"), ("block", "W_V", "W_Q", "outer")]:
+        fn = lazy["VARIANTS"][variant][key]
+        name, line = _failing_line(fn)
+        assert (name, line) == _failing_line(whole["VARIANTS"][variant][key])
+        assert name == fn.__name__
