@@ -72,7 +72,8 @@ def generated_losses(layer_name):
 
 
 def variants(layer_name):
-    """(loss, options) pairs committed for a layer: its losses × every value of causal."""
+    """(loss, options) pairs committed for a layer: its losses × every value of causal
+    (``DEFAULTS_ONLY`` layers: its losses at the default options)."""
     opts = layer_options(layer_name)
     flags = [] if layer_name in DEFAULTS_ONLY else sorted(
         k for k in VARIED_OPTIONS if isinstance(opts.get(k), bool))

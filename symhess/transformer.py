@@ -208,7 +208,7 @@ def ffn(activation="relu", bias=False, residual=False) -> Layer:
     params = (W1, b1, W2, b2) if bias else (W1, W2)
     return Layer("ffn", F, params, (X,), {"H": H},
                  {"activation": activation, "bias": bias, "residual": residual}, ffn.__doc__,
-                 typical_sizes=FFN_TYPICAL_SIZES)
+                 typical_sizes=dict(FFN_TYPICAL_SIZES))
 
 
 def _block_parts(d_V, d_ff, affine, bias):
@@ -228,7 +228,7 @@ def _block_layer(name, Z, att_params, W1, W2, extra, affine, affine_vars, X, int
     elif affine == "const":
         inputs += affine_vars
     return Layer(name, Z, params, inputs, inter, opts, doc, checks,
-                 typical_sizes=FFN_TYPICAL_SIZES)
+                 typical_sizes=dict(FFN_TYPICAL_SIZES))
 
 
 @register_layer("post_ln_block")

@@ -59,3 +59,19 @@ def test_post_ln_hessian_parts_match_autograd(part):
     want = np.block([[ref[(p, q, part)] for q in names] for p in names])
     got = sh.kernel("post_ln_block", "numpy", "mse").hessian(values, part)
     assert np.linalg.norm(got - want) <= TOL * np.linalg.norm(want)
+
+
+def test_causal_post_ln_variant_is_rendered_on_first_use():
+    """Only the default options are committed for the blocks (codegen.DEFAULTS_ONLY); the
+    causal variant comes from the same printer, in memory, and must agree with autograd."""
+    from symhess import codegen, kernels
+    committed = codegen.variants("post_ln_block")
+    assert [loss for loss, _ in committed] == ["mse", "ce"]
+    assert all(dict(opts)["causal"] is False for _, opts in committed)
+    k = sh.kernel("post_ln_block", "numpy", "ce", causal=True)
+    assert isinstance(k._fns, kernels._LazyTable)
+    d = sh.derive(sh.layer("post_ln_block", causal=True), "ce")
+    values = random_values(d, seed=6, sizes=SIZES)
+    want = autograd_blocks(d, values)[("W_V", "W_1", "full")]
+    got = k.hessian_block(values, "W_V", "W_1", "full")
+    assert np.linalg.norm(got - want) <= TOL * np.linalg.norm(want)
