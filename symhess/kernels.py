@@ -47,7 +47,11 @@ def lazy_module(src, filename, module_name):
     and the ``VARIANTS`` table last, so the source splits there; each function keeps its own
     text and first line number, so tracebacks point into the generated file as before.
     """
-    start, table = src.find("\ndef "), src.index("\nVARIANTS = {")
+    table = src.find("\nVARIANTS = {")
+    if table < 0:
+        raise RuntimeError(f"{filename} has no VARIANTS table: not a module written by "
+                           "`symhess generate` (run it to regenerate generated/)")
+    start = src.find("\ndef ", 0, table)
     start = table if start < 0 else start
     ns = {"__name__": module_name, "__file__": filename}
     exec(compile(src[:start], filename, "exec"), ns)

@@ -70,3 +70,14 @@ def test_tracebacks_point_into_the_generated_file_at_the_same_lines():
         name, line = _failing_line(fn)
         assert (name, line) == _failing_line(whole["VARIANTS"][variant][key])
         assert name == fn.__name__
+
+
+def test_a_module_without_a_table_is_named_in_the_error():
+    with pytest.raises(RuntimeError, match="no VARIANTS table"):
+        kernels.lazy_module("import math\n\n\ndef f(x):\n    return x\n", "broken.py", "broken")
+
+
+def test_a_module_without_functions_loads():
+    ns = kernels.lazy_module('"""doc"""\nimport math\n\n\nVARIANTS = {\n    1: {(\'x\',): math.pi},\n}\n',
+                             "tiny.py", "tiny")
+    assert ns["VARIANTS"] == {1: {("x",): __import__("math").pi}}
