@@ -7,6 +7,7 @@ combinations that were not generated are rendered in memory on first use.
 """
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -79,6 +80,9 @@ class _Names(dict):
         return self.functions[key]
 
 
+_COMPILING = threading.Lock()
+
+
 class LazyFunction:
     """A generated function compiled from its source text on the first call."""
 
@@ -95,12 +99,17 @@ class LazyFunction:
     def __call__(self, *args, **kwargs):
         fn = self._fn
         if fn is None:
-            code = compile("\n" * (self._line - 1) + self._src, self._file, "exec")
-            local = {}
-            exec(code, self._ns, local)
-            fn = self._fn = local[self.__name__]
-            self._src = None
+            fn = self._compile()
         return fn(*args, **kwargs)
+
+    def _compile(self):
+        with _COMPILING:            # two threads' first calls compile once
+            if self._fn is None:
+                code = compile("\n" * (self._line - 1) + self._src, self._file, "exec")
+                local = {}
+                exec(code, self._ns, local)
+                self._fn, self._src = local[self.__name__], None
+            return self._fn
 
     def __repr__(self):
         state = "compiled" if self._fn is not None else "not compiled yet"

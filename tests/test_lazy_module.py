@@ -81,3 +81,18 @@ def test_a_module_without_functions_loads():
     ns = kernels.lazy_module('"""doc"""\nimport math\n\n\nVARIANTS = {\n    1: {(\'x\',): math.pi},\n}\n',
                              "tiny.py", "tiny")
     assert ns["VARIANTS"] == {1: {("x",): __import__("math").pi}}
+
+
+def test_first_calls_from_several_threads_compile_once():
+    from concurrent.futures import ThreadPoolExecutor
+    lazy = kernels.lazy_module(PATH.read_text(), str(PATH), "lazy")
+    variant = next(iter(lazy["VARIANTS"]))
+    fn = lazy["VARIANTS"][variant][("hessian", "full")]
+    d = sh.derive(sh.layer("attention"), "mse")
+    values = random_values(d, seed=7)
+    args = [values[a][None] if a in ("X", "Y") else values[a] for a in ("X", "W_Q", "W_K", "W_V", "Y")]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: fn(*args), range(8)))
+    assert fn.compiled
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
