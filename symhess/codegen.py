@@ -548,6 +548,32 @@ def generate(out_dir="generated", check=False) -> list:
     return stale
 
 
+def check_layer(name, out_dir="generated") -> list:
+    """The stale paths among one layer's committed modules (both backends), without rendering
+    the other layers: what ``symhess run LAYER`` checks. Empty for an on-demand layer."""
+    if name in ON_DEMAND:
+        return []
+    out_dir = Path(out_dir)
+    return [str(out_dir / rel) for rel, src in _render_layer(name).items()
+            if not (out_dir / rel).exists() or (out_dir / rel).read_text() != src]
+
+
+def main_check_layer(name, out_dir="generated") -> int:
+    """CLI entry for ``symhess run``: prints the layer's stale modules; exit code 1 if any."""
+    if name in ON_DEMAND:
+        print(f"{name}: kernels are not committed ({ON_DEMAND[name]})")
+        return 0
+    stale = check_layer(name, out_dir)
+    for path in stale:
+        print(f"stale: {path}")
+    if stale:
+        print(f"{len(stale)} generated file(s) of {name} differ from a fresh generation; "
+              "run `symhess generate`")
+        return 1
+    print(f"generated/{{numpy,torch}}/{name}.py are up to date")
+    return 0
+
+
 def main_generate(check: bool, out_dir="generated") -> int:
     """CLI entry: generate (or check); prints the stale files; exit code 1 if check finds any."""
     stale = generate(out_dir, check=check)

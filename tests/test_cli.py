@@ -57,3 +57,31 @@ def test_verify_exits_one_when_a_block_is_wrong(capsys, monkeypatch):
     monkeypatch.setattr(v, "relative_error", lambda got, ref, scale: real(got, ref, scale) + 1.0)
     code, out, _ = run(capsys, "verify", "attention", "--loss", "ce")
     assert code == 1 and "FAIL" in out and "SOME BLOCKS DISAGREE" in out
+
+
+def test_run_checks_only_its_own_layer_kernels(capsys, monkeypatch, tmp_path):
+    """`symhess run LAYER` (the README's main job) verifies the blocks and checks that the
+    layer's committed modules are current; a stale one is named and the exit code is 1."""
+    import shutil
+
+    from symhess import cli
+    code, out, _ = run(capsys, "run", "ffn", "--loss", "mse")
+    assert code == 0
+    assert "all blocks agree with autograd" in out
+    assert "generated/{numpy,torch}/ffn.py are up to date" in out
+    copy = tmp_path / "generated"
+    shutil.copytree(cli.GENERATED, copy)
+    stale = copy / "torch" / "ffn.py"
+    stale.write_text(stale.read_text().replace("return ", "return 1 * ", 1))
+    (copy / "numpy" / "attention.py").write_text("")      # another layer's file: not checked
+    monkeypatch.setattr(cli, "GENERATED", copy)
+    code, out, _ = run(capsys, "run", "ffn", "--loss", "mse")
+    assert code == 1
+    assert f"stale: {stale}" in out and "attention.py" not in out
+
+
+def test_run_on_a_layer_without_committed_kernels_says_so(capsys):
+    from symhess import codegen
+    assert codegen.check_layer("addition_block") == []
+    assert codegen.main_check_layer("addition_block") == 0
+    assert "not committed" in capsys.readouterr().out
