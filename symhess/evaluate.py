@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import math
 
-from functools import lru_cache
-
 import numpy as np
 import sympy as sp
 
@@ -243,22 +241,14 @@ def _non_finite_origin(interp, expr):
     return "the values give a non-finite (NaN or inf) result"
 
 
-@lru_cache(maxsize=4096)
-def _size(d, env):
-    """A dimension expression at the bound sizes (None when a symbol is unbound); cached,
-    since every node of every evaluation asks for its sizes (sympy's subs is slow)."""
-    v = d.subs(dict(env))
-    return int(v) if v.is_number else None
-
-
 class Interpreter:
     def __init__(self, xp, env, arrays):
         self.xp, self.env, self.arrays = xp, env, arrays
-        self.env_key = tuple(sorted(env.items(), key=lambda kv: str(kv[0])))   # for _size
+        self.env_key = E.size_env(env)
         self.memo = {}
 
     def size(self, d) -> int:
-        v = _size(sp.sympify(d), self.env_key)
+        v = E.size_at(sp.sympify(d), self.env_key)
         if v is None:
             raise InputError(f"dimension {d} is not determined by the values given")
         return v

@@ -12,6 +12,7 @@ This module imports nothing from rules or printers.
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
 
 import sympy as sp
 
@@ -55,7 +56,28 @@ def _fmt(shape) -> str:
 
 def same(a, b) -> bool:
     """Structural equality of two dimension expressions."""
-    return a == b or sp.expand(a - b) == 0
+    return a == b or _same_expanded(a, b)
+
+
+@lru_cache(maxsize=None)
+def _same_expanded(a, b) -> bool:
+    """Equality up to expansion (cached: shapes and index sizes are compared over and over
+    while deriving and printing, and sympy's expand is slow)."""
+    return sp.expand(sp.sympify(a) - sp.sympify(b)) == 0
+
+
+def size_env(env) -> tuple:
+    """A hashable key of a {symbol: size} binding, for ``size_at``."""
+    return tuple(sorted(env.items(), key=lambda kv: str(kv[0])))
+
+
+@lru_cache(maxsize=16384)
+def size_at(d, env):
+    """A dimension expression at the sizes of ``env`` (a ``size_env`` key), or None when one
+    of its symbols is unbound; cached, since sympy's subs is slow and every evaluated node
+    and every printed statement asks for its sizes."""
+    v = sp.sympify(d).subs(dict(env))
+    return int(v) if v.is_number else None
 
 
 class Expr:

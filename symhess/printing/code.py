@@ -58,7 +58,7 @@ class Routine:
         self.products = {}                    # factor tuple -> (name, transposed)
         self.transposed = {}                  # name of a transposed view -> name of its base
         self.env, self.batch_size = representative_sizes(symbols, sizes)
-        self.env_key = tuple(sorted(self.env.items(), key=lambda kv: kv[0].name))
+        self.env_key = E.size_env(self.env)
         self.like = next((n for n in variables if n in self.batched_vars), next(iter(variables)))
         for n in variables:
             self.is_batched[n] = n in self.batched_vars
@@ -206,7 +206,7 @@ class Routine:
         return self.T(name) if transposed else name
 
     def _rep(self, d):
-        return _rep_size(sp.sympify(d), self.env_key)
+        return E.size_at(sp.sympify(d), self.env_key)
 
     # -- index view ----------------------------------------------------------------------
     def operand(self, factor, term, side_labels):
@@ -231,7 +231,7 @@ class Routine:
         if self.is_batched[name]:
             labels = [side_labels] + labels
         if (len(sizes) != stored or len(sizes) != len(natural)
-                or not all(_same_size(a, b) for a, b in zip(sizes, natural))):
+                or not all(E.same(a, b) for a, b in zip(sizes, natural))):
             dims = ([-1] if self.is_batched[name] else []) + sizes
             name = self.emit(self.fmt("reshape", name, self.shape(dims)), self.is_batched[name])
         return name, labels
@@ -846,19 +846,9 @@ def _prod(xs):
 
 
 @lru_cache(maxsize=None)
-def _same_size(a, b):
-    return sp.expand(sp.sympify(a) - sp.sympify(b)) == 0
-
-
-@lru_cache(maxsize=None)
 def _pycode(e):
     """Python code of a sympy expression (cached: sizes recur in every statement)."""
     return pycode(e)
-
-
-@lru_cache(maxsize=None)
-def _rep_size(d, env):
-    return int(d.subs(dict(env)))
 
 
 def _repeats(rt, term, r, c):

@@ -153,7 +153,7 @@ class Lowering:
             if a == b:
                 continue
             da, db = self.labels.size[a], self.labels.size[b]
-            if da == db or sp.expand(da - db) == 0:
+            if E.same(da, db):
                 term.subst[b] = (a,)
             elif _divides(db, da) is not None:
                 a1, a2 = self.labels.new(db), self.labels.new(_divides(db, da))
@@ -586,7 +586,7 @@ def _merge_sizes(a, b):
     a, b, out = list(a), list(b), []
     while a and b:
         x, y = sp.sympify(a.pop(0)), sp.sympify(b.pop(0))
-        if x == y or sp.expand(x - y) == 0:
+        if E.same(x, y):
             out.append(x)
         elif _divides(y, x) is not None:
             out.append(y)
