@@ -518,11 +518,7 @@ def generate(out_dir="generated", check=False) -> list:
     """
     out_dir = Path(out_dir)
     files = render_all()
-    stale = []
-    for rel, src in files.items():
-        path = out_dir / rel
-        if not path.exists() or path.read_text() != src:
-            stale.append(str(path))
+    stale = _differing(out_dir, files)
     if out_dir.exists():
         for path in sorted(out_dir.rglob("*.py")):
             if str(path.relative_to(out_dir)) not in files:
@@ -553,8 +549,12 @@ def check_layer(name, out_dir="generated") -> list:
     the other layers: what ``symhess run LAYER`` checks. Empty for an on-demand layer."""
     if name in ON_DEMAND:
         return []
-    out_dir = Path(out_dir)
-    return [str(out_dir / rel) for rel, src in _render_layer(name).items()
+    return _differing(Path(out_dir), _render_layer(name))
+
+
+def _differing(out_dir, files):
+    """The paths under ``out_dir`` of the rendered ``files`` that are missing or differ."""
+    return [str(out_dir / rel) for rel, src in files.items()
             if not (out_dir / rel).exists() or (out_dir / rel).read_text() != src]
 
 
