@@ -416,9 +416,7 @@ class Routine:
                 return self._arrange_out(f"{x} * {self._permuted(y, ly, lx)}", lx, out)
             if not out:                                   # a full inner product
                 return f"({x} * {self._permuted(y, ly, lx)}).sum()"
-        swap, pre, m, n = _arrangement(lx, ly, out)
-        if swap:
-            (x, lx), (y, ly) = (y, ly), (x, lx)
+        (x, lx), (y, ly), pre, m, n = _oriented((x, lx), (y, ly), out)
         xm = self._grouped(x, lx, pre, [m, con])
         ym = self._grouped(y, ly, pre, [con, n])
         code = f"({xm} @ {ym})" if con else f"({xm} * {ym})"     # no sum: a broadcast product
@@ -688,11 +686,7 @@ class Final(str):
 
     def oriented(self):
         """((x, lx), (y, ly), P, M, N): the halves in product order, the left one giving M."""
-        (x, lx), (y, ly) = self.halves
-        swap, pre, m, n = _arrangement(lx, ly, self.out)
-        if swap:
-            (x, lx), (y, ly) = (y, ly), (x, lx)
-        return (x, lx), (y, ly), pre, m, n
+        return _oriented(*self.halves, self.out)
 
     def stack_key(self):
         """The arrangement (P, M, N, output order) of the product as a canonical string;
@@ -758,6 +752,15 @@ def _arrangement(lx, ly, out):
         split = (swap, [a for a in out if a in lx and a in ly], fy if swap else fx,
                  fx if swap else fy)
     return split
+
+
+def _oriented(x, y, out):
+    """((x, lx), (y, ly), P, M, N): two (code, labels) operands of a product in the order of
+    its ``_arrangement``, the left one giving M."""
+    swap, pre, m, n = _arrangement(x[1], y[1], out)
+    if swap:
+        x, y = y, x
+    return x, y, pre, m, n
 
 
 def _last_halves(n, path):
