@@ -25,7 +25,7 @@ import sympy as sp
 from . import jacobians
 from .hessian import PARTS, derive
 from .layers import LAYERS, layer as get_layer, layer_options
-from .printing.code import Routine
+from .printing.code import N_BATCH, Routine
 from .printing.index import Factor, Lowering
 from .printing.numpy import NUMPY
 from .printing.torch import TORCH
@@ -142,6 +142,41 @@ MIRROR_MIN_TERMS = 3
 MIRROR_MIN_OPERANDS = 16
 
 
+# a transposed copy of a block costs about this many block-sized writes (see MIRROR_MIN_TERMS)
+MIRROR_PASSES = 3
+
+
+def _prod_rep(rt, n):
+    """A size expression at the routine's representative sizes."""
+    return int(rt._rep(n))
+
+
+def _lead_key(lw, t, r, c):
+    """((leaf, position of i, size of s), factor, s) when exactly one factor of term ``t``
+    carries the first row atom i, as a plain leaf over (i, s) or (s, i) with s summed and
+    shared with another factor; else None."""
+    ri = lw.resolve(t, r[:1])
+    if len(ri) != 1:
+        return None
+    i0 = ri[0]
+    holders = [f for f in t.factors if i0 in lw.resolve(t, f.labels)]
+    if len(holders) != 1:
+        return None
+    f = holders[0]
+    if isinstance(f.ref, tuple):
+        return None
+    atoms = lw.resolve(t, f.labels)
+    if len(atoms) != 2 or len(set(atoms)) != 2:
+        return None
+    s = atoms[1 - atoms.index(i0)]
+    outer = set(lw.resolve(t, r)) | set(lw.resolve(t, c))
+    if s in outer:
+        return None
+    if not any(s in lw.resolve(t, g.labels) for g in t.factors if g is not f):
+        return None
+    return (f.ref, atoms.index(i0), lw.labels.size[s]), f, s
+
+
 def _mirrored(terms):
     """Whether a lower block of ``hessian`` is cheaper as the transposed upper block."""
     return len(terms) > MIRROR_MIN_TERMS or sum(len(t.factors) for t in terms) > MIRROR_MIN_OPERANDS
@@ -204,7 +239,30 @@ class Variant:
                              f"H_{part}({p}, {q}) as a dense (numel {p} × numel {q}) block, vec_r layout.")
 
     def hessian(self, part):
+        """The full Hessian.  Two versions where row slabs pay (see ``_slab``): the slab
+        version, chosen row by row at one sequence, runs for batches up to the size where
+        its per-sequence slab operands would write more than the block-by-block version."""
+        names = self.d.layer.param_names
+        doc = f"The full {part} Hessian, parameters in declared order {', '.join(names)}."
+        rt, written, _ = self._hessian_into(part, slabs=False)
+        fn = self.function(f"hessian__{part}", rt, "H", doc)
+        srt, s_written, per_seq = self._hessian_into(part, slabs=True)
+        if not per_seq:
+            return fn
+        limit = int((written - s_written + per_seq) // per_seq)
+        if limit < 1:
+            return fn
+        body = [f"if n_batch <= {limit}:    # row slabs (their operands grow with the batch)"]
+        body += ["    " + ln for ln in srt.lines] + ["    return H"]
+        return Function(fn.name, fn.args, self.header(rt) + body + rt.lines, "H", doc)
+
+    def _hessian_into(self, part, slabs):
+        """(routine, entries written, entries of slab operands per sequence) of the full
+        Hessian; ``slabs``: rows by ``_slab`` where that writes fewer entries (sizes for
+        one sequence)."""
         rt = self.routine()
+        if slabs:
+            rt.batch_size = 1
         names = self.d.layer.param_names
         offs = [sp.Integer(0)]
         for p in names:
@@ -215,18 +273,112 @@ class Variant:
             return rt.emit(f"H[{rt.size(offs[i])}:{rt.size(offs[i + 1])}, "
                            f"{rt.size(offs[j])}:{rt.size(offs[j + 1])}]", False)
 
-        mirrored = []
-        for i, p in enumerate(names):
-            for j, q in enumerate(names):
-                terms, r, c = self.low.terms(p, q, part)
-                if j < i and _mirrored(terms):
-                    mirrored.append((i, j))   # H(q, p) = H(p, q)ᵀ: copied once that is written
+        mirrored, per_seq = [], 0
+        for i in range(len(names)):
+            if slabs:            # printed both ways; the one writing fewer entries stays
+                snap = rt._snapshot()
+                self._row(rt, i, names, part, block, offs)
+                direct = rt.written - snap[0]
+                rt._restore(snap)
+                grown = self._slab(rt, i, names, offs, part, block)
+                if grown is not None and rt.written - snap[0] < direct:
+                    per_seq += grown
                     continue
-                rt.dense_into(block(i, j), terms, r, c, fresh=True)
+                rt._restore(snap)
+            mirrored += self._row(rt, i, names, part, block, offs)
         for i, j in mirrored:
             rt.line(f"{block(i, j)}[...] = {rt.fmt('T', block(j, i))}")
-        return self.function(f"hessian__{part}", rt, "H",
-                             f"The full {part} Hessian, parameters in declared order {', '.join(names)}.")
+        return rt, rt.written, per_seq
+
+    def _row(self, rt, i, names, part, block, offs):
+        """Write row ``i`` of the Hessian block by block; [(i, j)]: the blocks left to be
+        copied from their transposes (counted as ``MIRROR_PASSES`` writes each)."""
+        mirrored = []
+        for j, q in enumerate(names):
+            terms, r, c = self.low.terms(names[i], q, part)
+            if j < i and _mirrored(terms):
+                mirrored.append((i, j))   # H(q, p) = H(p, q)ᵀ: copied once that is written
+                rt.written += MIRROR_PASSES * _prod_rep(rt, (offs[i + 1] - offs[i]) * (offs[j + 1] - offs[j]))
+                continue
+            rt.dense_into(block(i, j), terms, r, c, fresh=True)
+        return mirrored
+
+    def _slab(self, rt, i, names, offs, part, block):
+        """Write row slab ``i`` of the Hessian (H[p, :] for every column parameter) by one
+        GEMM where the terms allow: a parameter entering as U = X W makes every term of
+        H(W, ·) that reaches W through U carry the leaf X with the row index i of W_ij and a
+        summed index s; then H[(i, j), c] = Σ_s X[s, i] R[s, j, c], R holding the rest of
+        each term, all columns side by side.  Terms without that leaf (the product rule on
+        X) are added to their blocks afterwards.  Returns the entries written into R per
+        sequence (R holds each sequence's terms when X reads data), None (nothing written)
+        when no leaf is shared by the row's terms."""
+        p = names[i]
+        lw = self.low.lw
+        per_q, keys = [], {}
+        for q in names:
+            terms, r, c = self.low.terms(p, q, part)
+            per_q.append((terms, r, c))
+            for t in terms:
+                k = _lead_key(lw, t, r, c)
+                if k is not None:
+                    keys[k[0]] = keys.get(k[0], 0) + 1
+        if not keys:
+            return None
+        key = max(keys, key=lambda k: (keys[k], str(k)))
+        ref, pos, s_size = key
+        S = lw.labels.new(s_size)
+        n_rest = sp.simplify(self.numel(p) / self.d.param(p).shape[0])
+        first = None
+        slab_terms, direct = [], []
+        for (terms, r, c) in per_q:
+            mine, other = [], []
+            for t in terms:
+                k = _lead_key(lw, t, r, c)
+                if k is not None and k[0] == key:
+                    f, s = k[1], k[2]
+                    if first is None:
+                        first = (f, t, r)
+                    rest = t.copy(factors=tuple(g for g in t.factors if g is not f))
+                    rest.subst[s] = [S]
+                    mine.append(rest)
+                else:
+                    other.append(t)
+            slab_terms.append(mine)
+            direct.append(other)
+        f, t0, r0 = first
+        lead_code, lead_labs = rt.operand(f, t0, ("batch", f.side))
+        batched = rt.is_batched[lead_code]
+        total = offs[-1]
+        R = rt.fresh("R")
+        shape = ([N_BATCH] if batched else []) + [s_size, n_rest, total]
+        rt.line(f"{R} = {rt.fmt('empty', rt.shape(shape))}")
+        before = rt.written
+        flat = rt.emit(rt.fmt("view", R, rt.shape(([N_BATCH] if batched else []) + [s_size * n_rest, total])), False)
+        for j, (terms, r, c) in enumerate(per_q):
+            cols = f"{rt.size(offs[j])}:{rt.size(offs[j + 1])}"
+            target = rt.emit(f"{flat}[..., {cols}]", False)
+            rr = [S] + r[1:]
+            rt.dense_into(target, slab_terms[j], rr, c, fresh=True, keep_batch=batched)
+        grown = (rt.written - before) // rt.batch_size if batched else 0
+        # the leaf as (i, [batch,] s), scaled by the batch mean
+        i0 = lw.resolve(t0, r0[:1])[0]
+        labs = list(lead_labs)
+        order = [labs.index(i0)] + [k for k, a in enumerate(labs) if isinstance(a, tuple)] + \
+            [k for k, a in enumerate(labs) if a != i0 and not isinstance(a, tuple)]
+        a = rt.emit(rt.fmt("permute", lead_code, ", ".join(map(str, order))), False)
+        m = self.d.param(p).shape[0]
+        a = rt.emit(rt.fmt("reshape", a, rt.shape([m, (N_BATCH if batched else 1) * s_size])), False)
+        if batched:
+            a = rt.emit(f"(1/n_batch) * {a}", False)
+        b = rt.emit(rt.fmt("view", R, rt.shape([(N_BATCH if batched else 1) * s_size, n_rest * total])), False)
+        dest = rt.emit(rt.fmt("view", f"H[{rt.size(offs[i])}:{rt.size(offs[i + 1])}]", rt.shape([m, n_rest * total])), False)
+        rt.line(rt.fmt("matmul_into", a, b, dest))
+        rt.written += _prod_rep(rt, (offs[i + 1] - offs[i]) * total)
+        rt.line(f"del {R}")
+        for j, (terms, r, c) in enumerate(per_q):
+            if direct[j]:
+                rt.dense_into(block(i, j), direct[j], r, c, fresh=False)
+        return grown
 
     # -- matrix view -----------------------------------------------------------------
     def _mean(self, rt, name):

@@ -75,3 +75,41 @@ def test_causal_post_ln_variant_is_rendered_on_first_use():
     want = autograd_blocks(d, values)[("W_V", "W_1", "full")]
     got = k.hessian_block(values, "W_V", "W_1", "full")
     assert np.linalg.norm(got - want) <= TOL * np.linalg.norm(want)
+
+
+
+def _slab_limit(name, backend):
+    """The batch size up to which the committed full (MSE) Hessian takes its row-slab
+    version (codegen: ``Variant.hessian``), read from the generated source; None if none."""
+    import re
+    from symhess.codegen import ROOT
+    src = (ROOT / "generated" / backend / f"{name}.py").read_text()
+    start = re.search(r"\ndef mse\w*__hessian__full\(", src).start()
+    body = src[start:src.index("\ndef ", start + 1)]
+    m = re.search(r"if n_batch <= (\d+):", body)
+    return int(m.group(1)) if m else None
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("name", ["post_ln_block", "pre_ln_block"])
+def test_full_block_hessian_both_versions_match_autograd(name, backend):
+    """The row-slab version (batches up to its limit) and the block-by-block version (larger
+    batches) of the committed full Hessian: each against the batch mean of per-sequence
+    reverse-over-reverse autograd Hessians."""
+    limit = _slab_limit(name, backend)
+    assert limit is not None and limit >= 1      # the blocks' rows are written as slabs
+    d = sh.derive(sh.layer(name), "mse")
+    names = list(d.layer.param_names)
+    k = sh.kernel(name, backend, "mse")
+    for n_batch in (limit, limit + 1):
+        seqs = [random_values(d, seed=10 + b, sizes=SIZES) for b in range(n_batch)]
+        values = dict(seqs[0])
+        for v in ("X", "Y"):
+            values[v] = np.stack([s[v] for s in seqs])
+        want = np.mean([reference(d, {**values, "X": s["X"], "Y": s["Y"]}, names)
+                        for s in seqs], axis=0)
+        if backend == "torch":
+            got = k.hessian({n: torch.tensor(v) for n, v in values.items()}, "full").numpy()
+        else:
+            got = k.hessian(values, "full")
+        assert np.linalg.norm(got - want) <= TOL * np.linalg.norm(want)

@@ -4498,13 +4498,14 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
     t10 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t11 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t12 = (np.reshape(t10, (n_batch, L, d_V, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t13 = np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t11.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t13 = np.reshape((np.reshape(t12.transpose(0, 3, 2, 1), (n_batch, L*d_V, L)) @ t11.transpose(1, 2, 0)), (n_batch, L, d_V, d_K))
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t14 = (-1/math.sqrt(d_K)) * A
-    t15 = (t10.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))
-    t16 = (t11.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
-    t17 = (np.reshape(t15.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t17, (n_batch, L, d_V**2, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t15 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_V)) @ W_K), (n_batch, L, d_K))
+    t17 = (t10.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))
+    t18 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
+    t2 += np.reshape((np.reshape(t18, (n_batch, L, d_V**2, 1)) * np.reshape(t16, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -4529,13 +4530,14 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t10 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t11 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t12 = (np.reshape(t10, (n_batch, L, d_V, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t13 = np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t11.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t13 = np.reshape((np.reshape(t12.transpose(0, 3, 2, 1), (n_batch, L*d_V, L)) @ t11.transpose(1, 2, 0)), (n_batch, L, d_V, d_K))
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t14 = (-1/math.sqrt(d_K)) * A
-    t15 = (t10.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))
-    t16 = (t11.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
-    t17 = (np.reshape(t15.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t17, (n_batch, L, d_V**2, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t15 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t16 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_V)) @ W_K), (n_batch, L, d_K))
+    t17 = (t10.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))
+    t18 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
+    t2 += np.reshape((np.reshape(t18, (n_batch, L, d_V**2, 1)) * np.reshape(t16, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -4557,16 +4559,17 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = (1/math.sqrt(d_K)) * A
-    t10 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
-    t11 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
+    t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t12 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t13 = np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t10), (n_batch, d_V, L, d_V))
-    t2[...] = np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L, d_V**2, 1)) * np.reshape(t11.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t13 = (np.reshape((t11.transpose(0, 2, 1) @ np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
+    t2[...] = np.reshape((np.reshape(t13, (n_batch, L, d_V**2, 1)) * np.reshape(t10, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     t14 = (-1/math.sqrt(d_K)) * A
-    t15 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t16 = (t10.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))
-    t17 = (np.reshape(t15.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t2 += np.reshape((np.reshape(t16.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
+    t15 = (t14 @ t11)
+    t16 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t18 = (np.reshape(t16.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
+    t2 += np.reshape((np.reshape(t15, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -4588,16 +4591,17 @@ def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = (1/math.sqrt(d_K)) * A
-    t10 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
-    t11 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
+    t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t12 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t13 = np.reshape((np.reshape(t12.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t10), (n_batch, d_V, L, d_V))
-    t2[...] = np.reshape((np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, L, d_V**2, 1)) * np.reshape(t11.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t13 = (np.reshape((t11.transpose(0, 2, 1) @ np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
+    t2[...] = np.reshape((np.reshape(t13, (n_batch, L, d_V**2, 1)) * np.reshape(t10, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     t14 = (-1/math.sqrt(d_K)) * A
-    t15 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t16 = (t10.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))
-    t17 = (np.reshape(t15.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t2 += np.reshape((np.reshape(t16.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
+    t15 = (t14 @ t11)
+    t16 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t18 = (np.reshape(t16.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
+    t2 += np.reshape((np.reshape(t15, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -9301,13 +9305,14 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     t12 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t13 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t13.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t15 = np.reshape((np.reshape(t14.transpose(0, 3, 2, 1), (n_batch, L*d_V, L)) @ t13.transpose(1, 2, 0)), (n_batch, L, d_V, d_K))
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
-    t18 = (t13.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
-    t19 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t19, (n_batch, L, d_V**2, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t17 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 2, 1), (L*n_batch, d_V)) @ W_K), (n_batch, L, d_K))
+    t19 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
+    t20 = (np.reshape(t19.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
+    t2 += np.reshape((np.reshape(t20, (n_batch, L, d_V**2, 1)) * np.reshape(t18, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -9334,13 +9339,14 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t12 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t13 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t13.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t15 = np.reshape((np.reshape(t14.transpose(0, 3, 2, 1), (n_batch, L*d_V, L)) @ t13.transpose(1, 2, 0)), (n_batch, L, d_V, d_K))
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
-    t18 = (t13.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
-    t19 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t19, (n_batch, L, d_V**2, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t17 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 2, 1), (L*n_batch, d_V)) @ W_K), (n_batch, L, d_K))
+    t19 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
+    t20 = (np.reshape(t19.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
+    t2 += np.reshape((np.reshape(t20, (n_batch, L, d_V**2, 1)) * np.reshape(t18, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -9364,16 +9370,17 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = (1/math.sqrt(d_K)) * A
-    t12 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
-    t13 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
+    t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t14 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t12), (n_batch, d_V, L, d_V))
-    t2[...] = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V**2, 1)) * np.reshape(t13.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t15 = (np.reshape((t13.transpose(0, 2, 1) @ np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
+    t2[...] = np.reshape((np.reshape(t15, (n_batch, L, d_V**2, 1)) * np.reshape(t12, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t18 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
-    t19 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t2 += np.reshape((np.reshape(t18.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
+    t17 = (t16 @ t13)
+    t18 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t20 = (np.reshape(t18.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
+    t2 += np.reshape((np.reshape(t17, (n_batch, L, d_V, 1)) * np.reshape(t20, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -9397,16 +9404,17 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = (1/math.sqrt(d_K)) * A
-    t12 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
-    t13 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
+    t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t14 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t12), (n_batch, d_V, L, d_V))
-    t2[...] = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V**2, 1)) * np.reshape(t13.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t15 = (np.reshape((t13.transpose(0, 2, 1) @ np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
+    t2[...] = np.reshape((np.reshape(t15, (n_batch, L, d_V**2, 1)) * np.reshape(t12, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t18 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
-    t19 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t2 += np.reshape((np.reshape(t18.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
+    t17 = (t16 @ t13)
+    t18 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t20 = (np.reshape(t18.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
+    t2 += np.reshape((np.reshape(t17, (n_batch, L, d_V, 1)) * np.reshape(t20, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 

@@ -83,16 +83,16 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t12 = np.reshape(t11, (d_V, d_ff, d_ff, d_V), copy=False)
     t13 = (t3 * np.heaviside(t3, 0.0))
     t14 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t15 = np.reshape((np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t13, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
-    t12[...] = (np.reshape((np.reshape(t15, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
+    t15 = np.reshape((np.reshape(t14.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t13, (L*n_batch, d_ff))), (d_V, d_ff, d_ff))
+    t12[...] = (np.reshape((np.reshape(t15.transpose(1, 0, 2), (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
     t16 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t17 = np.reshape(t16, (d_ff, d_V, d_V, d_ff), copy=False)
     t18 = np.swapaxes(t3, -1, -2)
     t19 = np.swapaxes(t13, -1, -2)
     t20 = (2/(L*d_V*n_batch)) * X
     t21 = (np.reshape(t20, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t22 = np.reshape((np.reshape(t21.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_V, d_ff, d_ff))
-    t17[...] = (np.reshape((np.reshape(t22.transpose(2, 1, 0), (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
+    t22 = np.reshape((np.reshape(t21.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
+    t17[...] = (np.reshape((np.reshape(t5.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(t22.transpose(2, 0, 1), (d_ff, 1, d_V*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(2, 1, 3, 0)
     t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t23[...] = 0
     t24 = np.reshape(t23, (d_ff, d_V, d_ff, d_V), copy=False)
@@ -187,10 +187,11 @@ def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t7 = t3 * t3
+    t7 = oe.contract('aa->a', t5)
     t8 = X * t6.transpose(0, 2, 1)
-    t9 = (np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t7, (L*n_batch, d_ff)))
-    t0[...] = oe.contract('ab,bb->ab', t9, t5)
+    t9 = t3 * t3
+    t10 = (np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t9, (L*n_batch, d_ff)))
+    t0[...] = (np.reshape((np.reshape(t7, (d_ff, 1, 1)) * np.reshape(t10.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_V))).transpose(1, 0)
     return out
 
 
@@ -269,8 +270,8 @@ def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t4 = (t2 * np.heaviside(t2, 0.0))
     t5 = (2/(L*d_V*n_batch)) * t1
     t6 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t7 = np.reshape((np.reshape(t6.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
-    t0[...] = (np.reshape((np.reshape(t7, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
+    t7 = np.reshape((np.reshape(t6.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_V, d_ff, d_ff))
+    t0[...] = (np.reshape((np.reshape(t7.transpose(1, 0, 2), (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
     return out
 
 
@@ -350,8 +351,8 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t8 = np.swapaxes(t7, -1, -2)
     t9 = (2/(L*d_V*n_batch)) * X
     t10 = (np.reshape(t9, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t11 = np.reshape((np.reshape(t10.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t8, (L*n_batch, d_ff))), (d_V, d_ff, d_ff))
-    t0[...] = (np.reshape((np.reshape(t11.transpose(2, 1, 0), (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
+    t11 = np.reshape((np.reshape(t10.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t8, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
+    t0[...] = (np.reshape((np.reshape(t5.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_ff, 1, d_V*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(2, 1, 3, 0)
     return out
 
 
@@ -719,6 +720,65 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+        H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype)
+        t0 = np.swapaxes(X, -1, -2)
+        R = np.empty((n_batch, L, d_ff, 2*d_V*d_ff), dtype=X.dtype)
+        t1 = np.reshape(R, (n_batch, L*d_ff, 2*d_V*d_ff), copy=False)
+        t2 = t1[..., 0:d_V*d_ff]
+        t3 = np.reshape(t2, (n_batch, L, d_ff, d_V, d_ff), copy=False)
+        t4 = X @ W_1
+        t5 = np.heaviside(t4, 0.0)
+        t6 = np.swapaxes(W_2, -1, -2)
+        t7 = W_2 @ t6
+        t8 = (2/(L*d_V)) * X
+        t9 = (np.reshape((np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t7, (d_ff, 1, d_ff))), (d_ff, n_batch, L, d_ff))).transpose(1, 2, 0, 3)
+        t10 = (np.reshape(t8, (n_batch, L, d_V, 1)) * np.reshape(t5, (n_batch, L, 1, d_ff)))
+        t3[...] = ((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(0, 1, 3, 4, 2)
+        t11 = t1[..., d_V*d_ff:2*d_V*d_ff]
+        t12 = np.reshape(t11, (n_batch, L, d_ff, d_ff, d_V), copy=False)
+        t13 = (t4 * np.heaviside(t4, 0.0))
+        t14 = (2/(L*d_V)) * t5
+        t15 = (np.reshape((np.reshape(t14.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+        t16 = np.einsum('abccd->abcd', t12)
+        t17 = t13 @ W_2
+        F = t17
+        t18 = F - Y
+        t19 = (2/(L*d_V)) * t18
+        G = t19
+        t12[...] = (np.reshape((np.reshape(t13, (n_batch, L, d_ff, 1)) * np.reshape(t15, (n_batch, L, 1, d_V*d_ff))), (n_batch, L, d_ff, d_ff, d_V))).transpose(0, 1, 3, 2, 4)
+        t16 += (np.reshape(t5, (n_batch, L, d_ff, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))
+        t20 = t0.transpose(1, 0, 2)
+        t21 = np.reshape(t20, (d_V, L*n_batch))
+        t22 = (1/n_batch) * t21
+        t23 = np.reshape(R, (L*n_batch, 2*d_V*d_ff**2), copy=False)
+        t24 = np.reshape(H[0:d_V*d_ff], (d_V, 2*d_V*d_ff**2), copy=False)
+        np.matmul(t22, t23, out=t24)
+        del R
+        t25 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        t26 = np.reshape(t25, (d_ff, d_V, d_V, d_ff), copy=False)
+        t27 = np.swapaxes(t4, -1, -2)
+        t28 = np.swapaxes(t13, -1, -2)
+        t29 = (2/(L*d_V*n_batch)) * X
+        t30 = (np.reshape(t29, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
+        t31 = np.reshape((np.reshape(t30.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t5, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
+        t32 = np.einsum('abca->abc', t26)
+        t33 = np.swapaxes(G, -1, -2)
+        t34 = np.swapaxes(t5, -1, -2)
+        t35 = (1/n_batch) * t33
+        t36 = t34.transpose(1, 0, 2)
+        t37 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t35.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+        t26[...] = (np.reshape((np.reshape(t6.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(t31.transpose(2, 0, 1), (d_ff, 1, d_V*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(2, 1, 3, 0)
+        t32 += np.reshape((np.reshape(t36, (d_ff, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
+        t38 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t38[...] = 0
+        t39 = np.reshape(t38, (d_ff, d_V, d_ff, d_V), copy=False)
+        t40 = np.einsum('abcb->abc', t39)
+        t41 = t28 @ t13
+        t42 = np.ones((d_V,), dtype=X.dtype)
+        t43 = (2/(L*d_V*n_batch)) * t42
+        t40 += (np.reshape((np.reshape(t43, (d_V, 1)) * np.reshape(t41.sum((0,)), (1, d_ff**2))), (d_V, d_ff, d_ff))).transpose(1, 0, 2)
+        return H
     H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype)
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = np.reshape(t0, (d_V, d_ff, d_V, d_ff), copy=False)
@@ -736,7 +796,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t12 = np.reshape(t11, (d_V, d_ff, d_ff, d_V), copy=False)
     t13 = (t3 * np.heaviside(t3, 0.0))
     t14 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t15 = np.reshape((np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t13, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
+    t15 = np.reshape((np.reshape(t14.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t13, (L*n_batch, d_ff))), (d_V, d_ff, d_ff))
     t16 = np.einsum('abbc->abc', t12)
     t17 = t13 @ W_2
     F = t17
@@ -746,7 +806,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t20 = (1/n_batch) * t2
     t21 = t4.transpose(2, 0, 1)
     t22 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t12[...] = (np.reshape((np.reshape(t15, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
+    t12[...] = (np.reshape((np.reshape(t15.transpose(1, 0, 2), (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
     t16 += (np.reshape((np.reshape(t21, (d_ff, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     t23 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t24 = np.reshape(t23, (d_ff, d_V, d_V, d_ff), copy=False)
@@ -754,14 +814,14 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t26 = np.swapaxes(t13, -1, -2)
     t27 = (2/(L*d_V*n_batch)) * X
     t28 = (np.reshape(t27, (n_batch, L, d_V, 1)) * np.reshape(t26.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t29 = np.reshape((np.reshape(t28.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_V, d_ff, d_ff))
+    t29 = np.reshape((np.reshape(t28.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
     t30 = np.einsum('abca->abc', t24)
     t31 = np.swapaxes(G, -1, -2)
     t32 = np.swapaxes(t4, -1, -2)
     t33 = (1/n_batch) * t31
     t34 = t32.transpose(1, 0, 2)
     t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t24[...] = (np.reshape((np.reshape(t29.transpose(2, 1, 0), (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
+    t24[...] = (np.reshape((np.reshape(t5.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(t29.transpose(2, 0, 1), (d_ff, 1, d_V*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(2, 1, 3, 0)
     t30 += np.reshape((np.reshape(t34, (d_ff, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     t36 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t36[...] = 0
@@ -890,10 +950,11 @@ def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t7 = t3 * t3
+    t7 = oe.contract('aa->a', t5)
     t8 = X * t6.transpose(0, 2, 1)
-    t9 = (np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t7, (L*n_batch, d_ff)))
-    t0[...] = oe.contract('ab,bb->ab', t9, t5)
+    t9 = t3 * t3
+    t10 = (np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t9, (L*n_batch, d_ff)))
+    t0[...] = (np.reshape((np.reshape(t7, (d_ff, 1, 1)) * np.reshape(t10.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_V))).transpose(1, 0)
     return out
 
 
@@ -972,7 +1033,7 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t4 = (t2 * np.heaviside(t2, 0.0))
     t5 = (2/(L*d_V*n_batch)) * t1
     t6 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t7 = np.reshape((np.reshape(t6.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
+    t7 = np.reshape((np.reshape(t6.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_V, d_ff, d_ff))
     t8 = np.einsum('abbc->abc', t0)
     t9 = t4 @ W_2
     F = t9
@@ -982,7 +1043,7 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t12 = (1/n_batch) * t1
     t13 = t3.transpose(2, 0, 1)
     t14 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t7, (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
+    t0[...] = (np.reshape((np.reshape(t7.transpose(1, 0, 2), (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
     t8 += (np.reshape((np.reshape(t13, (d_ff, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -1075,7 +1136,7 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t8 = np.swapaxes(t7, -1, -2)
     t9 = (2/(L*d_V*n_batch)) * X
     t10 = (np.reshape(t9, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
-    t11 = np.reshape((np.reshape(t10.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t8, (L*n_batch, d_ff))), (d_V, d_ff, d_ff))
+    t11 = np.reshape((np.reshape(t10.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t8, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
     t12 = np.einsum('abca->abc', t0)
     t13 = np.swapaxes(t4, -1, -2)
     t14 = t13 @ W_2
@@ -1087,7 +1148,7 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t18 = (1/n_batch) * t17
     t19 = t7.transpose(1, 0, 2)
     t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t11.transpose(2, 1, 0), (d_ff, d_V*d_ff, 1)) * np.reshape(t5.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_ff, d_V, d_V))).transpose(1, 3, 2, 0)
+    t0[...] = (np.reshape((np.reshape(t5.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_ff, 1, d_V*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(2, 1, 3, 0)
     t12 += np.reshape((np.reshape(t19, (d_ff, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     return out
 
@@ -2257,6 +2318,75 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+        H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype)
+        t0 = np.swapaxes(X, -1, -2)
+        R = np.empty((n_batch, L, d_ff, 2*d_V*d_ff), dtype=X.dtype)
+        t1 = np.reshape(R, (n_batch, L*d_ff, 2*d_V*d_ff), copy=False)
+        t2 = t1[..., 0:d_V*d_ff]
+        t3 = np.reshape(t2, (n_batch, L, d_ff, d_V, d_ff), copy=False)
+        t4 = X @ W_1
+        t5 = np.heaviside(t4, 0.0)
+        t6 = Y.sum(-1, keepdims=True)
+        t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
+        t8 = (t4 * np.heaviside(t4, 0.0))
+        t9 = t8 @ W_2
+        t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+        A = t10 / t10.sum(-1, keepdims=True)
+        t11 = np.eye(d_V, dtype=X.dtype)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+        t12 = np.swapaxes(W_2, -1, -2)
+        t13 = (1/L) * t7
+        t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+        t15 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t5.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+        t16 = np.reshape((np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t12.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+        t17 = (t15.transpose(2, 3, 0, 1) @ t14)
+        t18 = (t17 @ t16.transpose(1, 2, 3, 0))
+        t3[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_ff**2))), (n_batch, L, d_V, d_ff, d_ff))).transpose(0, 1, 3, 2, 4)
+        t19 = t1[..., d_V*d_ff:2*d_V*d_ff]
+        t20 = np.reshape(t19, (n_batch, L, d_ff, d_ff, d_V), copy=False)
+        t21 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
+        t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t5, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+        t23 = np.einsum('abccd->abcd', t20)
+        F = t9
+        t24 = np.exp(F - F.max(-1, keepdims=True))
+        A25 = t24 / t24.sum(-1, keepdims=True)
+        t26 = t7 * A25
+        t27 = t26 - Y
+        t28 = (1/L) * t27
+        G = t28
+        t20[...] = (np.reshape((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t22, (n_batch, L, 1, d_V*d_ff))), (n_batch, L, d_ff, d_ff, d_V))).transpose(0, 1, 3, 2, 4)
+        t23 += (np.reshape(t5, (n_batch, L, d_ff, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))
+        t29 = t0.transpose(1, 0, 2)
+        t30 = np.reshape(t29, (d_V, L*n_batch))
+        t31 = (1/n_batch) * t30
+        t32 = np.reshape(R, (L*n_batch, 2*d_V*d_ff**2), copy=False)
+        t33 = np.reshape(H[0:d_V*d_ff], (d_V, 2*d_V*d_ff**2), copy=False)
+        np.matmul(t31, t32, out=t33)
+        del R
+        t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        t35 = np.reshape(t34, (d_ff, d_V, d_V, d_ff), copy=False)
+        t36 = np.swapaxes(t4, -1, -2)
+        t37 = np.swapaxes(t8, -1, -2)
+        t38 = (1/(L*n_batch)) * t7
+        t39 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t37.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+        t40 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t38, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+        t41 = ((t16.transpose(1, 2, 0, 3) @ t40.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
+        t42 = np.einsum('abca->abc', t35)
+        t43 = np.swapaxes(G, -1, -2)
+        t44 = np.swapaxes(t5, -1, -2)
+        t45 = (1/n_batch) * t43
+        t46 = t44.transpose(1, 0, 2)
+        t47 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t45.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+        t35[...] = (np.reshape((np.reshape(t39, (d_V*d_ff, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
+        t42 += np.reshape((np.reshape(t46, (d_ff, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
+        t48 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t49 = np.reshape(t48, (d_ff, d_V, d_ff, d_V), copy=False)
+        t50 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t38.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+        t51 = ((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t37.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+        t49[...] = (np.reshape((np.reshape(t51, (d_ff**2, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
+        return H
     H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype)
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = np.reshape(t0, (d_V, d_ff, d_V, d_ff), copy=False)

@@ -1582,6 +1582,133 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 2:    # row slabs (their operands grow with the batch)
+        H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t0 = H[0:d_K*d_V, 0:d_K*d_V]
+        t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
+        t2 = np.swapaxes(X, -1, -2)
+        t3 = t2 @ X
+        t4 = np.swapaxes(W_K, -1, -2)
+        t5 = t4 @ t2
+        t6 = np.swapaxes(W_V, -1, -2)
+        t7 = t6 @ t2
+        t8 = W_V @ t7
+        t9 = X @ t8
+        t10 = np.swapaxes(t5, -1, -2)
+        t11 = t9 @ t10
+        t12 = t5 @ t11
+        t13 = (2/(L*d_K*d_V*n_batch)) * t3
+        t14 = t13.transpose(1, 2, 0)
+        t15 = t12.transpose(1, 2, 0)
+        t1[...] = (np.reshape((np.reshape(t14, (d_V**2, n_batch)) @ np.reshape(t15.transpose(2, 0, 1), (n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+        t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
+        t18 = X @ W_Q
+        t19 = np.swapaxes(t11, -1, -2)
+        t20 = t19 @ X
+        t21 = (2/(L*d_K*d_V*n_batch)) * t2
+        t22 = t20.transpose(1, 2, 0)
+        t23 = ((t18.transpose(0, 2, 1) @ t21.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t24 = np.einsum('abcb->abc', t17)
+        t25 = t18 @ t5
+        t26 = (1/math.sqrt(d_K)) * t25
+        T = t26
+        t27 = np.swapaxes(t7, -1, -2)
+        t28 = T @ t27
+        F = t28
+        t29 = F - Y
+        t30 = (2/(L*d_V)) * t29
+        G = t30
+        t31 = G @ t7
+        t32 = t31 @ X
+        t33 = np.ones((d_K,), dtype=X.dtype)
+        t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
+        t35 = (np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t32, (L*n_batch, d_V)))
+        t17[...] = (np.reshape((np.reshape(t22, (d_K*d_V, n_batch)) @ np.reshape(t23.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t24 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t35, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+        t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
+        t38 = t5 @ X
+        t39 = T @ X
+        t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+        t41 = ((t39.transpose(0, 2, 1) @ t40.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t42 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t38.transpose(2, 1, 0), (d_V, d_K*n_batch))), (d_V, d_K, n_batch))).transpose(1, 0, 2)
+        t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
+        t44 = t38.transpose(1, 2, 0)
+        t45 = ((G.transpose(0, 2, 1) @ t43.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t37[...] = (np.reshape((np.reshape(t41, (d_V**2, n_batch)) @ np.reshape(t42.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+        t37 += (np.reshape((np.reshape(t44, (d_K*d_V, n_batch)) @ np.reshape(t45.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+        t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
+        t48 = t2 @ t27
+        t49 = t7 @ t10
+        t50 = np.swapaxes(t18, -1, -2)
+        t51 = t50 @ X
+        t52 = (2/(L*d_K*d_V*n_batch)) * t48
+        t53 = t51.transpose(1, 2, 0)
+        t54 = ((t49.transpose(0, 2, 1) @ t52.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t55 = np.einsum('abcb->abc', t47)
+        t56 = np.swapaxes(G, -1, -2)
+        t57 = t56 @ X
+        t58 = (np.reshape(t48.transpose(1, 0, 2), (d_V, d_V*n_batch)) @ np.reshape(t57, (d_V*n_batch, d_V)))
+        t47[...] = (np.reshape((np.reshape(t53, (d_K*d_V, n_batch)) @ np.reshape(t54.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t55 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t58, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+        t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t60 = np.reshape(t59, (d_V, d_K, d_V, d_K), copy=False)
+        t61 = t9 @ X
+        t62 = t2 @ t61
+        t63 = t50 @ t18
+        t64 = (2/(L*d_K*d_V*n_batch)) * t62
+        t65 = t64.transpose(1, 2, 0)
+        t66 = t63.transpose(1, 2, 0)
+        t60[...] = (np.reshape((np.reshape(t65, (d_V**2, n_batch)) @ np.reshape(t66.transpose(2, 0, 1), (n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+        t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t68 = np.reshape(t67, (d_V, d_K, d_V, d_V), copy=False)
+        t69 = (1/(math.sqrt(d_K)*n_batch)) * t50
+        t70 = t3.transpose(1, 2, 0)
+        t71 = ((G.transpose(0, 2, 1) @ t69.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
+        t73 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t3.transpose(2, 1, 0), (d_V, d_V*n_batch))), (d_V, d_V, n_batch))).transpose(1, 0, 2)
+        t74 = ((t39.transpose(0, 2, 1) @ t72.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t68[...] = (np.reshape((np.reshape(t70, (d_V**2, n_batch)) @ np.reshape(t71.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+        t68 += (np.reshape((np.reshape(t74, (d_K*d_V, n_batch)) @ np.reshape(t73.transpose(2, 0, 1), (n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+        R = np.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t75 = np.reshape(R, (n_batch, L*d_V, 2*d_K*d_V + d_V**2), copy=False)
+        t76 = t75[..., 0:d_K*d_V]
+        t77 = np.reshape(t76, (n_batch, L, d_V, d_V, d_K), copy=False)
+        t78 = np.swapaxes(T, -1, -2)
+        t79 = t78 @ X
+        t80 = (2/(L*math.sqrt(d_K)*d_V)) * t79
+        t81 = (1/math.sqrt(d_K)) * t10
+        t77[...] = (np.reshape((np.reshape(t80, (n_batch, L*d_V, 1)) * np.reshape(t49, (n_batch, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+        t77 += (np.reshape((np.reshape(t57, (n_batch, d_V**2, 1)) * np.reshape(t81, (n_batch, 1, L*d_K))), (n_batch, d_V, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
+        t82 = t75[..., d_K*d_V:2*d_K*d_V]
+        t83 = np.reshape(t82, (n_batch, L, d_V, d_V, d_K), copy=False)
+        t84 = t56 @ t18
+        t85 = (1/math.sqrt(d_K)) * X
+        t86 = t78 @ t18
+        t87 = np.swapaxes(t48, -1, -2)
+        t88 = (2/(L*math.sqrt(d_K)*d_V)) * t86
+        t83[...] = (np.reshape((np.reshape(t85, (n_batch, L*d_V, 1)) * np.reshape(t84, (n_batch, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+        t83 += (np.reshape((np.reshape(t87, (n_batch, d_V**2, 1)) * np.reshape(t88, (n_batch, 1, L*d_K))), (n_batch, d_V, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
+        t89 = t75[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t89[...] = 0
+        t90 = t2.transpose(1, 0, 2)
+        t91 = np.reshape(t90, (d_V, L*n_batch))
+        t92 = (1/n_batch) * t91
+        t93 = np.reshape(R, (L*n_batch, d_V*(2*d_K*d_V + d_V**2)), copy=False)
+        t94 = np.reshape(H[2*d_K*d_V:2*d_K*d_V + d_V**2], (d_V, d_V*(2*d_K*d_V + d_V**2)), copy=False)
+        np.matmul(t92, t93, out=t94)
+        del R
+        t95 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t96 = np.reshape(t95, (d_V, d_V, d_V, d_V), copy=False)
+        t97 = np.einsum('abcb->abc', t96)
+        t98 = np.swapaxes(t39, -1, -2)
+        t99 = t98 @ t39
+        t100 = np.ones((d_V,), dtype=X.dtype)
+        t101 = (2/(L*d_V*n_batch)) * t100
+        t97 += (np.reshape((np.reshape(t101, (d_V, 1)) * np.reshape(t99.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+        return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
@@ -1622,9 +1749,9 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t32 = t31 @ X
     t33 = np.ones((d_K,), dtype=X.dtype)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = (np.reshape(t32.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t35 = (np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t32, (L*n_batch, d_V)))
     t17[...] = (np.reshape((np.reshape(t22, (d_K*d_V, n_batch)) @ np.reshape(t23.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t24 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t35.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t24 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t35, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
     t38 = t5 @ X
@@ -1649,9 +1776,9 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t55 = np.einsum('abcb->abc', t47)
     t56 = np.swapaxes(G, -1, -2)
     t57 = t56 @ X
-    t58 = (np.reshape(t57.transpose(2, 0, 1), (d_V, d_V*n_batch)) @ np.reshape(t48.transpose(0, 2, 1), (d_V*n_batch, d_V)))
+    t58 = (np.reshape(t48.transpose(1, 0, 2), (d_V, d_V*n_batch)) @ np.reshape(t57, (d_V*n_batch, d_V)))
     t47[...] = (np.reshape((np.reshape(t53, (d_K*d_V, n_batch)) @ np.reshape(t54.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t55 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t58.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t55 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t58, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t60 = np.reshape(t59, (d_V, d_K, d_V, d_K), copy=False)
     t61 = t9 @ X
@@ -2025,9 +2152,9 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = np.ones((d_K,), dtype=X.dtype)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = (np.reshape(t22.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t25 = (np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t22, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t12, (d_K*d_V, n_batch)) @ np.reshape(t13.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t14 += (np.reshape((np.reshape(t24, (d_K, 1)) * np.reshape(t25.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t14 += (np.reshape((np.reshape(t24, (d_K, 1)) * np.reshape(t25, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -2221,9 +2348,9 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = np.ones((d_K,), dtype=X.dtype)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = (np.reshape(t22.transpose(2, 0, 1), (d_V, d_V*n_batch)) @ np.reshape(t3.transpose(0, 2, 1), (d_V*n_batch, d_V)))
+    t25 = (np.reshape(t3.transpose(1, 0, 2), (d_V, d_V*n_batch)) @ np.reshape(t22, (d_V*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t11, (d_K*d_V, n_batch)) @ np.reshape(t12.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t13 += (np.reshape((np.reshape(t24, (d_K, 1)) * np.reshape(t25.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t13 += (np.reshape((np.reshape(t24, (d_K, 1)) * np.reshape(t25, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -4839,6 +4966,142 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+        H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t0 = np.swapaxes(X, -1, -2)
+        R = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t1 = np.reshape(R, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
+        t2 = t1[..., 0:d_K*d_V]
+        t3 = np.reshape(t2, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t4 = np.swapaxes(W_K, -1, -2)
+        t5 = t4 @ t0
+        Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
+        t6 = np.swapaxes(W_V, -1, -2)
+        t7 = t6 @ t0
+        t8 = W_V @ t7
+        t9 = X @ t8
+        t10 = np.swapaxes(t5, -1, -2)
+        t11 = (2/(L*d_K*d_V)) * Mcausal
+        t12 = np.reshape((np.reshape(t9.transpose(1, 0, 2), (L, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (L, 1, L))), (L, n_batch, L, L))
+        t13 = np.reshape((np.reshape(t12.transpose(2, 3, 0, 1), (L, L, L*n_batch, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, L, n_batch))
+        t14 = np.reshape((np.reshape(t13.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+        t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t10), (n_batch, L, d_K, d_K))
+        t3[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15, (n_batch, L, 1, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
+        t16 = t1[..., d_K*d_V:2*d_K*d_V]
+        t17 = np.reshape(t16, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t18 = X @ W_Q
+        t19 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+        t20 = np.einsum('abcdc->abcd', t17)
+        t21 = t18 @ t5
+        t22 = (1/math.sqrt(d_K)) * t21
+        T = t22
+        t23 = Mcausal * T
+        t24 = np.swapaxes(t7, -1, -2)
+        t25 = t23 @ t24
+        F = t25
+        t26 = F - Y
+        t27 = (2/(L*d_V)) * t26
+        G = t27
+        t28 = G @ t7
+        t29 = Mcausal * t28
+        t30 = t29 @ X
+        t31 = np.ones((d_K,), dtype=X.dtype)
+        t32 = (1/math.sqrt(d_K)) * t31
+        t17[...] = np.reshape((np.reshape(t19, (n_batch, L, d_K*d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_K))), (n_batch, L, d_K, d_V, d_K))
+        t20 += (np.reshape((np.reshape(t32, (d_K, 1)) * np.reshape(t30, (1, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+        t33 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t34 = np.reshape(t33, (n_batch, L, d_K, d_V, d_V), copy=False)
+        t35 = t23 @ X
+        t36 = (2/(L*math.sqrt(d_K)*d_V)) * Mcausal
+        t37 = np.reshape((np.reshape(t36.transpose(1, 0), (L, L, 1)) * np.reshape(t5.transpose(2, 0, 1), (L, 1, d_K*n_batch))), (L, L, n_batch, d_K))
+        t38 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+        t39 = np.reshape((np.reshape(t37.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ t38.transpose(1, 2, 0)), (n_batch, L, d_K, d_V))
+        t40 = (1/math.sqrt(d_K)) * Mcausal
+        t41 = np.reshape((np.reshape(t40.transpose(1, 0), (L, L, 1)) * np.reshape(t5.transpose(2, 0, 1), (L, 1, d_K*n_batch))), (L, L, n_batch, d_K))
+        t42 = np.reshape((np.reshape(t41.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+        t34[...] = (np.reshape((np.reshape(t35, (n_batch, L, d_V, 1)) * np.reshape(t39, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 3, 2, 4)
+        t34 += np.reshape((np.reshape(t42, (n_batch, L, d_K*d_V, 1)) * np.reshape(G, (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))
+        t43 = t0.transpose(1, 0, 2)
+        t44 = np.reshape(t43, (d_V, L*n_batch))
+        t45 = (1/n_batch) * t44
+        t46 = np.reshape(R, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        t47 = np.reshape(H[0:d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        np.matmul(t45, t46, out=t47)
+        del R
+        R48 = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t49 = np.reshape(R48, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
+        t50 = t49[..., 0:d_K*d_V]
+        t51 = np.reshape(t50, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t52 = np.swapaxes(t18, -1, -2)
+        t53 = np.swapaxes(Mcausal, -1, -2)
+        t54 = (2/(L*d_K*d_V)) * t53
+        t55 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t52.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(0, 3, 2, 1)
+        t56 = np.reshape((np.reshape(t9.transpose(1, 0, 2), (L, L*n_batch, 1)) * np.reshape(t54, (L, 1, L))), (L, n_batch, L, L))
+        t57 = np.reshape((np.reshape(t56.transpose(2, 3, 0, 1), (L, L, L*n_batch, 1)) * np.reshape(t53, (L, L, 1, 1))), (L, L, L, n_batch))
+        t58 = (np.reshape((t10.transpose(0, 2, 1) @ np.reshape(t57.transpose(3, 0, 2, 1), (n_batch, L, L**2))), (n_batch, d_K, L, L))).transpose(0, 2, 1, 3)
+        t59 = np.einsum('abcdc->abcd', t51)
+        t60 = np.swapaxes(t28, -1, -2)
+        t61 = t60 * t53
+        t62 = t61 @ X
+        t51[...] = (np.reshape((np.reshape(t55, (n_batch, d_K*d_V, L)) @ np.reshape(t58.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
+        t59 += (np.reshape((np.reshape(t32, (d_K, 1)) * np.reshape(t62, (1, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+        t63 = t49[..., d_K*d_V:2*d_K*d_V]
+        t64 = np.reshape(t63, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t65 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t52.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(0, 3, 2, 1)
+        t66 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t57.transpose(3, 0, 2, 1), (n_batch, L, L**2))), (n_batch, d_V, L, L))).transpose(0, 2, 1, 3)
+        t64[...] = (np.reshape((np.reshape(t66, (n_batch, L*d_V, L)) @ np.reshape(t65.transpose(0, 3, 1, 2), (n_batch, L, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
+        t67 = t49[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t68 = np.reshape(t67, (n_batch, L, d_K, d_V, d_V), copy=False)
+        t69 = (1/math.sqrt(d_K)) * t53
+        t70 = np.reshape((np.reshape(t69.transpose(1, 0), (L, L, 1)) * np.reshape(t52.transpose(2, 0, 1), (L, 1, d_K*n_batch))), (L, L, n_batch, d_K))
+        t71 = np.reshape((np.reshape(t70.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ G), (n_batch, L, d_K, d_V))
+        t72 = (2/(L*math.sqrt(d_K)*d_V)) * t53
+        t73 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ W_V), (n_batch, L, d_V))
+        t74 = np.reshape((np.reshape(t72.transpose(1, 0), (L, L, 1)) * np.reshape(t52.transpose(2, 0, 1), (L, 1, d_K*n_batch))), (L, L, n_batch, d_K))
+        t75 = np.reshape((np.reshape(t74.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ t35), (n_batch, L, d_K, d_V))
+        t68[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t71, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 3, 2, 4)
+        t68 += np.reshape((np.reshape(t75, (n_batch, L, d_K*d_V, 1)) * np.reshape(t73, (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))
+        t76 = np.reshape(R48, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        t77 = np.reshape(H[d_K*d_V:2*d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        np.matmul(t45, t76, out=t77)
+        del R48
+        R78 = np.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t79 = np.reshape(R78, (n_batch, L*d_V, 2*d_K*d_V + d_V**2), copy=False)
+        t80 = t79[..., 0:d_K*d_V]
+        t81 = np.reshape(t80, (n_batch, L, d_V, d_V, d_K), copy=False)
+        t82 = np.swapaxes(T, -1, -2)
+        t83 = t53 * t82
+        t84 = (2/(L*math.sqrt(d_K)*d_V)) * t83
+        t85 = ((np.reshape(t10, (n_batch, L, d_K, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(0, 3, 2, 1)
+        t86 = np.reshape((np.reshape(Mcausal, (L, L, 1)) * np.reshape(t84.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))
+        t87 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t86.transpose(2, 0, 3, 1), (n_batch, L, L**2))), (n_batch, d_V, L, L))).transpose(0, 2, 1, 3)
+        t88 = np.swapaxes(G, -1, -2)
+        t89 = np.reshape((np.reshape(t69.transpose(1, 0), (L, L, 1)) * np.reshape(t88.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+        t90 = np.reshape((np.reshape(t89.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        t81[...] = (np.reshape((np.reshape(t87, (n_batch, L*d_V, L)) @ np.reshape(t85.transpose(0, 3, 1, 2), (n_batch, L, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+        t81 += np.reshape((np.reshape(t90, (n_batch, L, d_V**2, 1)) * np.reshape(t10, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+        t91 = t79[..., d_K*d_V:2*d_K*d_V]
+        t92 = np.reshape(t91, (n_batch, L, d_V, d_V, d_K), copy=False)
+        t93 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(0, 3, 2, 1)
+        t94 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t86.transpose(2, 0, 3, 1), (n_batch, L, L**2))), (n_batch, d_K, L, L))).transpose(0, 2, 1, 3)
+        t95 = np.reshape((np.reshape(t89.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))
+        t92[...] = (np.reshape((np.reshape(t93, (n_batch, d_V**2, L)) @ np.reshape(t94.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_V, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
+        t92 += (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t95, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+        t96 = t79[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t96[...] = 0
+        t97 = np.reshape(R78, (L*n_batch, d_V*(2*d_K*d_V + d_V**2)), copy=False)
+        t98 = np.reshape(H[2*d_K*d_V:2*d_K*d_V + d_V**2], (d_V, d_V*(2*d_K*d_V + d_V**2)), copy=False)
+        np.matmul(t45, t97, out=t98)
+        del R78
+        t99 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t100 = np.reshape(t99, (d_V, d_V, d_V, d_V), copy=False)
+        t101 = np.einsum('abcb->abc', t100)
+        t102 = np.swapaxes(t35, -1, -2)
+        t103 = t102 @ t35
+        t104 = np.ones((d_V,), dtype=X.dtype)
+        t105 = (2/(L*d_V*n_batch)) * t104
+        t101 += (np.reshape((np.reshape(t105, (d_V, 1)) * np.reshape(t103.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+        return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
@@ -4879,9 +5142,9 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 @ X
     t32 = np.ones((d_K,), dtype=X.dtype)
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t34 = (np.reshape(t31.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t34 = (np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t31, (L*n_batch, d_V)))
     t17[...] = (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t21 += (np.reshape((np.reshape(t33, (d_K, 1)) * np.reshape(t34.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t21 += (np.reshape((np.reshape(t33, (d_K, 1)) * np.reshape(t34, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
     t37 = t24 @ X
@@ -4910,9 +5173,9 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t58 = np.swapaxes(t29, -1, -2)
     t59 = t58 * t50
     t60 = t59 @ X
-    t61 = (np.reshape(t60.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t61 = (np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t60, (L*n_batch, d_V)))
     t48[...] = (np.reshape((np.reshape(t56, (d_K*d_V, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t57 += (np.reshape((np.reshape(t33, (d_K, 1)) * np.reshape(t61.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t57 += (np.reshape((np.reshape(t33, (d_K, 1)) * np.reshape(t61, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t62 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t63 = np.reshape(t62, (d_V, d_K, d_V, d_K), copy=False)
     t64 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
@@ -5341,9 +5604,9 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = np.ones((d_K,), dtype=X.dtype)
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t28 = (np.reshape(t25.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t28 = (np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t25, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t15 += (np.reshape((np.reshape(t27, (d_K, 1)) * np.reshape(t28.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t15 += (np.reshape((np.reshape(t27, (d_K, 1)) * np.reshape(t28, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -5575,9 +5838,9 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 @ X
     t30 = np.ones((d_K,), dtype=X.dtype)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t32 = (np.reshape(t29.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t32 = (np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t29, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t16 += (np.reshape((np.reshape(t31, (d_K, 1)) * np.reshape(t32.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t16 += (np.reshape((np.reshape(t31, (d_K, 1)) * np.reshape(t32, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -8572,6 +8835,142 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+        H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t0 = np.swapaxes(X, -1, -2)
+        R = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t1 = np.reshape(R, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
+        t2 = t1[..., 0:d_K*d_V]
+        t3 = np.reshape(t2, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t4 = np.swapaxes(W_K, -1, -2)
+        t5 = t4 @ t0
+        t6 = X @ W_V
+        t7 = t5 @ t6
+        t8 = Y.sum(-1, keepdims=True)
+        t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
+        t10 = W_Q @ t5
+        t11 = X @ t10
+        t12 = (1/math.sqrt(d_K)) * t11
+        T = t12
+        t13 = T @ t6
+        t14 = np.exp(t13 - t13.max(-1, keepdims=True))
+        A = t14 / t14.sum(-1, keepdims=True)
+        t15 = np.eye(d_V, dtype=X.dtype)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+        t16 = np.swapaxes(t7, -1, -2)
+        t17 = (1/(L*d_K)) * t9
+        t18 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
+        t19 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
+        t20 = (t18.transpose(0, 2, 3, 1) @ t19.transpose(0, 2, 3, 1))
+        t3[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20, (n_batch, L, 1, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
+        t21 = t1[..., d_K*d_V:2*d_K*d_V]
+        t22 = np.reshape(t21, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t23 = X @ W_Q
+        t24 = np.swapaxes(t6, -1, -2)
+        t25 = t24 @ X
+        t26 = np.reshape((t25.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
+        t27 = (t18.transpose(0, 2, 3, 1) @ t26.transpose(0, 2, 3, 1))
+        t28 = np.einsum('abcdc->abcd', t22)
+        F = t13
+        t29 = np.exp(F - F.max(-1, keepdims=True))
+        A30 = t29 / t29.sum(-1, keepdims=True)
+        t31 = t9 * A30
+        t32 = t31 - Y
+        t33 = (1/L) * t32
+        G = t33
+        t34 = G @ t24
+        t35 = t34 @ X
+        t36 = np.ones((d_K,), dtype=X.dtype)
+        t37 = (1/math.sqrt(d_K)) * t36
+        t22[...] = np.reshape((np.reshape(t27, (n_batch, L, d_K*d_V, 1)) * np.reshape(t23, (n_batch, L, 1, d_K))), (n_batch, L, d_K, d_V, d_K))
+        t28 += (np.reshape((np.reshape(t37, (d_K, 1)) * np.reshape(t35, (1, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+        t38 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t39 = np.reshape(t38, (n_batch, L, d_K, d_V, d_V), copy=False)
+        t40 = t5 @ X
+        t41 = T @ X
+        t42 = (1/(L*math.sqrt(d_K))) * t9
+        t43 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t42, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+        t44 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t40.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
+        t45 = (np.reshape((t44.transpose(1, 2, 0) @ np.reshape(t43.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))).transpose(0, 2, 1, 3)
+        t46 = (1/math.sqrt(d_K)) * G
+        t39[...] = (np.reshape((np.reshape(t41, (n_batch, L, d_V, 1)) * np.reshape(t45, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 3, 2, 4)
+        t39 += (np.reshape((np.reshape(t40, (n_batch, d_K*d_V, 1)) * np.reshape(t46, (n_batch, 1, L*d_V))), (n_batch, d_K, d_V, L, d_V))).transpose(0, 3, 1, 2, 4)
+        t47 = t0.transpose(1, 0, 2)
+        t48 = np.reshape(t47, (d_V, L*n_batch))
+        t49 = (1/n_batch) * t48
+        t50 = np.reshape(R, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        t51 = np.reshape(H[0:d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        np.matmul(t49, t50, out=t51)
+        del R
+        t52 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
+        t54 = np.swapaxes(t25, -1, -2)
+        t55 = np.swapaxes(t23, -1, -2)
+        t56 = np.swapaxes(Y, -1, -2)
+        t57 = t56.sum(-2, keepdims=True)
+        t58 = np.broadcast_to(t57, t57.shape[:-2] + (d_V, t57.shape[-1]))
+        t59 = (1/(L*d_K*n_batch)) * t55
+        t60 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+        t61 = (np.reshape(t58, (n_batch, d_V, L, 1)) * np.reshape(t54.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
+        t62 = ((t19.transpose(0, 2, 1, 3) @ t61.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+        t63 = np.einsum('abcb->abc', t53)
+        t64 = np.swapaxes(G, -1, -2)
+        t65 = (1/(math.sqrt(d_K)*n_batch)) * t36
+        t66 = (t64.transpose(0, 2, 1) @ t54.transpose(0, 2, 1))
+        t67 = (np.reshape(t66.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
+        t53[...] = (np.reshape((np.reshape(t60, (d_K*d_V, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t63 += (np.reshape((np.reshape(t65, (d_K, 1)) * np.reshape(t67, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+        t68 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t69 = np.reshape(t68, (d_V, d_K, d_V, d_K), copy=False)
+        t70 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+        t71 = ((t26.transpose(0, 2, 1, 3) @ t61.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
+        t69[...] = (np.reshape((np.reshape(t71, (d_V**2, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
+        t72 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t73 = np.reshape(t72, (d_V, d_K, d_V, d_V), copy=False)
+        t74 = t0 @ X
+        t75 = (1/(math.sqrt(d_K)*n_batch)) * t55
+        t76 = t74.transpose(1, 2, 0)
+        t77 = ((G.transpose(0, 2, 1) @ t75.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t78 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
+        t79 = ((np.reshape(t41, (n_batch, L, d_V, 1)) * np.reshape(t78.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+        t80 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+        t81 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t74.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
+        t82 = (np.reshape((t81.transpose(1, 2, 0) @ np.reshape(t80.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
+        t73[...] = (np.reshape((np.reshape(t76, (d_V**2, n_batch)) @ np.reshape(t77.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
+        t73 += (np.reshape((np.reshape(t79, (d_K*d_V, L*n_batch)) @ np.reshape(t82.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
+        t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t84 = np.reshape(t83, (d_V, d_V, d_V, d_K), copy=False)
+        t85 = np.swapaxes(t5, -1, -2)
+        t86 = t64 @ X
+        t87 = (1/(math.sqrt(d_K)*n_batch)) * t0
+        t88 = t86.transpose(1, 2, 0)
+        t89 = ((t85.transpose(0, 2, 1) @ t87.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t90 = np.swapaxes(T, -1, -2)
+        t91 = (1/(L*math.sqrt(d_K)*n_batch)) * t90
+        t92 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+        t93 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t92.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
+        t94 = (t91.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
+        t95 = ((np.reshape(t94, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+        t84[...] = (np.reshape((np.reshape(t88, (d_V**2, n_batch)) @ np.reshape(t89.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t84 += (np.reshape((np.reshape(t95, (d_V**2, L*n_batch)) @ np.reshape(t93.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t97 = np.reshape(t96, (d_V, d_V, d_V, d_K), copy=False)
+        t98 = t64 @ t23
+        t99 = t98.transpose(1, 2, 0)
+        t100 = ((X.transpose(0, 2, 1) @ t87.transpose(0, 2, 1))).transpose(2, 1, 0)
+        t101 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t92.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+        t102 = ((np.reshape(t94, (n_batch, L, d_V, 1)) * np.reshape(t23, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+        t97[...] = (np.reshape((np.reshape(t100, (d_V**2, n_batch)) @ np.reshape(t99.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        t97 += (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t102.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t103 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t104 = np.reshape(t103, (d_V, d_V, d_V, d_V), copy=False)
+        t105 = np.swapaxes(t41, -1, -2)
+        t106 = (1/(L*n_batch)) * t105
+        t107 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t9.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+        t108 = ((np.reshape(t41, (n_batch, L, d_V, 1)) * np.reshape(t106.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+        t104[...] = (np.reshape((np.reshape(t108, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+        return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
@@ -8619,9 +9018,9 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 @ X
     t37 = np.ones((d_K,), dtype=X.dtype)
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
-    t39 = (np.reshape(t36.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t39 = (np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t36, (L*n_batch, d_V)))
     t22[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t29 += (np.reshape((np.reshape(t38, (d_K, 1)) * np.reshape(t39.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t29 += (np.reshape((np.reshape(t38, (d_K, 1)) * np.reshape(t39, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_V), copy=False)
     t42 = t4 @ X
@@ -9114,9 +9513,9 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 @ X
     t30 = np.ones((d_K,), dtype=X.dtype)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t32 = (np.reshape(t29.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t32 = (np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t29, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t22 += (np.reshape((np.reshape(t31, (d_K, 1)) * np.reshape(t32.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t22 += (np.reshape((np.reshape(t31, (d_K, 1)) * np.reshape(t32, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -12614,6 +13013,159 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+        H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t0 = np.swapaxes(X, -1, -2)
+        R = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t1 = np.reshape(R, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
+        t2 = t1[..., 0:d_K*d_V]
+        t3 = np.reshape(t2, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t4 = np.swapaxes(W_K, -1, -2)
+        t5 = t4 @ t0
+        Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
+        t6 = X @ W_V
+        t7 = Y.sum(-1, keepdims=True)
+        t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
+        t9 = W_Q @ t5
+        t10 = X @ t9
+        t11 = (1/math.sqrt(d_K)) * t10
+        T = t11
+        t12 = Mcausal * T
+        t13 = t12 @ t6
+        t14 = np.exp(t13 - t13.max(-1, keepdims=True))
+        A = t14 / t14.sum(-1, keepdims=True)
+        t15 = np.eye(d_V, dtype=X.dtype)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+        t16 = np.swapaxes(t6, -1, -2)
+        t17 = np.swapaxes(t5, -1, -2)
+        t18 = (1/(L*d_K)) * Mcausal
+        t19 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
+        t20 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+        t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t6.transpose(0, 2, 1)), (n_batch, L, L, L))
+        t22 = np.reshape((np.reshape(t21.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t18, (L, L, 1, 1))), (L, L, n_batch, L))
+        t23 = np.reshape((np.reshape(t22.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+        t24 = np.reshape((np.reshape(t23.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, d_K))
+        t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t17), (n_batch, L, d_K, d_K))
+        t3[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t25, (n_batch, L, 1, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
+        t26 = t1[..., d_K*d_V:2*d_K*d_V]
+        t27 = np.reshape(t26, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t28 = X @ W_Q
+        t29 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+        t30 = np.einsum('abcdc->abcd', t27)
+        F = t13
+        t31 = np.exp(F - F.max(-1, keepdims=True))
+        A32 = t31 / t31.sum(-1, keepdims=True)
+        t33 = t8 * A32
+        t34 = t33 - Y
+        t35 = (1/L) * t34
+        G = t35
+        t36 = G @ t16
+        t37 = Mcausal * t36
+        t38 = t37 @ X
+        t39 = np.ones((d_K,), dtype=X.dtype)
+        t40 = (1/math.sqrt(d_K)) * t39
+        t27[...] = np.reshape((np.reshape(t29, (n_batch, L, d_K*d_V, 1)) * np.reshape(t28, (n_batch, L, 1, d_K))), (n_batch, L, d_K, d_V, d_K))
+        t30 += (np.reshape((np.reshape(t40, (d_K, 1)) * np.reshape(t38, (1, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+        t41 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t42 = np.reshape(t41, (n_batch, L, d_K, d_V, d_V), copy=False)
+        t43 = t12 @ X
+        t44 = (1/(L*math.sqrt(d_K))) * Mcausal
+        t45 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
+        t46 = (np.reshape(t45, (d_V, n_batch, L, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, 1, L)))
+        t47 = (t46.transpose(1, 3, 2, 0) @ dA)
+        t48 = np.reshape((np.reshape(t47.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t44, (L, L, 1, 1))), (L, L, n_batch, d_V))
+        t49 = (np.reshape((t5 @ np.reshape(t48.transpose(2, 1, 0, 3), (n_batch, L, L*d_V))), (n_batch, d_K, L, d_V))).transpose(0, 2, 1, 3)
+        t50 = (1/math.sqrt(d_K)) * Mcausal
+        t51 = np.reshape((np.reshape(t50.transpose(1, 0), (L, L, 1)) * np.reshape(t5.transpose(2, 0, 1), (L, 1, d_K*n_batch))), (L, L, n_batch, d_K))
+        t52 = np.reshape((np.reshape(t51.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
+        t42[...] = (np.reshape((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t49, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 3, 2, 4)
+        t42 += np.reshape((np.reshape(t52, (n_batch, L, d_K*d_V, 1)) * np.reshape(G, (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))
+        t53 = t0.transpose(1, 0, 2)
+        t54 = np.reshape(t53, (d_V, L*n_batch))
+        t55 = (1/n_batch) * t54
+        t56 = np.reshape(R, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        t57 = np.reshape(H[0:d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        np.matmul(t55, t56, out=t57)
+        del R
+        R58 = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        t59 = np.reshape(R58, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
+        t60 = t59[..., 0:d_K*d_V]
+        t61 = np.reshape(t60, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t62 = np.swapaxes(t28, -1, -2)
+        t63 = np.swapaxes(Mcausal, -1, -2)
+        t64 = np.swapaxes(Y, -1, -2)
+        t65 = t64.sum(-2, keepdims=True)
+        t66 = np.broadcast_to(t65, t65.shape[:-2] + (d_V, t65.shape[-1]))
+        t67 = (1/(L*d_K)) * t63
+        t68 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(0, 3, 2, 1)
+        t69 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+        t70 = np.reshape((np.reshape(t69.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t6.transpose(0, 2, 1)), (n_batch, L, L, L))
+        t71 = np.reshape((np.reshape(t70.transpose(1, 2, 0, 3), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
+        t72 = np.reshape((np.reshape(t71.transpose(2, 0, 3, 1), (n_batch, L**2, L)) @ t17), (n_batch, L, L, d_K))
+        t73 = (np.reshape((np.reshape(t72.transpose(2, 1, 0, 3), (L, L, d_K*n_batch, 1)) * np.reshape(t67, (L, L, 1, 1))), (L, L, n_batch, d_K))).transpose(2, 0, 3, 1)
+        t74 = np.einsum('abcdc->abcd', t61)
+        t75 = np.swapaxes(t36, -1, -2)
+        t76 = t75 * t63
+        t77 = (t76 @ X)
+        t61[...] = (np.reshape((np.reshape(t68, (n_batch, d_K*d_V, L)) @ np.reshape(t73.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
+        t74 += (np.reshape((np.reshape(t40, (d_K, 1)) * np.reshape(t77, (1, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+        t78 = t59[..., d_K*d_V:2*d_K*d_V]
+        t79 = np.reshape(t78, (n_batch, L, d_K, d_V, d_K), copy=False)
+        t80 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(0, 3, 2, 1)
+        t81 = np.reshape((np.reshape(t71.transpose(2, 0, 3, 1), (n_batch, L**2, L)) @ X), (n_batch, L, L, d_V))
+        t82 = (np.reshape((np.reshape(t81.transpose(2, 1, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t67, (L, L, 1, 1))), (L, L, n_batch, d_V))).transpose(2, 0, 3, 1)
+        t79[...] = (np.reshape((np.reshape(t82, (n_batch, L*d_V, L)) @ np.reshape(t80.transpose(0, 3, 1, 2), (n_batch, L, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
+        t83 = t59[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t84 = np.reshape(t83, (n_batch, L, d_K, d_V, d_V), copy=False)
+        t85 = (1/math.sqrt(d_K)) * t63
+        t86 = np.reshape((np.reshape(t85.transpose(1, 0), (L, L, 1)) * np.reshape(t62.transpose(2, 0, 1), (L, 1, d_K*n_batch))), (L, L, n_batch, d_K))
+        t87 = np.reshape((np.reshape(t86.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ G), (n_batch, L, d_K, d_V))
+        t88 = (1/(L*math.sqrt(d_K))) * t63
+        t89 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(0, 3, 2, 1)
+        t90 = (np.reshape(t45, (d_V, n_batch, L, 1)) * np.reshape(t66.transpose(1, 0, 2), (d_V, n_batch, 1, L)))
+        t91 = (t90.transpose(1, 3, 2, 0) @ dA)
+        t92 = (np.reshape((np.reshape(t91.transpose(2, 1, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t88, (L, L, 1, 1))), (L, L, n_batch, d_V))).transpose(2, 0, 3, 1)
+        t84[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t87, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 3, 2, 4)
+        t84 += (np.reshape((np.reshape(t89, (n_batch, d_K*d_V, L)) @ np.reshape(t92.transpose(0, 3, 1, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L, d_V))).transpose(0, 3, 1, 2, 4)
+        t93 = np.reshape(R58, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        t94 = np.reshape(H[d_K*d_V:2*d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
+        np.matmul(t55, t93, out=t94)
+        del R58
+        t95 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t96 = np.reshape(t95, (d_V, d_V, d_V, d_K), copy=False)
+        t97 = np.swapaxes(T, -1, -2)
+        t98 = t63 * t97
+        t99 = (1/(L*math.sqrt(d_K)*n_batch)) * t98
+        t100 = (t99.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
+        t101 = ((np.reshape(t100, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+        t102 = np.reshape((np.reshape(t19.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+        t103 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t17), (n_batch, L, d_V, d_K))
+        t104 = (np.reshape((np.reshape(t103.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+        t105 = np.swapaxes(G, -1, -2)
+        t106 = (1/(math.sqrt(d_K)*n_batch)) * t63
+        t107 = np.reshape((np.reshape(t106, (L, L, 1)) * np.reshape(t0.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+        t108 = (np.reshape((t17.transpose(0, 2, 1) @ np.reshape(t107.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
+        t109 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t105.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+        t96[...] = (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t104.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        t96 += (np.reshape((np.reshape(t109, (d_V**2, L*n_batch)) @ np.reshape(t108.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t111 = np.reshape(t110, (d_V, d_V, d_V, d_K), copy=False)
+        t112 = ((np.reshape(t100, (n_batch, L, d_V, 1)) * np.reshape(t28, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+        t113 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
+        t114 = (np.reshape((np.reshape(t113.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+        t115 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t107.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
+        t116 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t105.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+        t111[...] = (np.reshape((np.reshape(t114, (d_V**2, L*n_batch)) @ np.reshape(t112.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
+        t111 += (np.reshape((np.reshape(t115, (d_V**2, L*n_batch)) @ np.reshape(t116.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
+        t117 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t118 = np.reshape(t117, (d_V, d_V, d_V, d_V), copy=False)
+        t119 = np.swapaxes(t43, -1, -2)
+        t120 = (1/(L*n_batch)) * t119
+        t121 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+        t122 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t120.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+        t118[...] = (np.reshape((np.reshape(t122, (d_V**2, L*n_batch)) @ np.reshape(t121.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
+        return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
@@ -12665,9 +13217,9 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t39 = t38 @ X
     t40 = np.ones((d_K,), dtype=X.dtype)
     t41 = (1/(math.sqrt(d_K)*n_batch)) * t40
-    t42 = (np.reshape(t39.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t42 = (np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t39, (L*n_batch, d_V)))
     t27[...] = (np.reshape((np.reshape(t30, (d_K*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t31 += (np.reshape((np.reshape(t41, (d_K, 1)) * np.reshape(t42.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t31 += (np.reshape((np.reshape(t41, (d_K, 1)) * np.reshape(t42, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     t43 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t44 = np.reshape(t43, (d_V, d_K, d_V, d_V), copy=False)
     t45 = t11 @ X
@@ -13230,9 +13782,9 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t33 = t32 @ X
     t34 = np.ones((d_K,), dtype=X.dtype)
     t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t36 = (np.reshape(t33.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t36 = (np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t33, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t25 += (np.reshape((np.reshape(t35, (d_K, 1)) * np.reshape(t36.transpose(1, 0), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t25 += (np.reshape((np.reshape(t35, (d_K, 1)) * np.reshape(t36, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 

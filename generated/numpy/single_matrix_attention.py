@@ -1831,13 +1831,13 @@ def causal0__jacobian__W_QK(X, W_QK, W_V):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t7 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t8 = np.reshape((np.reshape(t7.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t6), (n_batch, d_V, L, d_V))
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t8.transpose(0, 2, 3, 1), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
+    t8 = (np.reshape((t6.transpose(0, 2, 1) @ np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t8, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
     t9 = -A
-    t10 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t11 = (t6.transpose(0, 2, 1) @ t9.transpose(0, 2, 1))
-    t12 = (np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t11.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
+    t10 = (t9 @ t6)
+    t11 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t12 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t2 += np.reshape((np.reshape(t10, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
     return out
 
 
@@ -1856,13 +1856,13 @@ def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t7 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t8 = np.reshape((np.reshape(t7.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t6), (n_batch, d_V, L, d_V))
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t8.transpose(0, 2, 3, 1), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
+    t8 = (np.reshape((t6.transpose(0, 2, 1) @ np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t8, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
     t9 = -A
-    t10 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t11 = (t6.transpose(0, 2, 1) @ t9.transpose(0, 2, 1))
-    t12 = (np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t11.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
+    t10 = (t9 @ t6)
+    t11 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t12 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t2 += np.reshape((np.reshape(t10, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
     return (J,)
 
 
@@ -3809,13 +3809,13 @@ def causal1__jacobian__W_QK(X, W_QK, W_V):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t9 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t10 = np.reshape((np.reshape(t9.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t8), (n_batch, d_V, L, d_V))
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 3, 1), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
+    t10 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
     t11 = -A
-    t12 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t13 = (t8.transpose(0, 2, 1) @ t11.transpose(0, 2, 1))
-    t14 = (np.reshape(t12.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t13.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
+    t12 = (t11 @ t8)
+    t13 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t14 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t2 += np.reshape((np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t14, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
     return out
 
 
@@ -3836,13 +3836,13 @@ def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t9 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t10 = np.reshape((np.reshape(t9.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t8), (n_batch, d_V, L, d_V))
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 3, 1), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
+    t10 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
+    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
     t11 = -A
-    t12 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t13 = (t8.transpose(0, 2, 1) @ t11.transpose(0, 2, 1))
-    t14 = (np.reshape(t12.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t13.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
+    t12 = (t11 @ t8)
+    t13 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t14 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
+    t2 += np.reshape((np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t14, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
     return (J,)
 
 

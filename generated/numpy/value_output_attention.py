@@ -3877,13 +3877,13 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t151 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t152 = np.reshape(t151, (d_V, d_H, d_H, d_V), copy=False)
     t153 = (2/(L*d_V*n_batch)) * t131
-    t154 = (np.reshape(t73.transpose(2, 0, 1), (d_H, L*n_batch)) @ np.reshape(t153.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t154 = (np.reshape(t153.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t73, (L*n_batch, d_H)))
     t155 = np.einsum('abbc->abc', t152)
     t156 = np.ones((d_H,), dtype=X.dtype)
     t157 = (1/n_batch) * t156
-    t158 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t131.transpose(0, 2, 1), (L*n_batch, d_V)))
-    t152[...] = (np.reshape((np.reshape(t154.transpose(1, 0), (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
-    t155 += (np.reshape((np.reshape(t157, (d_H, 1)) * np.reshape(t158.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
+    t158 = (np.reshape(t131.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
+    t152[...] = (np.reshape((np.reshape(t154, (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
+    t155 += (np.reshape((np.reshape(t157, (d_H, 1)) * np.reshape(t158, (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     t159 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t160 = np.reshape(t159, (d_H, d_V, d_V, d_K), copy=False)
     t161 = np.swapaxes(t73, -1, -2)
@@ -5887,7 +5887,7 @@ def mse_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t9 = np.swapaxes(M_1, -1, -2)
     t10 = M_1 @ W_V
     t11 = (2/(L*d_V*n_batch)) * t9
-    t12 = (np.reshape(t10.transpose(2, 0, 1), (d_H, L*n_batch)) @ np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t12 = (np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t10, (L*n_batch, d_H)))
     t13 = np.einsum('abbc->abc', t0)
     t14 = t10 @ W_O
     F = t14
@@ -5896,9 +5896,9 @@ def mse_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t16
     t17 = np.ones((d_H,), dtype=X.dtype)
     t18 = (1/n_batch) * t17
-    t19 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)))
-    t0[...] = (np.reshape((np.reshape(t12.transpose(1, 0), (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
-    t13 += (np.reshape((np.reshape(t18, (d_H, 1)) * np.reshape(t19.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
+    t19 = (np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
+    t0[...] = (np.reshape((np.reshape(t12, (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
+    t13 += (np.reshape((np.reshape(t18, (d_H, 1)) * np.reshape(t19, (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -7341,13 +7341,14 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
     t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V))
     t13 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t13.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t4[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t15 = np.reshape((np.reshape(t14.transpose(0, 3, 2, 1), (n_batch, L*d_V, L)) @ t13.transpose(1, 2, 0)), (n_batch, L, d_V, d_K))
+    t4[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
-    t18 = (t13.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
-    t19 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t4 += np.reshape((np.reshape(t19, (n_batch, L, d_V**2, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t17 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 2, 1), (L*n_batch, d_V)) @ W_K), (n_batch, L, d_K))
+    t19 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
+    t20 = (np.reshape(t19.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
+    t4 += np.reshape((np.reshape(t20, (n_batch, L, d_V**2, 1)) * np.reshape(t18, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -7375,13 +7376,14 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
     t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V))
     t13 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t13.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t4[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t15 = np.reshape((np.reshape(t14.transpose(0, 3, 2, 1), (n_batch, L*d_V, L)) @ t13.transpose(1, 2, 0)), (n_batch, L, d_V, d_K))
+    t4[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
-    t18 = (t13.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
-    t19 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t4 += np.reshape((np.reshape(t19, (n_batch, L, d_V**2, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t17 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t18 = np.reshape((np.reshape(t17.transpose(0, 2, 1), (L*n_batch, d_V)) @ W_K), (n_batch, L, d_K))
+    t19 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
+    t20 = (np.reshape(t19.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
+    t4 += np.reshape((np.reshape(t20, (n_batch, L, d_V**2, 1)) * np.reshape(t18, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -7406,16 +7408,17 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = (1/math.sqrt(d_K)) * A
-    t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V))
-    t13 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
+    t13 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V))
     t14 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t12), (n_batch, d_V, L, d_V))
-    t4[...] = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V**2, 1)) * np.reshape(t13.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t15 = (np.reshape((t13.transpose(0, 2, 1) @ np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
+    t4[...] = np.reshape((np.reshape(t15, (n_batch, L, d_V**2, 1)) * np.reshape(t12, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t18 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
-    t19 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t4 += np.reshape((np.reshape(t18.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
+    t17 = (t16 @ t13)
+    t18 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t20 = (np.reshape(t18.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
+    t4 += np.reshape((np.reshape(t17, (n_batch, L, d_V, 1)) * np.reshape(t20, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -7440,16 +7443,17 @@ def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = (1/math.sqrt(d_K)) * A
-    t12 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V))
-    t13 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
+    t13 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V))
     t14 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t12), (n_batch, d_V, L, d_V))
-    t4[...] = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V**2, 1)) * np.reshape(t13.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t15 = (np.reshape((t13.transpose(0, 2, 1) @ np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
+    t4[...] = np.reshape((np.reshape(t15, (n_batch, L, d_V**2, 1)) * np.reshape(t12, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t18 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
-    t19 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t4 += np.reshape((np.reshape(t18.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
+    t17 = (t16 @ t13)
+    t18 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t20 = (np.reshape(t18.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
+    t4 += np.reshape((np.reshape(t17, (n_batch, L, d_V, 1)) * np.reshape(t20, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -11569,13 +11573,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t153 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t154 = np.reshape(t153, (d_V, d_H, d_H, d_V), copy=False)
     t155 = (2/(L*d_V*n_batch)) * t133
-    t156 = (np.reshape(t75.transpose(2, 0, 1), (d_H, L*n_batch)) @ np.reshape(t155.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t156 = (np.reshape(t155.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t75, (L*n_batch, d_H)))
     t157 = np.einsum('abbc->abc', t154)
     t158 = np.ones((d_H,), dtype=X.dtype)
     t159 = (1/n_batch) * t158
-    t160 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t133.transpose(0, 2, 1), (L*n_batch, d_V)))
-    t154[...] = (np.reshape((np.reshape(t156.transpose(1, 0), (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
-    t157 += (np.reshape((np.reshape(t159, (d_H, 1)) * np.reshape(t160.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
+    t160 = (np.reshape(t133.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
+    t154[...] = (np.reshape((np.reshape(t156, (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
+    t157 += (np.reshape((np.reshape(t159, (d_H, 1)) * np.reshape(t160, (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     t161 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t162 = np.reshape(t161, (d_H, d_V, d_V, d_K), copy=False)
     t163 = np.swapaxes(t75, -1, -2)
@@ -13641,7 +13645,7 @@ def mse_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = np.swapaxes(M_1, -1, -2)
     t12 = M_1 @ W_V
     t13 = (2/(L*d_V*n_batch)) * t11
-    t14 = (np.reshape(t12.transpose(2, 0, 1), (d_H, L*n_batch)) @ np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t14 = (np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t12, (L*n_batch, d_H)))
     t15 = np.einsum('abbc->abc', t0)
     t16 = t12 @ W_O
     F = t16
@@ -13650,9 +13654,9 @@ def mse_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t18
     t19 = np.ones((d_H,), dtype=X.dtype)
     t20 = (1/n_batch) * t19
-    t21 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)))
-    t0[...] = (np.reshape((np.reshape(t14.transpose(1, 0), (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
-    t15 += (np.reshape((np.reshape(t20, (d_H, 1)) * np.reshape(t21.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
+    t21 = (np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
+    t0[...] = (np.reshape((np.reshape(t14, (d_H*d_V, 1)) * np.reshape(W_O, (1, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
+    t15 += (np.reshape((np.reshape(t20, (d_H, 1)) * np.reshape(t21, (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -15151,13 +15155,14 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
     t14 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V))
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = (np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t17 = np.reshape((np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t15.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t4[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t17 = np.reshape((np.reshape(t16.transpose(0, 3, 2, 1), (n_batch, L*d_V, L)) @ t15.transpose(1, 2, 0)), (n_batch, L, d_V, d_K))
+    t4[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t18 = (-1/math.sqrt(d_K)) * A
-    t19 = (t14.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))
-    t20 = (t15.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
-    t21 = (np.reshape(t19.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t4 += np.reshape((np.reshape(t21, (n_batch, L, d_V**2, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t19 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_V)) @ W_K), (n_batch, L, d_K))
+    t21 = (t14.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))
+    t22 = (np.reshape(t21.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
+    t4 += np.reshape((np.reshape(t22, (n_batch, L, d_V**2, 1)) * np.reshape(t20, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -15187,13 +15192,14 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
     t14 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V))
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = (np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t17 = np.reshape((np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t15.transpose(1, 2, 0)), (n_batch, d_V, L, d_K))
-    t4[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1, 3), (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t17 = np.reshape((np.reshape(t16.transpose(0, 3, 2, 1), (n_batch, L*d_V, L)) @ t15.transpose(1, 2, 0)), (n_batch, L, d_V, d_K))
+    t4[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
     t18 = (-1/math.sqrt(d_K)) * A
-    t19 = (t14.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))
-    t20 = (t15.transpose(1, 0, 2) @ A.transpose(0, 2, 1))
-    t21 = (np.reshape(t19.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t4 += np.reshape((np.reshape(t21, (n_batch, L, d_V**2, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t19 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t20 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_V)) @ W_K), (n_batch, L, d_K))
+    t21 = (t14.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))
+    t22 = (np.reshape(t21.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
+    t4 += np.reshape((np.reshape(t22, (n_batch, L, d_V**2, 1)) * np.reshape(t20, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -15220,16 +15226,17 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = (1/math.sqrt(d_K)) * A
-    t14 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V))
-    t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
+    t15 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V))
     t16 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t17 = np.reshape((np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t14), (n_batch, d_V, L, d_V))
-    t4[...] = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V**2, 1)) * np.reshape(t15.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t17 = (np.reshape((t15.transpose(0, 2, 1) @ np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
+    t4[...] = np.reshape((np.reshape(t17, (n_batch, L, d_V**2, 1)) * np.reshape(t14, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     t18 = (-1/math.sqrt(d_K)) * A
-    t19 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t20 = (t14.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))
-    t21 = (np.reshape(t19.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t4 += np.reshape((np.reshape(t20.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t21, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
+    t19 = (t18 @ t15)
+    t20 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t22 = (np.reshape(t20.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
+    t4 += np.reshape((np.reshape(t19, (n_batch, L, d_V, 1)) * np.reshape(t22, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -15256,16 +15263,17 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = (1/math.sqrt(d_K)) * A
-    t14 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V))
-    t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ W_Q), (n_batch, L, d_K))
+    t15 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t2.transpose(1, 0)), (n_batch, L, d_V))
     t16 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, L)))
-    t17 = np.reshape((np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L*d_V, L)) @ t14), (n_batch, d_V, L, d_V))
-    t4[...] = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V**2, 1)) * np.reshape(t15.transpose(1, 2, 0), (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t17 = (np.reshape((t15.transpose(0, 2, 1) @ np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
+    t4[...] = np.reshape((np.reshape(t17, (n_batch, L, d_V**2, 1)) * np.reshape(t14, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
     t18 = (-1/math.sqrt(d_K)) * A
-    t19 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t20 = (t14.transpose(0, 2, 1) @ t18.transpose(0, 2, 1))
-    t21 = (np.reshape(t19.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t4 += np.reshape((np.reshape(t20.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t21, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
+    t19 = (t18 @ t15)
+    t20 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
+    t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
+    t22 = (np.reshape(t20.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t21.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
+    t4 += np.reshape((np.reshape(t19, (n_batch, L, d_V, 1)) * np.reshape(t22, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -19884,9 +19892,9 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t171 = np.einsum('abbc->abc', t168)
     t172 = np.ones((d_H,), dtype=X.dtype)
     t173 = (1/n_batch) * t172
-    t174 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t149.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t174 = (np.reshape(t149.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
     t168[...] = (np.reshape((np.reshape(t169, (d_H*d_V, L*n_batch)) @ np.reshape(t170.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
-    t171 += (np.reshape((np.reshape(t173, (d_H, 1)) * np.reshape(t174.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
+    t171 += (np.reshape((np.reshape(t173, (d_H, 1)) * np.reshape(t174, (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     t175 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t176 = np.reshape(t175, (d_H, d_V, d_V, d_K), copy=False)
     t177 = np.swapaxes(G, -1, -2)
@@ -22277,9 +22285,9 @@ def ce_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t26
     t27 = np.ones((d_H,), dtype=X.dtype)
     t28 = (1/n_batch) * t27
-    t29 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t29 = (np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t18, (d_H*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
-    t21 += (np.reshape((np.reshape(t28, (d_H, 1)) * np.reshape(t29.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
+    t21 += (np.reshape((np.reshape(t28, (d_H, 1)) * np.reshape(t29, (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 
@@ -28698,9 +28706,9 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t173 = np.einsum('abbc->abc', t170)
     t174 = np.ones((d_H,), dtype=X.dtype)
     t175 = (1/n_batch) * t174
-    t176 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t151.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t176 = (np.reshape(t151.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
     t170[...] = (np.reshape((np.reshape(t171, (d_H*d_V, L*n_batch)) @ np.reshape(t172.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
-    t173 += (np.reshape((np.reshape(t175, (d_H, 1)) * np.reshape(t176.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
+    t173 += (np.reshape((np.reshape(t175, (d_H, 1)) * np.reshape(t176, (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t178 = np.reshape(t177, (d_H, d_V, d_V, d_K), copy=False)
     t179 = np.swapaxes(G, -1, -2)
@@ -31153,9 +31161,9 @@ def ce_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t28
     t29 = np.ones((d_H,), dtype=X.dtype)
     t30 = (1/n_batch) * t29
-    t31 = (np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)))
+    t31 = (np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(G, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t20, (d_H*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_H*d_V))), (d_V, d_H, d_H, d_V))).transpose(0, 2, 1, 3)
-    t23 += (np.reshape((np.reshape(t30, (d_H, 1)) * np.reshape(t31.transpose(1, 0), (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
+    t23 += (np.reshape((np.reshape(t30, (d_H, 1)) * np.reshape(t31, (1, d_V**2))), (d_H, d_V, d_V))).transpose(1, 0, 2)
     return out
 
 

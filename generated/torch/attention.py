@@ -4497,13 +4497,14 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
     t10 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t11 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t12 = (t10.reshape((n_batch, L, d_V, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t13 = (t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t11.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t13 = (t12.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L)) @ t11.permute(1, 2, 0)).reshape((n_batch, L, d_V, d_K))
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t13.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t14 = (-1/math.sqrt(d_K)) * A
-    t15 = (t10.permute(0, 2, 1) @ t14.permute(0, 2, 1))
-    t16 = (t11.permute(1, 0, 2) @ A.permute(0, 2, 1))
-    t17 = (t15.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += (t17.reshape((n_batch, L, d_V**2, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t15 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t16 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K))
+    t17 = (t10.permute(0, 2, 1) @ t14.permute(0, 2, 1))
+    t18 = (t17.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
+    t2 += (t18.reshape((n_batch, L, d_V**2, 1)) * t16.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -4528,13 +4529,14 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t10 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t11 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t12 = (t10.reshape((n_batch, L, d_V, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t13 = (t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t11.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t13 = (t12.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L)) @ t11.permute(1, 2, 0)).reshape((n_batch, L, d_V, d_K))
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t13.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t14 = (-1/math.sqrt(d_K)) * A
-    t15 = (t10.permute(0, 2, 1) @ t14.permute(0, 2, 1))
-    t16 = (t11.permute(1, 0, 2) @ A.permute(0, 2, 1))
-    t17 = (t15.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += (t17.reshape((n_batch, L, d_V**2, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t15 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t16 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K))
+    t17 = (t10.permute(0, 2, 1) @ t14.permute(0, 2, 1))
+    t18 = (t17.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
+    t2 += (t18.reshape((n_batch, L, d_V**2, 1)) * t16.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -4556,16 +4558,17 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = (1/math.sqrt(d_K)) * A
-    t10 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
-    t11 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t10 = (X.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
+    t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (X.reshape((n_batch, L, d_V, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t13 = (t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t10).reshape((n_batch, d_V, L, d_V))
-    t2[...] = (t13.permute(0, 2, 3, 1).reshape((n_batch, L, d_V**2, 1)) * t11.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t13 = ((t11.permute(0, 2, 1) @ t12.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
+    t2[...] = (t13.reshape((n_batch, L, d_V**2, 1)) * t10.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     t14 = (-1/math.sqrt(d_K)) * A
-    t15 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t16 = (t10.permute(0, 2, 1) @ t14.permute(0, 2, 1))
-    t17 = (t15.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t11.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t2 += (t16.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
+    t15 = (t14 @ t11)
+    t16 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t18 = (t16.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t17.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
+    t2 += (t15.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -4587,16 +4590,17 @@ def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = (1/math.sqrt(d_K)) * A
-    t10 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
-    t11 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t10 = (X.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
+    t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (X.reshape((n_batch, L, d_V, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t13 = (t12.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t10).reshape((n_batch, d_V, L, d_V))
-    t2[...] = (t13.permute(0, 2, 3, 1).reshape((n_batch, L, d_V**2, 1)) * t11.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t13 = ((t11.permute(0, 2, 1) @ t12.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
+    t2[...] = (t13.reshape((n_batch, L, d_V**2, 1)) * t10.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     t14 = (-1/math.sqrt(d_K)) * A
-    t15 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t16 = (t10.permute(0, 2, 1) @ t14.permute(0, 2, 1))
-    t17 = (t15.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t11.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t2 += (t16.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
+    t15 = (t14 @ t11)
+    t16 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t18 = (t16.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t17.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
+    t2 += (t15.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -9300,13 +9304,14 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     t12 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t13 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t12.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t13.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t15 = (t14.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L)) @ t13.permute(1, 2, 0)).reshape((n_batch, L, d_V, d_K))
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
-    t18 = (t13.permute(1, 0, 2) @ A.permute(0, 2, 1))
-    t19 = (t17.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += (t19.reshape((n_batch, L, d_V**2, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t17 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t18 = (t17.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K))
+    t19 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
+    t20 = (t19.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
+    t2 += (t20.reshape((n_batch, L, d_V**2, 1)) * t18.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -9333,13 +9338,14 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t12 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t13 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t12.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t13.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t15 = (t14.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L)) @ t13.permute(1, 2, 0)).reshape((n_batch, L, d_V, d_K))
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
-    t18 = (t13.permute(1, 0, 2) @ A.permute(0, 2, 1))
-    t19 = (t17.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += (t19.reshape((n_batch, L, d_V**2, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t17 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t18 = (t17.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K))
+    t19 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
+    t20 = (t19.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
+    t2 += (t20.reshape((n_batch, L, d_V**2, 1)) * t18.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -9363,16 +9369,17 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = (1/math.sqrt(d_K)) * A
-    t12 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
-    t13 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
+    t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t12).reshape((n_batch, d_V, L, d_V))
-    t2[...] = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V**2, 1)) * t13.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t15 = ((t13.permute(0, 2, 1) @ t14.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
+    t2[...] = (t15.reshape((n_batch, L, d_V**2, 1)) * t12.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t18 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
-    t19 = (t17.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t13.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t2 += (t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
+    t17 = (t16 @ t13)
+    t18 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t20 = (t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t19.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
+    t2 += (t17.reshape((n_batch, L, d_V, 1)) * t20.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -9396,16 +9403,17 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = (1/math.sqrt(d_K)) * A
-    t12 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
-    t13 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
+    t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t12).reshape((n_batch, d_V, L, d_V))
-    t2[...] = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V**2, 1)) * t13.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t15 = ((t13.permute(0, 2, 1) @ t14.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
+    t2[...] = (t15.reshape((n_batch, L, d_V**2, 1)) * t12.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t18 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
-    t19 = (t17.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t13.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t2 += (t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
+    t17 = (t16 @ t13)
+    t18 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t20 = (t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t19.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
+    t2 += (t17.reshape((n_batch, L, d_V, 1)) * t20.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 

@@ -82,16 +82,16 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t12 = t11.view((d_V, d_ff, d_ff, d_V))
     t13 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t14 = (t4.reshape((n_batch, L, d_ff, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t15 = (t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t13.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-    t12[...] = ((t15.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t15 = (t14.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t13.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+    t12[...] = ((t15.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
     t16 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t17 = t16.view((d_ff, d_V, d_V, d_ff))
     t18 = t3.transpose(-1, -2)
     t19 = t13.transpose(-1, -2)
     t20 = (2/(L*d_V*n_batch)) * X
     t21 = (t20.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t22 = (t21.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
-    t17[...] = ((t22.permute(2, 1, 0).reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t22 = (t21.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t17[...] = ((t5.permute(1, 0).reshape((d_ff, d_V, 1)) * t22.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
     t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t23[...] = 0
     t24 = t23.view((d_ff, d_V, d_ff, d_V))
@@ -186,10 +186,11 @@ def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t7 = t3 * t3
+    t7 = oe.contract('aa->a', t5)
     t8 = X * t6.permute(0, 2, 1)
-    t9 = (t8.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t7.reshape((L*n_batch, d_ff)))
-    t0[...] = oe.contract('ab,bb->ab', t9, t5)
+    t9 = t3 * t3
+    t10 = (t8.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t9.reshape((L*n_batch, d_ff)))
+    t0[...] = ((t7.reshape((d_ff, 1, 1)) * t10.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_V))).permute(1, 0)
     return out
 
 
@@ -268,8 +269,8 @@ def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t4 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t5 = (2/(L*d_V*n_batch)) * t1
     t6 = (t3.reshape((n_batch, L, d_ff, 1)) * t5.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t7 = (t6.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-    t0[...] = ((t7.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t7 = (t6.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+    t0[...] = ((t7.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
     return out
 
 
@@ -349,8 +350,8 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t8 = t7.transpose(-1, -2)
     t9 = (2/(L*d_V*n_batch)) * X
     t10 = (t9.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t11 = (t10.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t8.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
-    t0[...] = ((t11.permute(2, 1, 0).reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t11 = (t10.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t8.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t0[...] = ((t5.permute(1, 0).reshape((d_ff, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
     return out
 
 
@@ -718,6 +719,65 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+        H = torch.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t0 = X.transpose(-1, -2)
+        R = torch.empty((n_batch, L, d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t1 = R.view((n_batch, L*d_ff, 2*d_V*d_ff))
+        t2 = t1[..., 0:d_V*d_ff]
+        t3 = t2.view((n_batch, L, d_ff, d_V, d_ff))
+        t4 = X @ W_1
+        t5 = torch.heaviside(t4, torch.full_like(t4, 0.0))
+        t6 = W_2.transpose(-1, -2)
+        t7 = W_2 @ t6
+        t8 = (2/(L*d_V)) * X
+        t9 = ((t5.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t7.reshape((d_ff, 1, d_ff))).reshape((d_ff, n_batch, L, d_ff))).permute(1, 2, 0, 3)
+        t10 = (t8.reshape((n_batch, L, d_V, 1)) * t5.reshape((n_batch, L, 1, d_ff)))
+        t3[...] = ((t9.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t10.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t11 = t1[..., d_V*d_ff:2*d_V*d_ff]
+        t12 = t11.view((n_batch, L, d_ff, d_ff, d_V))
+        t13 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
+        t14 = (2/(L*d_V)) * t5
+        t15 = ((t14.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t16 = t12.diagonal(0, 2, 3)
+        t17 = t13 @ W_2
+        F = t17
+        t18 = F - Y
+        t19 = (2/(L*d_V)) * t18
+        G = t19
+        t12[...] = ((t13.reshape((n_batch, L, d_ff, 1)) * t15.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_ff, d_ff, d_V))).permute(0, 1, 3, 2, 4)
+        t16 += (G.reshape((n_batch, L, d_V, 1)) * t5.reshape((n_batch, L, 1, d_ff)))
+        t20 = t0.permute(1, 0, 2)
+        t21 = t20.reshape((d_V, L*n_batch))
+        t22 = (1/n_batch) * t21
+        t23 = R.view((L*n_batch, 2*d_V*d_ff**2))
+        t24 = H[0:d_V*d_ff].view((d_V, 2*d_V*d_ff**2))
+        torch.matmul(t22, t23, out=t24)
+        del R
+        t25 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        t26 = t25.view((d_ff, d_V, d_V, d_ff))
+        t27 = t4.transpose(-1, -2)
+        t28 = t13.transpose(-1, -2)
+        t29 = (2/(L*d_V*n_batch)) * X
+        t30 = (t29.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+        t31 = (t30.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t5.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+        t32 = t26.diagonal(0, 0, 3)
+        t33 = G.transpose(-1, -2)
+        t34 = t5.transpose(-1, -2)
+        t35 = (1/n_batch) * t33
+        t36 = t34.permute(1, 0, 2)
+        t37 = ((X.reshape((n_batch, L, d_V, 1)) * t35.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t26[...] = ((t6.permute(1, 0).reshape((d_ff, d_V, 1)) * t31.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
+        t32 += (t37.reshape((d_V**2, L*n_batch)) @ t36.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        t38 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t38[...] = 0
+        t39 = t38.view((d_ff, d_V, d_ff, d_V))
+        t40 = t39.diagonal(0, 1, 3)
+        t41 = t28 @ t13
+        t42 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t43 = (2/(L*d_V*n_batch)) * t42
+        t40 += (t41.sum((0,)).reshape((d_ff**2, 1)) * t43.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
+        return H
     H = torch.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = t0.view((d_V, d_ff, d_V, d_ff))
@@ -735,7 +795,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t12 = t11.view((d_V, d_ff, d_ff, d_V))
     t13 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t14 = (t4.reshape((n_batch, L, d_ff, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t15 = (t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t13.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t15 = (t14.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t13.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
     t16 = t12.diagonal(0, 1, 2)
     t17 = t13 @ W_2
     F = t17
@@ -745,7 +805,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t20 = (1/n_batch) * t2
     t21 = t4.permute(2, 0, 1)
     t22 = ((G.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t12[...] = ((t15.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t12[...] = ((t15.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
     t16 += (t22.reshape((d_V**2, L*n_batch)) @ t21.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t23 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t24 = t23.view((d_ff, d_V, d_V, d_ff))
@@ -753,14 +813,14 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t26 = t13.transpose(-1, -2)
     t27 = (2/(L*d_V*n_batch)) * X
     t28 = (t27.reshape((n_batch, L, d_V, 1)) * t26.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t29 = (t28.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+    t29 = (t28.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
     t30 = t24.diagonal(0, 0, 3)
     t31 = G.transpose(-1, -2)
     t32 = t4.transpose(-1, -2)
     t33 = (1/n_batch) * t31
     t34 = t32.permute(1, 0, 2)
     t35 = ((X.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t24[...] = ((t29.permute(2, 1, 0).reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t24[...] = ((t5.permute(1, 0).reshape((d_ff, d_V, 1)) * t29.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
     t30 += (t35.reshape((d_V**2, L*n_batch)) @ t34.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t36 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t36[...] = 0
@@ -889,10 +949,11 @@ def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t7 = t3 * t3
+    t7 = oe.contract('aa->a', t5)
     t8 = X * t6.permute(0, 2, 1)
-    t9 = (t8.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t7.reshape((L*n_batch, d_ff)))
-    t0[...] = oe.contract('ab,bb->ab', t9, t5)
+    t9 = t3 * t3
+    t10 = (t8.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t9.reshape((L*n_batch, d_ff)))
+    t0[...] = ((t7.reshape((d_ff, 1, 1)) * t10.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_V))).permute(1, 0)
     return out
 
 
@@ -971,7 +1032,7 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t4 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t5 = (2/(L*d_V*n_batch)) * t1
     t6 = (t3.reshape((n_batch, L, d_ff, 1)) * t5.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t7 = (t6.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t7 = (t6.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
     t8 = t0.diagonal(0, 1, 2)
     t9 = t4 @ W_2
     F = t9
@@ -981,7 +1042,7 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t12 = (1/n_batch) * t1
     t13 = t3.permute(2, 0, 1)
     t14 = ((G.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t7.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t0[...] = ((t7.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
     t8 += (t14.reshape((d_V**2, L*n_batch)) @ t13.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
@@ -1074,7 +1135,7 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t8 = t7.transpose(-1, -2)
     t9 = (2/(L*d_V*n_batch)) * X
     t10 = (t9.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t11 = (t10.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t8.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+    t11 = (t10.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t8.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
     t12 = t0.diagonal(0, 0, 3)
     t13 = t4.transpose(-1, -2)
     t14 = t13 @ W_2
@@ -1086,7 +1147,7 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t18 = (1/n_batch) * t17
     t19 = t7.permute(1, 0, 2)
     t20 = ((X.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t11.permute(2, 1, 0).reshape((d_ff, d_V*d_ff, 1)) * t5.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t0[...] = ((t5.permute(1, 0).reshape((d_ff, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
     t12 += (t20.reshape((d_V**2, L*n_batch)) @ t19.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
@@ -2256,6 +2317,75 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+        H = torch.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t0 = X.transpose(-1, -2)
+        R = torch.empty((n_batch, L, d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t1 = R.view((n_batch, L*d_ff, 2*d_V*d_ff))
+        t2 = t1[..., 0:d_V*d_ff]
+        t3 = t2.view((n_batch, L, d_ff, d_V, d_ff))
+        t4 = X @ W_1
+        t5 = torch.heaviside(t4, torch.full_like(t4, 0.0))
+        t6 = Y.sum(-1, keepdim=True)
+        t7 = t6.expand(*t6.shape[:-1], d_V)
+        t8 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
+        t9 = t8 @ W_2
+        t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+        A = t10 / t10.sum(-1, keepdim=True)
+        t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+        t12 = W_2.transpose(-1, -2)
+        t13 = (1/L) * t7
+        t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t15 = (W_2.reshape((d_ff, d_V, 1)) * t5.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+        t16 = (t5.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t12.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+        t17 = (t15.permute(2, 3, 0, 1) @ t14)
+        t18 = (t17 @ t16.permute(1, 2, 3, 0))
+        t3[...] = ((X.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_ff**2))).reshape((n_batch, L, d_V, d_ff, d_ff))).permute(0, 1, 3, 2, 4)
+        t19 = t1[..., d_V*d_ff:2*d_V*d_ff]
+        t20 = t19.view((n_batch, L, d_ff, d_ff, d_V))
+        t21 = (t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+        t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t5.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+        t23 = t20.diagonal(0, 2, 3)
+        F = t9
+        t24 = torch.exp(F - F.amax(-1, keepdim=True))
+        A25 = t24 / t24.sum(-1, keepdim=True)
+        t26 = t7 * A25
+        t27 = t26 - Y
+        t28 = (1/L) * t27
+        G = t28
+        t20[...] = ((t8.reshape((n_batch, L, d_ff, 1)) * t22.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_ff, d_ff, d_V))).permute(0, 1, 3, 2, 4)
+        t23 += (G.reshape((n_batch, L, d_V, 1)) * t5.reshape((n_batch, L, 1, d_ff)))
+        t29 = t0.permute(1, 0, 2)
+        t30 = t29.reshape((d_V, L*n_batch))
+        t31 = (1/n_batch) * t30
+        t32 = R.view((L*n_batch, 2*d_V*d_ff**2))
+        t33 = H[0:d_V*d_ff].view((d_V, 2*d_V*d_ff**2))
+        torch.matmul(t31, t32, out=t33)
+        del R
+        t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+        t35 = t34.view((d_ff, d_V, d_V, d_ff))
+        t36 = t4.transpose(-1, -2)
+        t37 = t8.transpose(-1, -2)
+        t38 = (1/(L*n_batch)) * t7
+        t39 = ((X.reshape((n_batch, L, d_V, 1)) * t37.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t40 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t38.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t41 = ((t16.permute(1, 2, 0, 3) @ t40.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+        t42 = t35.diagonal(0, 0, 3)
+        t43 = G.transpose(-1, -2)
+        t44 = t5.transpose(-1, -2)
+        t45 = (1/n_batch) * t43
+        t46 = t44.permute(1, 0, 2)
+        t47 = ((X.reshape((n_batch, L, d_V, 1)) * t45.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t35[...] = ((t39.reshape((d_V*d_ff, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
+        t42 += (t47.reshape((d_V**2, L*n_batch)) @ t46.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        t48 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+        t49 = t48.view((d_ff, d_V, d_ff, d_V))
+        t50 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t38.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+        t51 = ((t8.reshape((n_batch, L, d_ff, 1)) * t37.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t49[...] = ((t51.reshape((d_ff**2, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+        return H
     H = torch.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = t0.view((d_V, d_ff, d_V, d_ff))

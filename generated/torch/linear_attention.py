@@ -1581,6 +1581,133 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 2:    # row slabs (their operands grow with the batch)
+        H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        t0 = H[0:d_K*d_V, 0:d_K*d_V]
+        t1 = t0.view((d_V, d_K, d_V, d_K))
+        t2 = X.transpose(-1, -2)
+        t3 = t2 @ X
+        t4 = W_K.transpose(-1, -2)
+        t5 = t4 @ t2
+        t6 = W_V.transpose(-1, -2)
+        t7 = t6 @ t2
+        t8 = W_V @ t7
+        t9 = X @ t8
+        t10 = t5.transpose(-1, -2)
+        t11 = t9 @ t10
+        t12 = t5 @ t11
+        t13 = (2/(L*d_K*d_V*n_batch)) * t3
+        t14 = t13.permute(1, 2, 0)
+        t15 = t12.permute(1, 2, 0)
+        t1[...] = ((t14.reshape((d_V**2, n_batch)) @ t15.permute(2, 0, 1).reshape((n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+        t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t17 = t16.view((d_V, d_K, d_V, d_K))
+        t18 = X @ W_Q
+        t19 = t11.transpose(-1, -2)
+        t20 = t19 @ X
+        t21 = (2/(L*d_K*d_V*n_batch)) * t2
+        t22 = t20.permute(1, 2, 0)
+        t23 = ((t18.permute(0, 2, 1) @ t21.permute(0, 2, 1))).permute(2, 1, 0)
+        t24 = t17.diagonal(0, 1, 3)
+        t25 = t18 @ t5
+        t26 = (1/math.sqrt(d_K)) * t25
+        T = t26
+        t27 = t7.transpose(-1, -2)
+        t28 = T @ t27
+        F = t28
+        t29 = F - Y
+        t30 = (2/(L*d_V)) * t29
+        G = t30
+        t31 = G @ t7
+        t32 = t31 @ X
+        t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+        t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
+        t35 = (t2.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t32.reshape((L*n_batch, d_V)))
+        t17[...] = ((t22.reshape((d_K*d_V, n_batch)) @ t23.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t24 += (t35.reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+        t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t37 = t36.view((d_V, d_K, d_V, d_V))
+        t38 = t5 @ X
+        t39 = T @ X
+        t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+        t41 = ((t39.permute(0, 2, 1) @ t40.permute(0, 2, 1))).permute(2, 1, 0)
+        t42 = ((W_V.permute(1, 0) @ t38.permute(2, 1, 0).reshape((d_V, d_K*n_batch))).reshape((d_V, d_K, n_batch))).permute(1, 0, 2)
+        t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
+        t44 = t38.permute(1, 2, 0)
+        t45 = ((G.permute(0, 2, 1) @ t43.permute(0, 2, 1))).permute(2, 1, 0)
+        t37[...] = ((t41.reshape((d_V**2, n_batch)) @ t42.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+        t37 += ((t44.reshape((d_K*d_V, n_batch)) @ t45.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+        t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t47 = t46.view((d_V, d_K, d_V, d_K))
+        t48 = t2 @ t27
+        t49 = t7 @ t10
+        t50 = t18.transpose(-1, -2)
+        t51 = t50 @ X
+        t52 = (2/(L*d_K*d_V*n_batch)) * t48
+        t53 = t51.permute(1, 2, 0)
+        t54 = ((t49.permute(0, 2, 1) @ t52.permute(0, 2, 1))).permute(2, 1, 0)
+        t55 = t47.diagonal(0, 1, 3)
+        t56 = G.transpose(-1, -2)
+        t57 = t56 @ X
+        t58 = (t48.permute(1, 0, 2).reshape((d_V, d_V*n_batch)) @ t57.reshape((d_V*n_batch, d_V)))
+        t47[...] = ((t53.reshape((d_K*d_V, n_batch)) @ t54.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t55 += (t58.reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+        t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t60 = t59.view((d_V, d_K, d_V, d_K))
+        t61 = t9 @ X
+        t62 = t2 @ t61
+        t63 = t50 @ t18
+        t64 = (2/(L*d_K*d_V*n_batch)) * t62
+        t65 = t64.permute(1, 2, 0)
+        t66 = t63.permute(1, 2, 0)
+        t60[...] = ((t65.reshape((d_V**2, n_batch)) @ t66.permute(2, 0, 1).reshape((n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+        t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t68 = t67.view((d_V, d_K, d_V, d_V))
+        t69 = (1/(math.sqrt(d_K)*n_batch)) * t50
+        t70 = t3.permute(1, 2, 0)
+        t71 = ((G.permute(0, 2, 1) @ t69.permute(0, 2, 1))).permute(2, 1, 0)
+        t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
+        t73 = ((W_V.permute(1, 0) @ t3.permute(2, 1, 0).reshape((d_V, d_V*n_batch))).reshape((d_V, d_V, n_batch))).permute(1, 0, 2)
+        t74 = ((t39.permute(0, 2, 1) @ t72.permute(0, 2, 1))).permute(2, 1, 0)
+        t68[...] = ((t70.reshape((d_V**2, n_batch)) @ t71.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+        t68 += ((t74.reshape((d_K*d_V, n_batch)) @ t73.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+        R = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        t75 = R.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2))
+        t76 = t75[..., 0:d_K*d_V]
+        t77 = t76.view((n_batch, L, d_V, d_V, d_K))
+        t78 = T.transpose(-1, -2)
+        t79 = t78 @ X
+        t80 = (2/(L*math.sqrt(d_K)*d_V)) * t79
+        t81 = (1/math.sqrt(d_K)) * t10
+        t77[...] = ((t80.reshape((n_batch, L*d_V, 1)) * t49.reshape((n_batch, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t77 += ((t57.reshape((n_batch, d_V**2, 1)) * t81.reshape((n_batch, 1, L*d_K))).reshape((n_batch, d_V, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t82 = t75[..., d_K*d_V:2*d_K*d_V]
+        t83 = t82.view((n_batch, L, d_V, d_V, d_K))
+        t84 = t56 @ t18
+        t85 = (1/math.sqrt(d_K)) * X
+        t86 = t78 @ t18
+        t87 = t48.transpose(-1, -2)
+        t88 = (2/(L*math.sqrt(d_K)*d_V)) * t86
+        t83[...] = ((t85.reshape((n_batch, L*d_V, 1)) * t84.reshape((n_batch, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t83 += ((t87.reshape((n_batch, d_V**2, 1)) * t88.reshape((n_batch, 1, L*d_K))).reshape((n_batch, d_V, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t89 = t75[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t89[...] = 0
+        t90 = t2.permute(1, 0, 2)
+        t91 = t90.reshape((d_V, L*n_batch))
+        t92 = (1/n_batch) * t91
+        t93 = R.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2)))
+        t94 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2)))
+        torch.matmul(t92, t93, out=t94)
+        del R
+        t95 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t96 = t95.view((d_V, d_V, d_V, d_V))
+        t97 = t96.diagonal(0, 1, 3)
+        t98 = t39.transpose(-1, -2)
+        t99 = t98 @ t39
+        t100 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t101 = (2/(L*d_V*n_batch)) * t100
+        t97 += (t99.sum((0,)).reshape((d_V**2, 1)) * t101.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+        return H
     H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -1621,9 +1748,9 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t32 = t31 @ X
     t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t35 = (t32.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t35 = (t2.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t32.reshape((L*n_batch, d_V)))
     t17[...] = ((t22.reshape((d_K*d_V, n_batch)) @ t23.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t24 += (t35.permute(1, 0).reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t24 += (t35.reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = t36.view((d_V, d_K, d_V, d_V))
     t38 = t5 @ X
@@ -1648,9 +1775,9 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t55 = t47.diagonal(0, 1, 3)
     t56 = G.transpose(-1, -2)
     t57 = t56 @ X
-    t58 = (t57.permute(2, 0, 1).reshape((d_V, d_V*n_batch)) @ t48.permute(0, 2, 1).reshape((d_V*n_batch, d_V)))
+    t58 = (t48.permute(1, 0, 2).reshape((d_V, d_V*n_batch)) @ t57.reshape((d_V*n_batch, d_V)))
     t47[...] = ((t53.reshape((d_K*d_V, n_batch)) @ t54.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t55 += (t58.permute(1, 0).reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t55 += (t58.reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t60 = t59.view((d_V, d_K, d_V, d_K))
     t61 = t9 @ X
@@ -2024,9 +2151,9 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = (t22.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t25 = (t1.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t22.reshape((L*n_batch, d_V)))
     t0[...] = ((t12.reshape((d_K*d_V, n_batch)) @ t13.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t14 += (t25.permute(1, 0).reshape((d_V**2, 1)) * t24.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t14 += (t25.reshape((d_V**2, 1)) * t24.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -2220,9 +2347,9 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
-    t25 = (t22.permute(2, 0, 1).reshape((d_V, d_V*n_batch)) @ t3.permute(0, 2, 1).reshape((d_V*n_batch, d_V)))
+    t25 = (t3.permute(1, 0, 2).reshape((d_V, d_V*n_batch)) @ t22.reshape((d_V*n_batch, d_V)))
     t0[...] = ((t11.reshape((d_K*d_V, n_batch)) @ t12.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t13 += (t25.permute(1, 0).reshape((d_V**2, 1)) * t24.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t13 += (t25.reshape((d_V**2, 1)) * t24.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -4838,6 +4965,142 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+        H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        t0 = X.transpose(-1, -2)
+        R = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        t1 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
+        t2 = t1[..., 0:d_K*d_V]
+        t3 = t2.view((n_batch, L, d_K, d_V, d_K))
+        t4 = W_K.transpose(-1, -2)
+        t5 = t4 @ t0
+        Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+        t6 = W_V.transpose(-1, -2)
+        t7 = t6 @ t0
+        t8 = W_V @ t7
+        t9 = X @ t8
+        t10 = t5.transpose(-1, -2)
+        t11 = (2/(L*d_K*d_V)) * Mcausal
+        t12 = (t9.permute(1, 0, 2).reshape((L, L*n_batch, 1)) * t11.permute(1, 0).reshape((L, 1, L))).reshape((L, n_batch, L, L))
+        t13 = (t12.permute(2, 3, 0, 1).reshape((L, L, L*n_batch, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+        t14 = (t13.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t10).reshape((n_batch, L, d_K, d_K))
+        t3[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.reshape((n_batch, L, 1, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t16 = t1[..., d_K*d_V:2*d_K*d_V]
+        t17 = t16.view((n_batch, L, d_K, d_V, d_K))
+        t18 = X @ W_Q
+        t19 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+        t20 = t17.diagonal(0, 2, 4)
+        t21 = t18 @ t5
+        t22 = (1/math.sqrt(d_K)) * t21
+        T = t22
+        t23 = Mcausal * T
+        t24 = t7.transpose(-1, -2)
+        t25 = t23 @ t24
+        F = t25
+        t26 = F - Y
+        t27 = (2/(L*d_V)) * t26
+        G = t27
+        t28 = G @ t7
+        t29 = Mcausal * t28
+        t30 = t29 @ X
+        t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+        t32 = (1/math.sqrt(d_K)) * t31
+        t17[...] = (t19.reshape((n_batch, L, d_K*d_V, 1)) * t18.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_K, d_V, d_K))
+        t20 += (t30.reshape((L*d_V*n_batch, 1)) * t32.reshape((1, d_K))).reshape((n_batch, L, d_V, d_K))
+        t33 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t34 = t33.view((n_batch, L, d_K, d_V, d_V))
+        t35 = t23 @ X
+        t36 = (2/(L*math.sqrt(d_K)*d_V)) * Mcausal
+        t37 = (t36.permute(1, 0).reshape((L, L, 1)) * t5.permute(2, 0, 1).reshape((L, 1, d_K*n_batch))).reshape((L, L, n_batch, d_K))
+        t38 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t39 = (t37.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ t38.permute(1, 2, 0)).reshape((n_batch, L, d_K, d_V))
+        t40 = (1/math.sqrt(d_K)) * Mcausal
+        t41 = (t40.permute(1, 0).reshape((L, L, 1)) * t5.permute(2, 0, 1).reshape((L, 1, d_K*n_batch))).reshape((L, L, n_batch, d_K))
+        t42 = (t41.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+        t34[...] = ((t35.reshape((n_batch, L, d_V, 1)) * t39.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t34 += (t42.reshape((n_batch, L, d_K*d_V, 1)) * G.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
+        t43 = t0.permute(1, 0, 2)
+        t44 = t43.reshape((d_V, L*n_batch))
+        t45 = (1/n_batch) * t44
+        t46 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
+        t47 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
+        torch.matmul(t45, t46, out=t47)
+        del R
+        R48 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        t49 = R48.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
+        t50 = t49[..., 0:d_K*d_V]
+        t51 = t50.view((n_batch, L, d_K, d_V, d_K))
+        t52 = t18.transpose(-1, -2)
+        t53 = Mcausal.transpose(-1, -2)
+        t54 = (2/(L*d_K*d_V)) * t53
+        t55 = ((X.reshape((n_batch, L, d_V, 1)) * t52.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t56 = (t9.permute(1, 0, 2).reshape((L, L*n_batch, 1)) * t54.reshape((L, 1, L))).reshape((L, n_batch, L, L))
+        t57 = (t56.permute(2, 3, 0, 1).reshape((L, L, L*n_batch, 1)) * t53.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+        t58 = ((t10.permute(0, 2, 1) @ t57.permute(3, 0, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t59 = t51.diagonal(0, 2, 4)
+        t60 = t28.transpose(-1, -2)
+        t61 = t60 * t53
+        t62 = t61 @ X
+        t51[...] = ((t55.reshape((n_batch, d_K*d_V, L)) @ t58.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t59 += (t62.reshape((L*d_V*n_batch, 1)) * t32.reshape((1, d_K))).reshape((n_batch, L, d_V, d_K))
+        t63 = t49[..., d_K*d_V:2*d_K*d_V]
+        t64 = t63.view((n_batch, L, d_K, d_V, d_K))
+        t65 = ((t18.reshape((n_batch, L, d_K, 1)) * t52.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t66 = ((X.permute(0, 2, 1) @ t57.permute(3, 0, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t64[...] = ((t66.reshape((n_batch, L*d_V, L)) @ t65.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t67 = t49[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t68 = t67.view((n_batch, L, d_K, d_V, d_V))
+        t69 = (1/math.sqrt(d_K)) * t53
+        t70 = (t69.permute(1, 0).reshape((L, L, 1)) * t52.permute(2, 0, 1).reshape((L, 1, d_K*n_batch))).reshape((L, L, n_batch, d_K))
+        t71 = (t70.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ G).reshape((n_batch, L, d_K, d_V))
+        t72 = (2/(L*math.sqrt(d_K)*d_V)) * t53
+        t73 = (X.reshape((L*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_V))
+        t74 = (t72.permute(1, 0).reshape((L, L, 1)) * t52.permute(2, 0, 1).reshape((L, 1, d_K*n_batch))).reshape((L, L, n_batch, d_K))
+        t75 = (t74.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ t35).reshape((n_batch, L, d_K, d_V))
+        t68[...] = ((X.reshape((n_batch, L, d_V, 1)) * t71.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t68 += (t75.reshape((n_batch, L, d_K*d_V, 1)) * t73.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
+        t76 = R48.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
+        t77 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
+        torch.matmul(t45, t76, out=t77)
+        del R48
+        R78 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        t79 = R78.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2))
+        t80 = t79[..., 0:d_K*d_V]
+        t81 = t80.view((n_batch, L, d_V, d_V, d_K))
+        t82 = T.transpose(-1, -2)
+        t83 = t53 * t82
+        t84 = (2/(L*math.sqrt(d_K)*d_V)) * t83
+        t85 = ((t10.reshape((n_batch, L, d_K, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(0, 3, 2, 1)
+        t86 = (Mcausal.reshape((L, L, 1)) * t84.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))
+        t87 = ((X.permute(0, 2, 1) @ t86.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t88 = G.transpose(-1, -2)
+        t89 = (t69.permute(1, 0).reshape((L, L, 1)) * t88.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+        t90 = (t89.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t81[...] = ((t87.reshape((n_batch, L*d_V, L)) @ t85.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t81 += (t90.reshape((n_batch, L, d_V**2, 1)) * t10.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+        t91 = t79[..., d_K*d_V:2*d_K*d_V]
+        t92 = t91.view((n_batch, L, d_V, d_V, d_K))
+        t93 = ((X.reshape((n_batch, L, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(0, 3, 2, 1)
+        t94 = ((t18.permute(0, 2, 1) @ t86.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t95 = (t89.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))
+        t92[...] = ((t93.reshape((n_batch, d_V**2, L)) @ t94.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t92 += ((X.reshape((n_batch, L, d_V, 1)) * t95.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t96 = t79[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t96[...] = 0
+        t97 = R78.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2)))
+        t98 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2)))
+        torch.matmul(t45, t97, out=t98)
+        del R78
+        t99 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t100 = t99.view((d_V, d_V, d_V, d_V))
+        t101 = t100.diagonal(0, 1, 3)
+        t102 = t35.transpose(-1, -2)
+        t103 = t102 @ t35
+        t104 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t105 = (2/(L*d_V*n_batch)) * t104
+        t101 += (t103.sum((0,)).reshape((d_V**2, 1)) * t105.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+        return H
     H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -4878,9 +5141,9 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 @ X
     t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t34 = (t31.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t34 = (t2.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t31.reshape((L*n_batch, d_V)))
     t17[...] = ((t19.reshape((d_K*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t21 += (t34.permute(1, 0).reshape((d_V**2, 1)) * t33.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t21 += (t34.reshape((d_V**2, 1)) * t33.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t36 = t35.view((d_V, d_K, d_V, d_V))
     t37 = t24 @ X
@@ -4909,9 +5172,9 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t58 = t29.transpose(-1, -2)
     t59 = t58 * t50
     t60 = t59 @ X
-    t61 = (t60.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t61 = (t2.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t60.reshape((L*n_batch, d_V)))
     t48[...] = ((t56.reshape((d_K*d_V, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t57 += (t61.permute(1, 0).reshape((d_V**2, 1)) * t33.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t57 += (t61.reshape((d_V**2, 1)) * t33.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t62 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t63 = t62.view((d_V, d_K, d_V, d_K))
     t64 = ((X.permute(0, 2, 1) @ t54.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
@@ -5340,9 +5603,9 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
-    t28 = (t25.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t28 = (t1.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t25.reshape((L*n_batch, d_V)))
     t0[...] = ((t13.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t15 += (t28.permute(1, 0).reshape((d_V**2, 1)) * t27.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t15 += (t28.reshape((d_V**2, 1)) * t27.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -5574,9 +5837,9 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 @ X
     t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t32 = (t29.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t32 = (t1.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t29.reshape((L*n_batch, d_V)))
     t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t16 += (t32.permute(1, 0).reshape((d_V**2, 1)) * t31.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t16 += (t32.reshape((d_V**2, 1)) * t31.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -8571,6 +8834,142 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+        H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        t0 = X.transpose(-1, -2)
+        R = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        t1 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
+        t2 = t1[..., 0:d_K*d_V]
+        t3 = t2.view((n_batch, L, d_K, d_V, d_K))
+        t4 = W_K.transpose(-1, -2)
+        t5 = t4 @ t0
+        t6 = X @ W_V
+        t7 = t5 @ t6
+        t8 = Y.sum(-1, keepdim=True)
+        t9 = t8.expand(*t8.shape[:-1], d_V)
+        t10 = W_Q @ t5
+        t11 = X @ t10
+        t12 = (1/math.sqrt(d_K)) * t11
+        T = t12
+        t13 = T @ t6
+        t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+        A = t14 / t14.sum(-1, keepdim=True)
+        t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+        t16 = t7.transpose(-1, -2)
+        t17 = (1/(L*d_K)) * t9
+        t18 = (t17.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
+        t19 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
+        t20 = (t18.permute(0, 2, 3, 1) @ t19.permute(0, 2, 3, 1))
+        t3[...] = ((X.reshape((n_batch, L, d_V, 1)) * t20.reshape((n_batch, L, 1, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t21 = t1[..., d_K*d_V:2*d_K*d_V]
+        t22 = t21.view((n_batch, L, d_K, d_V, d_K))
+        t23 = X @ W_Q
+        t24 = t6.transpose(-1, -2)
+        t25 = t24 @ X
+        t26 = (t25.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
+        t27 = (t18.permute(0, 2, 3, 1) @ t26.permute(0, 2, 3, 1))
+        t28 = t22.diagonal(0, 2, 4)
+        F = t13
+        t29 = torch.exp(F - F.amax(-1, keepdim=True))
+        A30 = t29 / t29.sum(-1, keepdim=True)
+        t31 = t9 * A30
+        t32 = t31 - Y
+        t33 = (1/L) * t32
+        G = t33
+        t34 = G @ t24
+        t35 = t34 @ X
+        t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+        t37 = (1/math.sqrt(d_K)) * t36
+        t22[...] = (t27.reshape((n_batch, L, d_K*d_V, 1)) * t23.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_K, d_V, d_K))
+        t28 += (t35.reshape((L*d_V*n_batch, 1)) * t37.reshape((1, d_K))).reshape((n_batch, L, d_V, d_K))
+        t38 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t39 = t38.view((n_batch, L, d_K, d_V, d_V))
+        t40 = t5 @ X
+        t41 = T @ X
+        t42 = (1/(L*math.sqrt(d_K))) * t9
+        t43 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t42.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t44 = (W_V.permute(1, 0) @ t40.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
+        t45 = ((t44.permute(1, 2, 0) @ t43.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t46 = (1/math.sqrt(d_K)) * G
+        t39[...] = ((t41.reshape((n_batch, L, d_V, 1)) * t45.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t39 += ((t40.reshape((n_batch, d_K*d_V, 1)) * t46.reshape((n_batch, 1, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t47 = t0.permute(1, 0, 2)
+        t48 = t47.reshape((d_V, L*n_batch))
+        t49 = (1/n_batch) * t48
+        t50 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
+        t51 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
+        torch.matmul(t49, t50, out=t51)
+        del R
+        t52 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t53 = t52.view((d_V, d_K, d_V, d_K))
+        t54 = t25.transpose(-1, -2)
+        t55 = t23.transpose(-1, -2)
+        t56 = Y.transpose(-1, -2)
+        t57 = t56.sum(-2, keepdim=True)
+        t58 = t57.expand(*t57.shape[:-2], d_V, t57.shape[-1])
+        t59 = (1/(L*d_K*n_batch)) * t55
+        t60 = ((X.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+        t61 = (t58.reshape((n_batch, d_V, L, 1)) * t54.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
+        t62 = ((t19.permute(0, 2, 1, 3) @ t61.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+        t63 = t53.diagonal(0, 1, 3)
+        t64 = G.transpose(-1, -2)
+        t65 = (1/(math.sqrt(d_K)*n_batch)) * t36
+        t66 = (t64.permute(0, 2, 1) @ t54.permute(0, 2, 1))
+        t67 = (t66.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
+        t53[...] = ((t60.reshape((d_K*d_V, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t63 += (t67.reshape((d_V**2, 1)) * t65.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+        t68 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t69 = t68.view((d_V, d_K, d_V, d_K))
+        t70 = ((t23.reshape((n_batch, L, d_K, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+        t71 = ((t26.permute(0, 2, 1, 3) @ t61.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+        t69[...] = ((t71.reshape((d_V**2, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+        t72 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t73 = t72.view((d_V, d_K, d_V, d_V))
+        t74 = t0 @ X
+        t75 = (1/(math.sqrt(d_K)*n_batch)) * t55
+        t76 = t74.permute(1, 2, 0)
+        t77 = ((G.permute(0, 2, 1) @ t75.permute(0, 2, 1))).permute(2, 1, 0)
+        t78 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
+        t79 = ((t41.reshape((n_batch, L, d_V, 1)) * t78.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+        t80 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t58.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t81 = (W_V.permute(1, 0) @ t74.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
+        t82 = ((t81.permute(1, 2, 0) @ t80.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+        t73[...] = ((t76.reshape((d_V**2, n_batch)) @ t77.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+        t73 += ((t79.reshape((d_K*d_V, L*n_batch)) @ t82.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+        t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t84 = t83.view((d_V, d_V, d_V, d_K))
+        t85 = t5.transpose(-1, -2)
+        t86 = t64 @ X
+        t87 = (1/(math.sqrt(d_K)*n_batch)) * t0
+        t88 = t86.permute(1, 2, 0)
+        t89 = ((t85.permute(0, 2, 1) @ t87.permute(0, 2, 1))).permute(2, 1, 0)
+        t90 = T.transpose(-1, -2)
+        t91 = (1/(L*math.sqrt(d_K)*n_batch)) * t90
+        t92 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t93 = ((t16.permute(0, 2, 1) @ t92.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+        t94 = (t91.permute(0, 2, 1) @ t0.permute(0, 2, 1))
+        t95 = ((t94.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+        t84[...] = ((t88.reshape((d_V**2, n_batch)) @ t89.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t84 += ((t95.reshape((d_V**2, L*n_batch)) @ t93.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t97 = t96.view((d_V, d_V, d_V, d_K))
+        t98 = t64 @ t23
+        t99 = t98.permute(1, 2, 0)
+        t100 = ((X.permute(0, 2, 1) @ t87.permute(0, 2, 1))).permute(2, 1, 0)
+        t101 = ((t25.permute(0, 2, 1) @ t92.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+        t102 = ((t94.reshape((n_batch, L, d_V, 1)) * t23.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+        t97[...] = ((t100.reshape((d_V**2, n_batch)) @ t99.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t97 += ((t101.reshape((d_V**2, L*n_batch)) @ t102.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t103 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t104 = t103.view((d_V, d_V, d_V, d_V))
+        t105 = t41.transpose(-1, -2)
+        t106 = (1/(L*n_batch)) * t105
+        t107 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t9.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+        t108 = ((t41.reshape((n_batch, L, d_V, 1)) * t106.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t104[...] = ((t108.reshape((d_V**2, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        return H
     H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -8618,9 +9017,9 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 @ X
     t37 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
-    t39 = (t36.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t39 = (t2.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t36.reshape((L*n_batch, d_V)))
     t22[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t29 += (t39.permute(1, 0).reshape((d_V**2, 1)) * t38.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t29 += (t39.reshape((d_V**2, 1)) * t38.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t41 = t40.view((d_V, d_K, d_V, d_V))
     t42 = t4 @ X
@@ -9113,9 +9512,9 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 @ X
     t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t32 = (t29.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t32 = (t1.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t29.reshape((L*n_batch, d_V)))
     t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t22 += (t32.permute(1, 0).reshape((d_V**2, 1)) * t31.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t22 += (t32.reshape((d_V**2, 1)) * t31.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -12613,6 +13012,159 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+        H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        t0 = X.transpose(-1, -2)
+        R = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        t1 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
+        t2 = t1[..., 0:d_K*d_V]
+        t3 = t2.view((n_batch, L, d_K, d_V, d_K))
+        t4 = W_K.transpose(-1, -2)
+        t5 = t4 @ t0
+        Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+        t6 = X @ W_V
+        t7 = Y.sum(-1, keepdim=True)
+        t8 = t7.expand(*t7.shape[:-1], d_V)
+        t9 = W_Q @ t5
+        t10 = X @ t9
+        t11 = (1/math.sqrt(d_K)) * t10
+        T = t11
+        t12 = Mcausal * T
+        t13 = t12 @ t6
+        t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+        A = t14 / t14.sum(-1, keepdim=True)
+        t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+        t16 = t6.transpose(-1, -2)
+        t17 = t5.transpose(-1, -2)
+        t18 = (1/(L*d_K)) * Mcausal
+        t19 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t20 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t6.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+        t22 = (t21.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t18.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+        t23 = (t22.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+        t24 = (t23.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t17).reshape((n_batch, L, d_K, d_K))
+        t3[...] = ((X.reshape((n_batch, L, d_V, 1)) * t25.reshape((n_batch, L, 1, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t26 = t1[..., d_K*d_V:2*d_K*d_V]
+        t27 = t26.view((n_batch, L, d_K, d_V, d_K))
+        t28 = X @ W_Q
+        t29 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+        t30 = t27.diagonal(0, 2, 4)
+        F = t13
+        t31 = torch.exp(F - F.amax(-1, keepdim=True))
+        A32 = t31 / t31.sum(-1, keepdim=True)
+        t33 = t8 * A32
+        t34 = t33 - Y
+        t35 = (1/L) * t34
+        G = t35
+        t36 = G @ t16
+        t37 = Mcausal * t36
+        t38 = t37 @ X
+        t39 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+        t40 = (1/math.sqrt(d_K)) * t39
+        t27[...] = (t29.reshape((n_batch, L, d_K*d_V, 1)) * t28.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_K, d_V, d_K))
+        t30 += (t38.reshape((L*d_V*n_batch, 1)) * t40.reshape((1, d_K))).reshape((n_batch, L, d_V, d_K))
+        t41 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t42 = t41.view((n_batch, L, d_K, d_V, d_V))
+        t43 = t12 @ X
+        t44 = (1/(L*math.sqrt(d_K))) * Mcausal
+        t45 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t46 = (t45.reshape((d_V, n_batch, L, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, 1, L)))
+        t47 = (t46.permute(1, 3, 2, 0) @ dA)
+        t48 = (t47.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t44.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+        t49 = ((t5 @ t48.permute(2, 1, 0, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t50 = (1/math.sqrt(d_K)) * Mcausal
+        t51 = (t50.permute(1, 0).reshape((L, L, 1)) * t5.permute(2, 0, 1).reshape((L, 1, d_K*n_batch))).reshape((L, L, n_batch, d_K))
+        t52 = (t51.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
+        t42[...] = ((t43.reshape((n_batch, L, d_V, 1)) * t49.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t42 += (t52.reshape((n_batch, L, d_K*d_V, 1)) * G.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
+        t53 = t0.permute(1, 0, 2)
+        t54 = t53.reshape((d_V, L*n_batch))
+        t55 = (1/n_batch) * t54
+        t56 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
+        t57 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
+        torch.matmul(t55, t56, out=t57)
+        del R
+        R58 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        t59 = R58.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
+        t60 = t59[..., 0:d_K*d_V]
+        t61 = t60.view((n_batch, L, d_K, d_V, d_K))
+        t62 = t28.transpose(-1, -2)
+        t63 = Mcausal.transpose(-1, -2)
+        t64 = Y.transpose(-1, -2)
+        t65 = t64.sum(-2, keepdim=True)
+        t66 = t65.expand(*t65.shape[:-2], d_V, t65.shape[-1])
+        t67 = (1/(L*d_K)) * t63
+        t68 = ((X.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t69 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t66.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t70 = (t69.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t6.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+        t71 = (t70.permute(1, 2, 0, 3).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+        t72 = (t71.permute(2, 0, 3, 1).reshape((n_batch, L**2, L)) @ t17).reshape((n_batch, L, L, d_K))
+        t73 = ((t72.permute(2, 1, 0, 3).reshape((L, L, d_K*n_batch, 1)) * t67.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_K))).permute(2, 0, 3, 1)
+        t74 = t61.diagonal(0, 2, 4)
+        t75 = t36.transpose(-1, -2)
+        t76 = t75 * t63
+        t77 = (t76 @ X)
+        t61[...] = ((t68.reshape((n_batch, d_K*d_V, L)) @ t73.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t74 += (t77.reshape((L*d_V*n_batch, 1)) * t40.reshape((1, d_K))).reshape((n_batch, L, d_V, d_K))
+        t78 = t59[..., d_K*d_V:2*d_K*d_V]
+        t79 = t78.view((n_batch, L, d_K, d_V, d_K))
+        t80 = ((t28.reshape((n_batch, L, d_K, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t81 = (t71.permute(2, 0, 3, 1).reshape((n_batch, L**2, L)) @ X).reshape((n_batch, L, L, d_V))
+        t82 = ((t81.permute(2, 1, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t67.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))).permute(2, 0, 3, 1)
+        t79[...] = ((t82.reshape((n_batch, L*d_V, L)) @ t80.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t83 = t59[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t84 = t83.view((n_batch, L, d_K, d_V, d_V))
+        t85 = (1/math.sqrt(d_K)) * t63
+        t86 = (t85.permute(1, 0).reshape((L, L, 1)) * t62.permute(2, 0, 1).reshape((L, 1, d_K*n_batch))).reshape((L, L, n_batch, d_K))
+        t87 = (t86.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ G).reshape((n_batch, L, d_K, d_V))
+        t88 = (1/(L*math.sqrt(d_K))) * t63
+        t89 = ((t43.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t90 = (t45.reshape((d_V, n_batch, L, 1)) * t66.permute(1, 0, 2).reshape((d_V, n_batch, 1, L)))
+        t91 = (t90.permute(1, 3, 2, 0) @ dA)
+        t92 = ((t91.permute(2, 1, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t88.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))).permute(2, 0, 3, 1)
+        t84[...] = ((X.reshape((n_batch, L, d_V, 1)) * t87.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t84 += ((t89.reshape((n_batch, d_K*d_V, L)) @ t92.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t93 = R58.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
+        t94 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
+        torch.matmul(t55, t93, out=t94)
+        del R58
+        t95 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t96 = t95.view((d_V, d_V, d_V, d_K))
+        t97 = T.transpose(-1, -2)
+        t98 = t63 * t97
+        t99 = (1/(L*math.sqrt(d_K)*n_batch)) * t98
+        t100 = (t99.permute(0, 2, 1) @ t0.permute(0, 2, 1))
+        t101 = ((t100.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+        t102 = (t19.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+        t103 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t17).reshape((n_batch, L, d_V, d_K))
+        t104 = ((t103.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+        t105 = G.transpose(-1, -2)
+        t106 = (1/(math.sqrt(d_K)*n_batch)) * t63
+        t107 = (t106.reshape((L, L, 1)) * t0.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+        t108 = ((t17.permute(0, 2, 1) @ t107.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+        t109 = ((X.reshape((n_batch, L, d_V, 1)) * t105.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t96[...] = ((t101.reshape((d_V**2, L*n_batch)) @ t104.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t96 += ((t109.reshape((d_V**2, L*n_batch)) @ t108.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t111 = t110.view((d_V, d_V, d_V, d_K))
+        t112 = ((t100.reshape((n_batch, L, d_V, 1)) * t28.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+        t113 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+        t114 = ((t113.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+        t115 = ((X.permute(0, 2, 1) @ t107.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+        t116 = ((t28.reshape((n_batch, L, d_K, 1)) * t105.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t111[...] = ((t114.reshape((d_V**2, L*n_batch)) @ t112.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t111 += ((t115.reshape((d_V**2, L*n_batch)) @ t116.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t117 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t118 = t117.view((d_V, d_V, d_V, d_V))
+        t119 = t43.transpose(-1, -2)
+        t120 = (1/(L*n_batch)) * t119
+        t121 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+        t122 = ((t43.reshape((n_batch, L, d_V, 1)) * t120.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t118[...] = ((t122.reshape((d_V**2, L*n_batch)) @ t121.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        return H
     H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -12664,9 +13216,9 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t39 = t38 @ X
     t40 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t41 = (1/(math.sqrt(d_K)*n_batch)) * t40
-    t42 = (t39.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t2.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t42 = (t2.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t39.reshape((L*n_batch, d_V)))
     t27[...] = ((t30.reshape((d_K*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t31 += (t42.permute(1, 0).reshape((d_V**2, 1)) * t41.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t31 += (t42.reshape((d_V**2, 1)) * t41.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t43 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t44 = t43.view((d_V, d_K, d_V, d_V))
     t45 = t11 @ X
@@ -13229,9 +13781,9 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t33 = t32 @ X
     t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t36 = (t33.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t1.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t36 = (t1.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t33.reshape((L*n_batch, d_V)))
     t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t25 += (t36.permute(1, 0).reshape((d_V**2, 1)) * t35.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t25 += (t36.reshape((d_V**2, 1)) * t35.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 

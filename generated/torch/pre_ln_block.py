@@ -190,6 +190,407 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+        H = torch.empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t0 = X.sum(-1, keepdim=True)
+        t1 = t0.expand(*t0.shape[:-1], d_V)
+        t2 = (1/d_V) * t1
+        t3 = X - t2
+        M_N_1 = t3
+        t4 = M_N_1 * M_N_1
+        t5 = t4.sum(-1, keepdim=True)
+        t6 = t5.expand(*t5.shape[:-1], d_V)
+        t7 = (1/d_V) * t6
+        sigma2_N_1 = t7
+        t8 = (sigma2_N_1 ** -0.5)
+        P_N_1 = t8
+        t9 = M_N_1 * P_N_1
+        N_1 = t9
+        t10 = N_1.transpose(-1, -2)
+        R = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t11 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t12 = t11[..., 0:d_K*d_V]
+        t13 = t12.view((n_batch, L, d_K, d_V, d_K))
+        t14 = W_K.transpose(-1, -2)
+        t15 = t14 @ t10
+        t16 = W_Q @ t15
+        t17 = N_1 @ t16
+        t18 = (1/math.sqrt(d_K)) * t17
+        t19 = torch.exp(t18 - t18.amax(-1, keepdim=True))
+        A = t19 / t19.sum(-1, keepdim=True)
+        t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'L', 'L')
+        dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+        t21 = N_1 @ W_V
+        t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        t23 = torch.ones((L,), dtype=X.dtype, device=X.device)
+        t24 = A @ t21
+        t25 = t24 + X
+        Y26 = t25
+        t27 = Y26.sum(-1, keepdim=True)
+        t28 = t27.expand(*t27.shape[:-1], d_V)
+        t29 = (1/d_V) * t28
+        t30 = Y26 - t29
+        M_N_2 = t30
+        t31 = torch.ones((d_V, d_V), dtype=X.dtype, device=X.device)
+        t32 = M_N_2 * M_N_2
+        t33 = t32.sum(-1, keepdim=True)
+        t34 = t33.expand(*t33.shape[:-1], d_V)
+        t35 = (1/d_V) * t34
+        sigma2_N_2 = t35
+        t36 = (-0.5 * (sigma2_N_2 ** -1.5))
+        t37 = t36 * M_N_2
+        t38 = (sigma2_N_2 ** -0.5)
+        P_N_2 = t38
+        t39 = M_N_2 * P_N_2
+        N_2 = t39
+        t40 = N_2 @ W_1
+        t41 = torch.heaviside(t40, torch.full_like(t40, 0.0))
+        t42 = W_2.transpose(-1, -2)
+        t43 = W_1.transpose(-1, -2)
+        t44 = (t31.reshape((d_V, d_V, 1)) * t37.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S = ((P_N_2.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t44.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * M_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S45 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t23.reshape((L, 1)) * t31.reshape((1, d_V**2))).reshape((L, d_V, d_V))
+        t46 = (t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t42.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+        t47 = (t46.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t43).reshape((n_batch, L, d_V, d_V))
+        t48 = (S45.permute(0, 2, 1) @ S.permute(1, 3, 0, 2).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S49 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (t47 @ t48.permute(2, 0, 3, 1))
+        t50 = (t31.reshape((d_V, d_V, 1)) * M_N_2.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        t51 = (t50.permute(1, 2, 3, 0).reshape((d_V, n_batch, L, d_V, 1)) * t37.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))
+        t52 = (t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+        t53 = (t52.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
+        t54 = (t53 @ S49)
+        t55 = (W_2.reshape((d_ff, d_V, 1)) * t41.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+        t56 = (t55.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+        t57 = (t56.permute(1, 2, 3, 0) @ S49)
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S58 = ((P_N_2.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t50.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+        t59 = (S58.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S60 = (2/(L*d_K*d_V)) * (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (4/(L*d_K*d_V**2)) * (t51.permute(1, 2, 3, 0) @ t54) + (2/(L*d_K*d_V)) * (t57.reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-2/(L*d_K*d_V**2)) * (t59.permute(0, 1, 3, 2) @ t54) + (2/(L*d_K*d_V)) * (t47 @ t48.permute(2, 0, 3, 1))
+        t61 = t21.transpose(-1, -2)
+        t62 = t15.transpose(-1, -2)
+        t63 = (S60.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t64 = (t63.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t61).reshape((n_batch, L, L, L))
+        t65 = (t64.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t66 = (t65.permute(0, 1, 3, 2) @ dA)
+        t67 = (t66.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t15.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t68 = (t67.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t62).reshape((n_batch, L, d_K, d_K))
+        t13[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t68.reshape((n_batch, L, 1, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t69 = t11[..., d_K*d_V:2*d_K*d_V]
+        t70 = t69.view((n_batch, L, d_K, d_V, d_K))
+        t71 = N_1 @ W_Q
+        t72 = (t67.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        t70[...] = (t72.reshape((n_batch, L, d_K*d_V, 1)) * t71.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_K, d_V, d_K))
+        t73 = t11[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t74 = t73.view((n_batch, L, d_K, d_V, d_V))
+        t75 = A @ N_1
+        t76 = (2/(L*math.sqrt(d_K)*d_V)) * t15
+        t77 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t76.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t78 = (t77.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t21).reshape((n_batch, L, d_K, d_V))
+        t79 = (4/(L*math.sqrt(d_K)*d_V**2)) * t15
+        t80 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t79.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t81 = (M_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t21.permute(0, 2, 1).reshape((n_batch, d_V, 1, L)))
+        t82 = (t81.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ t31).reshape((n_batch, L, L, d_V))
+        t83 = (t82.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t84 = (t83.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t85 = (t84.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t86 = (t85.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_2).reshape((n_batch, L, L, d_V))
+        t87 = (t80.permute(0, 1, 3, 2) @ t86)
+        t88 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        # S: compact tensor ('d_V', 'd_V', 'd_V')
+        S89 = (t88.reshape((d_V, 1)) * t22.reshape((1, d_V**2))).reshape((d_V, d_V, d_V)) + (-1/d_V) * (t88.reshape((d_V, 1)) * t31.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))
+        t90 = (t42.permute(1, 0) @ W_2.permute(1, 0))
+        t91 = (t85.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t90.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t92 = (t91.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t93 = (t92.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t94 = (t93 @ S)
+        t95 = (t94.permute(0, 1, 3, 2) @ t80)
+        t96 = (t95.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
+        t97 = (P_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t21.permute(0, 2, 1).reshape((n_batch, d_V, 1, L)))
+        t98 = (t97.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t99 = (t98.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t100 = (t99.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_2).reshape((n_batch, L, L, d_V))
+        t101 = (t77.permute(0, 1, 3, 2) @ t100)
+        t102 = (t99.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t90.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t103 = (t102.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t104 = (t103.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t105 = (t104 @ S)
+        t106 = (t105.permute(0, 1, 3, 2) @ t77)
+        t107 = (t106.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
+        t108 = (-2/(L*math.sqrt(d_K)*d_V**2)) * t15
+        t109 = (t31.permute(1, 0) @ t21.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t110 = (t109.permute(1, 2, 0) @ S58.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t111 = (t110.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t112 = (t111.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t113 = (t112.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t114 = (t113.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_2).reshape((n_batch, L, L, d_V))
+        t115 = ((t108 @ t114.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t116 = (t113.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t90.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t117 = (t116.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t118 = (t117.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t119 = (t118 @ S)
+        t120 = (t119.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t108.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+        t121 = (t120.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
+        t122 = (t42.permute(1, 0) @ t21.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_ff, n_batch, L))
+        t123 = (t122.reshape((d_ff, n_batch, L, 1)) * t41.permute(2, 0, 1).reshape((d_ff, n_batch, 1, L)))
+        t124 = (t123.permute(1, 2, 3, 0).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t125 = (t124.permute(0, 2, 1, 3) @ S)
+        t126 = (t125.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t127 = (t126.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t128 = ((t76 @ t127.permute(0, 2, 1, 3, 4).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t129 = t78 + t87 + t101 + t115
+        t74[...] = ((t75.reshape((n_batch, L, d_V, 1)) * t129.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t130 = t96 + t107 + t121 + t128
+        t74 += ((t75.reshape((n_batch, L, d_V, 1, 1)) * t130.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t131 = t11[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t132 = t131.view((n_batch, L, d_K, d_V, d_ff))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S133 = (2/(L*math.sqrt(d_K)*d_V)) * (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t51.permute(1, 2, 3, 0) @ t53) + (2/(L*math.sqrt(d_K)*d_V)) * (t56.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-2/(L*math.sqrt(d_K)*d_V**2)) * (t59.permute(0, 1, 3, 2) @ t53)
+        t134 = (S133.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t135 = (t134 @ dA.permute(0, 1, 3, 2))
+        t136 = (t135.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t42).reshape((n_batch, L, L, d_ff))
+        t137 = ((t15 @ t136.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
+        t138 = (N_2.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
+        t132[...] = ((t137.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_K, 1)) * t138.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t139 = t11[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t140 = t139.view((n_batch, L, d_K, d_ff, d_V))
+        t141 = (t40 * torch.heaviside(t40, torch.full_like(t40, 0.0)))
+        t142 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t15.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t143 = (t142.permute(0, 1, 3, 2) @ t134.permute(0, 1, 3, 2))
+        t140[...] = ((t141.reshape((n_batch, L, d_ff, 1)) * t143.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t144 = t10.permute(1, 0, 2)
+        t145 = t144.reshape((d_V, L*n_batch))
+        t146 = (1/n_batch) * t145
+        t147 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t148 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t146, t147, out=t148)
+        del R
+        R149 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t150 = R149.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t151 = t150[..., 0:d_K*d_V]
+        t152 = t151.view((n_batch, L, d_K, d_V, d_K))
+        t153 = t71.transpose(-1, -2)
+        t154 = ((t62.permute(0, 2, 1) @ t66.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t155 = ((N_1.reshape((n_batch, L, d_V, 1)) * t153.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t152[...] = ((t155.reshape((n_batch, d_K*d_V, L)) @ t154.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t156 = t150[..., d_K*d_V:2*d_K*d_V]
+        t157 = t156.view((n_batch, L, d_K, d_V, d_K))
+        t158 = ((N_1.permute(0, 2, 1) @ t66.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t159 = ((t71.reshape((n_batch, L, d_K, 1)) * t153.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t157[...] = ((t158.reshape((n_batch, L*d_V, L)) @ t159.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t160 = t150[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t161 = t160.view((n_batch, L, d_K, d_V, d_V))
+        t162 = (2/(L*math.sqrt(d_K)*d_V)) * t153
+        t163 = ((t75.reshape((n_batch, L, d_V, 1)) * t162.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t164 = ((t21.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t165 = (4/(L*math.sqrt(d_K)*d_V**2)) * t153
+        t166 = ((t75.reshape((n_batch, L, d_V, 1)) * t165.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t167 = (t21.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t168 = (t167.reshape((n_batch, d_V, L, L, 1)) * M_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L))
+        t169 = (t168.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ t31).reshape((n_batch, L, L, d_V))
+        t170 = (t169.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t171 = (t170.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t172 = (t171.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t173 = ((W_2.permute(1, 0) @ t172.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t174 = (t172.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t90.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t175 = (t174.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t176 = (t175.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t177 = (t176 @ S)
+        t178 = (t177.reshape((L**2*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t179 = ((t178.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t75.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
+        t180 = (t167.reshape((n_batch, d_V, L, L, 1)) * P_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L))
+        t181 = (t180.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t182 = (t181.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t183 = ((W_2.permute(1, 0) @ t182.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t184 = (t182.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t90.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t185 = (t184.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t186 = (t185.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t187 = (t186 @ S)
+        t188 = (t187.reshape((L**2*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t189 = ((t188.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t75.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
+        t190 = (-2/(L*math.sqrt(d_K)*d_V**2)) * t153
+        t191 = ((W_2.permute(1, 0) @ t113.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t192 = ((t75.reshape((n_batch, L, d_V, 1)) * t190.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t193 = ((S89.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t119.permute(3, 0, 2, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t194 = ((S89.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t126.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t195 = t163.reshape((n_batch, d_K*d_V, L))
+        t196 = t166.reshape((n_batch, d_K*d_V, L))
+        t197 = t192.reshape((n_batch, d_K*d_V, L))
+        t198 = t164.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t199 = t173.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t200 = t183.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t201 = t191.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t202 = torch.cat([t195, t196, t195, t197], dim=-1)
+        t203 = torch.cat([t198, t199, t200, t201], dim=-2)
+        t161[...] = ((t202 @ t203).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t161 += ((t165 @ t179.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t161 += ((t162 @ t189.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t161 += ((t192.permute(0, 2, 1, 3) @ t193.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t161 += ((t163.permute(0, 2, 1, 3) @ t194.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t204 = t150[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t205 = t204.view((n_batch, L, d_K, d_V, d_ff))
+        t206 = ((t136.permute(0, 3, 1, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
+        t207 = ((N_2.reshape((n_batch, L, d_V, 1)) * t153.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t205[...] = ((t207.reshape((n_batch, d_K*d_V, L)) @ t206.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
+        t208 = t150[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t209 = t208.view((n_batch, L, d_K, d_ff, d_V))
+        t210 = ((t167.permute(0, 2, 3, 1) @ S133)).permute(0, 2, 3, 1)
+        t211 = ((t141.reshape((n_batch, L, d_ff, 1)) * t153.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t209[...] = ((t211.reshape((n_batch, d_K*d_ff, L)) @ t210.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
+        t212 = R149.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t213 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t146, t212, out=t213)
+        del R149
+        t214 = t75.transpose(-1, -2)
+        R215 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t216 = R215.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t217 = t216[..., 0:d_K*d_V]
+        t218 = t217.view((n_batch, L, d_V, d_V, d_K))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S219 = (2/(L*math.sqrt(d_K)*d_V)) * (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t51.permute(1, 2, 3, 0) @ t54) + (2/(L*math.sqrt(d_K)*d_V)) * (t57.reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-2/(L*math.sqrt(d_K)*d_V**2)) * (t59.permute(0, 1, 3, 2) @ t54) + (2/(L*math.sqrt(d_K)*d_V)) * (t47 @ t48.permute(2, 0, 3, 1))
+        t220 = (t61.permute(0, 2, 1) @ S219.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t221 = (t62.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
+        t222 = (t220.permute(0, 2, 3, 1) @ t221.permute(0, 2, 3, 1))
+        t218[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t222.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t223 = t216[..., d_K*d_V:2*d_K*d_V]
+        t224 = t223.view((n_batch, L, d_V, d_V, d_K))
+        t225 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t226 = (t220.permute(0, 2, 3, 1) @ t225.permute(0, 2, 3, 1))
+        t224[...] = (t226.reshape((n_batch, L, d_V**2, 1)) * t71.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+        t227 = t216[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t228 = t227.view((n_batch, L, d_V, d_V, d_V))
+        t229 = (4/(L*d_V**2)) * M_N_2
+        t230 = (t229.reshape((n_batch, L, d_V, 1)) * t75.reshape((n_batch, L, 1, d_V)))
+        t231 = (t37.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.permute(1, 0).reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))
+        t232 = (t231.permute(1, 2, 3, 0) @ t53)
+        t233 = (t43.reshape((d_ff, d_V, 1)) * t41.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+        t234 = (t233.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t42.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+        t235 = (t234.permute(1, 2, 0, 3) @ t56.permute(1, 2, 0, 3))
+        t236 = (t235.permute(0, 1, 3, 2) @ S)
+        t237 = (t236.reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t238 = (t237.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t239 = (t238.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t229.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t240 = ((t75.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S89.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t241 = (2/(L*d_V)) * P_N_2
+        t242 = (t241.reshape((n_batch, L, d_V, 1)) * t75.reshape((n_batch, L, 1, d_V)))
+        t243 = (t236.reshape((L*d_V*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t244 = (-2/(L*d_V**2)) * t75
+        t245 = (t59.permute(0, 1, 3, 2) @ t53)
+        t246 = (t236.permute(0, 1, 3, 2) @ S58.permute(0, 1, 3, 2))
+        t247 = (t246.reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t248 = (t247.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t249 = (2/(L*d_V)) * t75
+        t250 = (t47 @ S)
+        t251 = ((t249.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S89.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t252 = t228.diagonal(0, 2, 4)
+        t253 = (2/(L*d_V)) * t88
+        t228[...] = (t230.reshape((n_batch, L, d_V, d_V, 1)) * t232.reshape((n_batch, L, d_V, 1, d_V)))
+        t228 += (t239 @ t240.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t228 += (t242.reshape((n_batch, L, d_V, d_V, 1)) * t53.reshape((n_batch, L, d_V, 1, d_V)))
+        t228 += (t242.reshape((n_batch, L, d_V, d_V, 1, 1)) * t243.reshape((n_batch, L, d_V, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))
+        t228 += ((t244.reshape((n_batch, L, d_V, 1)) * t245.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t228 += ((t244.reshape((n_batch, L, d_V, 1, 1)) * t248.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t228 += (t250 @ t251.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t252 += (t75.reshape((L*d_V*n_batch, 1)) * t253.reshape((1, d_V))).reshape((n_batch, L, d_V, d_V))
+        t254 = t216[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t255 = t254.view((n_batch, L, d_V, d_V, d_ff))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S256 = (2/(L*d_V)) * (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (4/(L*d_V**2)) * (t51.permute(1, 2, 3, 0) @ t53) + (2/(L*d_V)) * (t56.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-2/(L*d_V**2)) * (t59.permute(0, 1, 3, 2) @ t53)
+        t257 = (S256.reshape((L*d_V*n_batch, d_V)) @ t42).reshape((n_batch, L, d_V, d_ff))
+        t255[...] = ((t257.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t138.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t258 = t216[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t259 = t258.view((n_batch, L, d_V, d_ff, d_V))
+        t259[...] = ((t141.reshape((n_batch, L, d_ff, 1)) * S256.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t260 = t214.permute(1, 0, 2)
+        t261 = t260.reshape((d_V, L*n_batch))
+        t262 = (1/n_batch) * t261
+        t263 = R215.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t264 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t262, t263, out=t264)
+        del R215
+        t265 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        t266 = t265.view((d_V, d_ff, d_V, d_K))
+        t267 = N_2.transpose(-1, -2)
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S268 = (2/(L*math.sqrt(d_K)*d_V)) * (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/(L*math.sqrt(d_K)*d_V)) * (t47 @ t48.permute(2, 0, 3, 1))
+        t269 = (1/n_batch) * t267
+        t270 = ((N_1.reshape((n_batch, L, d_V, 1)) * t269.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t271 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t61.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t272 = (t271 @ S268.permute(0, 1, 3, 2))
+        t273 = (t272.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t274 = (t273.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t275 = ((t62.permute(0, 2, 1) @ t274.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
+        t266[...] = ((t270.reshape((d_V**2, L*n_batch)) @ t275.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
+        t276 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t277 = t276.view((d_V, d_ff, d_V, d_K))
+        t278 = ((t71.reshape((n_batch, L, d_K, 1)) * t269.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t279 = ((N_1.permute(0, 2, 1) @ t274.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
+        t277[...] = ((t279.reshape((d_V*d_ff, L*n_batch)) @ t278.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t280 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t281 = t280.view((d_V, d_ff, d_V, d_V))
+        t282 = (2/(L*d_V*n_batch)) * t267
+        t283 = (t75.reshape((n_batch, L, d_V, 1)) * t282.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+        t284 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch)) @ t283.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_V, d_V))).permute(1, 0, 2)
+        t285 = ((t75.reshape((n_batch, L, d_V, 1)) * t282.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t286 = (t250.permute(0, 1, 3, 2) @ t55.permute(2, 3, 1, 0))
+        t287 = ((S89.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t286.permute(2, 3, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
+        t281[...] = ((t284.permute(1, 0, 2).reshape((d_ff, d_V**2, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+        t281 += ((t285.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t287.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
+        t288 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t289 = t288.view((d_V, d_ff, d_V, d_ff))
+        t290 = W_2 @ t42
+        t291 = ((N_2.reshape((n_batch, L, d_V, 1)) * t282.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t292 = (t290.reshape((d_ff, d_ff, 1)) * t41.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
+        t293 = ((t292.permute(1, 2, 3, 0).reshape((d_ff, n_batch, L, d_ff, 1)) * t41.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_ff))).permute(3, 0, 1, 2)
+        t289[...] = ((t291.reshape((d_V**2, L*n_batch)) @ t293.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
+        t294 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t295 = t294.view((d_V, d_ff, d_ff, d_V))
+        t296 = (t41.reshape((n_batch, L, d_ff, 1)) * t282.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+        t297 = (t296.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t141.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+        t295[...] = ((t297.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+        t298 = t40.transpose(-1, -2)
+        t299 = t141.transpose(-1, -2)
+        R300 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t301 = R300.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t302 = t301[..., 0:d_K*d_V]
+        t303 = t302.view((n_batch, L, d_V, d_V, d_K))
+        t304 = (t61.permute(0, 2, 1) @ S268.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t305 = (t304.permute(0, 2, 3, 1) @ t221.permute(0, 2, 3, 1))
+        t303[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t305.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t306 = t301[..., d_K*d_V:2*d_K*d_V]
+        t307 = t306.view((n_batch, L, d_V, d_V, d_K))
+        t308 = (t304.permute(0, 2, 3, 1) @ t225.permute(0, 2, 3, 1))
+        t307[...] = (t308.reshape((n_batch, L, d_V**2, 1)) * t71.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+        t309 = t301[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t310 = t309.view((n_batch, L, d_V, d_V, d_V))
+        t311 = t310.diagonal(0, 2, 4)
+        t310[...] = (t250 @ t251.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t311 += (t75.reshape((L*d_V*n_batch, 1)) * t253.reshape((1, d_V))).reshape((n_batch, L, d_V, d_V))
+        t312 = t301[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t313 = t312.view((n_batch, L, d_V, d_V, d_ff))
+        t314 = (2/(L*d_V)) * N_2
+        t315 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t42.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 3, 0)
+        t313[...] = ((t314.reshape((n_batch, L, d_V, 1)) * t315.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))).permute(0, 1, 3, 2, 4)
+        t316 = t301[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t316[...] = 0
+        t317 = t299.permute(1, 0, 2)
+        t318 = t317.reshape((d_ff, L*n_batch))
+        t319 = (1/n_batch) * t318
+        t320 = R300.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t321 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t319, t320, out=t321)
+        del R300
+        t322 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t323 = t322.view((d_ff, d_V, d_ff, d_V))
+        t324 = t323.diagonal(0, 1, 3)
+        t325 = t299 @ t141
+        t326 = (2/(L*d_V*n_batch)) * t88
+        t324 += (t325.sum((0,)).reshape((d_ff**2, 1)) * t326.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
+        return H
     H = torch.empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -488,7 +889,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t252 = ((S94.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t47.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
     t253 = t227.diagonal(0, 1, 3)
     t254 = (2/(L*d_V*n_batch)) * t93
-    t255 = (t77.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t214.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t255 = (t214.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t77.reshape((L*n_batch, d_V)))
     t256 = t229.reshape((d_V**2, L*n_batch))
     t257 = t237.reshape((d_V**2, L*n_batch))
     t258 = t247.reshape((d_V**2, L*n_batch))
@@ -502,7 +903,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t227 += ((t239.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t245.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 0, 2, 3)
     t227 += ((t247.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t251.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
     t227 += ((t237.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t252.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
-    t253 += (t255.permute(1, 0).reshape((d_V**2, 1)) * t254.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t253 += (t255.reshape((d_V**2, 1)) * t254.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     t264 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
     t265 = t264.view((d_V, d_V, d_V, d_ff))
     # S: compact tensor ('L', 'd_V', 'd_V')
@@ -538,11 +939,11 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t290 = t289.view((d_V, d_ff, d_V, d_V))
     t291 = (2/(L*d_V*n_batch)) * t276
     t292 = (t77.reshape((n_batch, L, d_V, 1)) * t291.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t293 = (t292.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch)) @ t40.reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    t293 = ((t40.permute(2, 0, 1).reshape((d_ff, L*n_batch)) @ t292.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_V, d_V))).permute(1, 0, 2)
     t294 = S94.permute(0, 2, 1)
     t295 = (t47.permute(0, 1, 3, 2) @ t54.permute(2, 3, 1, 0))
     t296 = ((t292.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch)) @ t295.permute(0, 1, 3, 2).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(0, 2, 1, 3)
-    t290[...] = ((t293.permute(2, 1, 0).reshape((d_ff, d_V**2, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+    t290[...] = ((t293.permute(1, 0, 2).reshape((d_ff, d_V**2, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_V, d_V))).permute(1, 0, 2, 3)
     t290 += ((t296.permute(2, 0, 1, 3).reshape((d_V, d_V*d_ff, d_V)) @ t294.permute(0, 2, 1)).reshape((d_V, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
     t297 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
     t298 = t297.view((d_V, d_ff, d_V, d_ff))
@@ -554,8 +955,8 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t303 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
     t304 = t303.view((d_V, d_ff, d_ff, d_V))
     t305 = (t40.reshape((n_batch, L, d_ff, 1)) * t291.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t306 = (t305.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t157.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-    t304[...] = ((t306.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t306 = (t305.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t157.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+    t304[...] = ((t306.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
     t307 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
     t308 = t307.view((d_ff, d_V, d_V, d_K))
     t309 = t39.transpose(-1, -2)
@@ -575,15 +976,15 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t321 = (2/(L*d_V*n_batch)) * t77
     t322 = ((t321.reshape((n_batch, L, d_V, 1)) * t310.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
     t323 = t320.diagonal(0, 1, 3)
-    t324 = (t77.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t310.permute(0, 2, 1).reshape((L*n_batch, d_ff)))
+    t324 = (t310.permute(1, 0, 2).reshape((d_ff, L*n_batch)) @ t77.reshape((L*n_batch, d_V)))
     t320[...] = ((t322.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t252.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(1, 2, 0, 3)
-    t323 += (t324.permute(1, 0).reshape((d_V*d_ff, 1)) * t254.reshape((1, d_V))).reshape((d_ff, d_V, d_V))
+    t323 += (t324.reshape((d_V*d_ff, 1)) * t254.reshape((1, d_V))).reshape((d_ff, d_V, d_V))
     t325 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
     t326 = t325.view((d_ff, d_V, d_V, d_ff))
     t327 = (2/(L*d_V*n_batch)) * N_2
     t328 = (t327.reshape((n_batch, L, d_V, 1)) * t310.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t329 = (t328.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t40.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
-    t326[...] = ((t329.permute(2, 1, 0).reshape((d_ff, d_V*d_ff, 1)) * t41.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t329 = (t328.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t40.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t326[...] = ((t41.permute(1, 0).reshape((d_ff, d_V, 1)) * t329.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
     t330 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
     t330[...] = 0
     t331 = t330.view((d_ff, d_V, d_ff, d_V))
@@ -4629,7 +5030,7 @@ def mse_bias0_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t86 = ((S51.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t85.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
     t87 = t0.diagonal(0, 1, 3)
     t88 = (2/(L*d_V*n_batch)) * t50
-    t89 = (t20.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t19.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t89 = (t19.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t20.reshape((L*n_batch, d_V)))
     t90 = t40.reshape((d_V**2, L*n_batch))
     t91 = t64.reshape((d_V**2, L*n_batch))
     t92 = t77.reshape((d_V**2, L*n_batch))
@@ -4643,7 +5044,7 @@ def mse_bias0_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t0 += ((t68.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t74.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 0, 2, 3)
     t0 += ((t77.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t82.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
     t0 += ((t64.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t86.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
-    t87 += (t89.permute(1, 0).reshape((d_V**2, 1)) * t88.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t87 += (t89.reshape((d_V**2, 1)) * t88.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return out
 
 
@@ -5234,10 +5635,11 @@ def mse_bias0_causal0__diag__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = W_2.transpose(-1, -2)
     t36 = W_2 @ t35
     t37 = (2/(L*d_V*n_batch)) * t32
-    t38 = t34 * t34
+    t38 = oe.contract('aa->a', t36)
     t39 = N_2 * t37.permute(0, 2, 1)
-    t40 = (t39.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t38.reshape((L*n_batch, d_ff)))
-    t0[...] = oe.contract('ab,bb->ab', t40, t36)
+    t40 = t34 * t34
+    t41 = (t39.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t40.reshape((L*n_batch, d_ff)))
+    t0[...] = ((t38.reshape((d_ff, 1, 1)) * t41.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_V))).permute(1, 0)
     return out
 
 
@@ -5698,7 +6100,7 @@ def mse_bias0_causal0__block__W_1__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = A @ N_1
     t36 = (2/(L*d_V*n_batch)) * t32
     t37 = (t35.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t38 = (t37.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch)) @ t34.reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    t38 = ((t34.permute(2, 0, 1).reshape((d_ff, L*n_batch)) @ t37.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_V, d_V))).permute(1, 0, 2)
     t39 = W_2.transpose(-1, -2)
     t40 = W_1.transpose(-1, -2)
     t41 = torch.eye(d_V, dtype=X.dtype, device=X.device)
@@ -5718,7 +6120,7 @@ def mse_bias0_causal0__block__W_1__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t52 = (t51 @ S)
     t53 = (t52.permute(0, 1, 3, 2) @ t49.permute(2, 3, 1, 0))
     t54 = ((t37.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch)) @ t53.permute(0, 1, 3, 2).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(0, 2, 1, 3)
-    t0[...] = ((t38.permute(2, 1, 0).reshape((d_ff, d_V**2, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+    t0[...] = ((t38.permute(1, 0, 2).reshape((d_ff, d_V**2, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_V, d_V))).permute(1, 0, 2, 3)
     t0 += ((t54.permute(2, 0, 1, 3).reshape((d_V, d_V*d_ff, d_V)) @ t48.permute(0, 2, 1)).reshape((d_V, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
     return out
 
@@ -5991,8 +6393,8 @@ def mse_bias0_causal0__block__W_1__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t36 = (2/(L*d_V*n_batch)) * t32
     t37 = (t34.reshape((n_batch, L, d_ff, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t38 = (t37.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t35.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-    t0[...] = ((t38.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t38 = (t37.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t35.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+    t0[...] = ((t38.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
     return out
 
 
@@ -6601,9 +7003,9 @@ def mse_bias0_causal0__block__W_2__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t53 = ((S47.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t52.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
     t54 = t0.diagonal(0, 1, 3)
     t55 = (2/(L*d_V*n_batch)) * t46
-    t56 = (t45.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t35.permute(0, 2, 1).reshape((L*n_batch, d_ff)))
+    t56 = (t35.permute(1, 0, 2).reshape((d_ff, L*n_batch)) @ t45.reshape((L*n_batch, d_V)))
     t0[...] = ((t49.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t53.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(1, 2, 0, 3)
-    t54 += (t56.permute(1, 0).reshape((d_V*d_ff, 1)) * t55.reshape((1, d_V))).reshape((d_ff, d_V, d_V))
+    t54 += (t56.reshape((d_V*d_ff, 1)) * t55.reshape((1, d_V))).reshape((d_ff, d_V, d_V))
     return out
 
 
@@ -6754,8 +7156,8 @@ def mse_bias0_causal0__block__W_2__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t39 = t38.transpose(-1, -2)
     t40 = (2/(L*d_V*n_batch)) * N_2
     t41 = (t40.reshape((n_batch, L, d_V, 1)) * t35.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t42 = (t41.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t39.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
-    t0[...] = ((t42.permute(2, 1, 0).reshape((d_ff, d_V*d_ff, 1)) * t36.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t42 = (t41.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t39.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t0[...] = ((t36.permute(1, 0).reshape((d_ff, d_V, 1)) * t42.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
     return out
 
 
@@ -7079,9 +7481,9 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t98 = t82 @ N_1
     t99 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t100 = (1/n_batch) * t99
-    t101 = (t98.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t12.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t101 = (t12.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t98.reshape((L*n_batch, d_V)))
     t90[...] = ((t95.reshape((d_K*d_V, L*n_batch)) @ t96.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t97 += (t101.permute(1, 0).reshape((d_V**2, 1)) * t100.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t97 += (t101.reshape((d_V**2, 1)) * t100.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t102 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t103 = t102.view((d_V, d_K, d_V, d_V))
     t104 = ((1/2)*d_V) * t69
@@ -8575,9 +8977,9 @@ def mse_bias0_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t89 = t81 @ N_1
     t90 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t91 = (1/n_batch) * t90
-    t92 = (t89.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t11.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t92 = (t11.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t89.reshape((L*n_batch, d_V)))
     t0[...] = ((t86.reshape((d_K*d_V, L*n_batch)) @ t87.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t88 += (t92.permute(1, 0).reshape((d_V**2, 1)) * t91.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t88 += (t92.reshape((d_V**2, 1)) * t91.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -13476,6 +13878,724 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+        H = torch.empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t0 = X.sum(-1, keepdim=True)
+        t1 = t0.expand(*t0.shape[:-1], d_V)
+        t2 = (1/d_V) * t1
+        t3 = X - t2
+        M_N_1 = t3
+        t4 = M_N_1 * M_N_1
+        t5 = t4.sum(-1, keepdim=True)
+        t6 = t5.expand(*t5.shape[:-1], d_V)
+        t7 = (1/d_V) * t6
+        sigma2_N_1 = t7
+        t8 = (sigma2_N_1 ** -0.5)
+        P_N_1 = t8
+        t9 = M_N_1 * P_N_1
+        N_1 = t9
+        t10 = N_1.transpose(-1, -2)
+        R = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t11 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t12 = t11[..., 0:d_K*d_V]
+        t13 = t12.view((n_batch, L, d_K, d_V, d_K))
+        t14 = W_K.transpose(-1, -2)
+        t15 = t14 @ t10
+        t16 = W_Q @ t15
+        t17 = N_1 @ t16
+        t18 = (1/math.sqrt(d_K)) * t17
+        t19 = torch.exp(t18 - t18.amax(-1, keepdim=True))
+        A = t19 / t19.sum(-1, keepdim=True)
+        t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'L', 'L')
+        dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+        t21 = N_1 @ W_V
+        t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        t23 = torch.ones((L,), dtype=X.dtype, device=X.device)
+        t24 = A @ t21
+        t25 = t24 + X
+        Y26 = t25
+        t27 = Y26.sum(-1, keepdim=True)
+        t28 = t27.expand(*t27.shape[:-1], d_V)
+        t29 = (1/d_V) * t28
+        t30 = Y26 - t29
+        M_N_2 = t30
+        t31 = torch.ones((d_V, d_V), dtype=X.dtype, device=X.device)
+        t32 = M_N_2 * M_N_2
+        t33 = t32.sum(-1, keepdim=True)
+        t34 = t33.expand(*t33.shape[:-1], d_V)
+        t35 = (1/d_V) * t34
+        sigma2_N_2 = t35
+        t36 = (-0.5 * (sigma2_N_2 ** -1.5))
+        t37 = t36 * M_N_2
+        t38 = (sigma2_N_2 ** -0.5)
+        P_N_2 = t38
+        t39 = M_N_2 * P_N_2
+        N_2 = t39
+        t40 = N_2 @ W_1
+        t41 = torch.heaviside(t40, torch.full_like(t40, 0.0))
+        t42 = W_2.transpose(-1, -2)
+        t43 = W_1.transpose(-1, -2)
+        t44 = (t31.reshape((d_V, d_V, 1)) * t37.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S = ((P_N_2.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t44.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * M_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S45 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t23.reshape((L, 1)) * t31.reshape((1, d_V**2))).reshape((L, d_V, d_V))
+        t46 = (t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t42.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+        t47 = (t46.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t43).reshape((n_batch, L, d_V, d_V))
+        t48 = (S45.permute(0, 2, 1) @ S.permute(1, 3, 0, 2).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S49 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (t47 @ t48.permute(2, 0, 3, 1))
+        t50 = (t31.reshape((d_V, d_V, 1)) * M_N_2.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        t51 = (t50.permute(1, 2, 3, 0).reshape((d_V, n_batch, L, d_V, 1)) * t37.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))
+        t52 = (t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+        t53 = (t52.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
+        t54 = (t53 @ S49)
+        t55 = (W_2.reshape((d_ff, d_V, 1)) * t41.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+        t56 = (t55.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+        t57 = (t56.permute(1, 2, 3, 0) @ S49)
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S58 = ((P_N_2.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t50.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+        t59 = (S58.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S60 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t51.permute(1, 2, 3, 0) @ t54) + (t57.reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-1/d_V) * (t59.permute(0, 1, 3, 2) @ t54) + (t47 @ t48.permute(2, 0, 3, 1))
+        t61 = t21.transpose(-1, -2)
+        t62 = (S60.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t63 = (t62.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t61).reshape((n_batch, L, L, L))
+        t64 = (t63.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t65 = (t40 * torch.heaviside(t40, torch.full_like(t40, 0.0)))
+        t66 = t65 @ W_2
+        t67 = t66 + Y26
+        F = t67
+        t68 = F - Y
+        t69 = (2/(L*d_V)) * t68
+        G = t69
+        t70 = G @ t42
+        t71 = t41 * t70
+        t72 = t71 @ t43
+        t73 = t36 * t72 * M_N_2
+        t74 = t73.sum(-1, keepdim=True)
+        t75 = t74.expand(*t74.shape[:-1], d_V)
+        t76 = t36 * t72
+        t77 = (t31.reshape((d_V, d_V, 1)) * t76.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        t78 = (0.75 * (sigma2_N_2 ** -2.5))
+        t79 = t78 * t72 * M_N_2
+        t80 = (t31.reshape((d_V, d_V, 1)) * t79.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S81 = ((t76.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t80.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * M_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S82 = ((t75.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + ((t77.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * M_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2) + (t50.permute(2, 3, 0, 1) @ S81)
+        t83 = (S45.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t21.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((L, d_V, n_batch, L))
+        t84 = (t83.permute(0, 2, 3, 1) @ S82.permute(1, 0, 2, 3))
+        t85 = (t84.reshape((L, L*n_batch, d_V)) @ S45).reshape((L, n_batch, L, d_V))
+        t86 = (t85.permute(1, 0, 2, 3).reshape((n_batch, L**2, d_V)) @ t61).reshape((n_batch, L, L, L))
+        t87 = (t86.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t88 = t75 * M_N_2
+        t89 = (2/(math.sqrt(d_K)*d_V**2)) * t88
+        t90 = t72 * P_N_2
+        t91 = (1/(math.sqrt(d_K)*d_V)) * t90
+        t92 = -t89 - t91
+        t93 = t92.sum(-1, keepdim=True)
+        t94 = t61.sum(-2, keepdim=True)
+        t95 = t93 * t94
+        t96 = (2/(math.sqrt(d_K)*d_V)) * t88
+        t97 = (1/math.sqrt(d_K)) * t90
+        t98 = (1/math.sqrt(d_K)) * G
+        t99 = t96 + t97 + t98
+        t100 = t99 @ t61
+        t101 = t95 + t100
+        t102 = t101 - (A * t101).sum(-1, keepdim=True)
+        t103 = A * t102
+        # d2A: compact tensor ('L', 'L', 'L')
+        d2A = ((t103.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t103.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t103.reshape((n_batch, L, 1, L)))
+        # S: compact tensor ('L', 'L', 'L')
+        S104 = (2/(L*d_K*d_V)) * (t64.permute(0, 1, 3, 2) @ dA) + (2/(d_K*d_V)) * (t87.permute(0, 1, 3, 2) @ dA) + (1/math.sqrt(d_K)) * d2A
+        t105 = t15.transpose(-1, -2)
+        t106 = (S104.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t15.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t107 = (t106.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t105).reshape((n_batch, L, d_K, d_K))
+        t13[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t107.reshape((n_batch, L, 1, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t108 = t11[..., d_K*d_V:2*d_K*d_V]
+        t109 = t108.view((n_batch, L, d_K, d_V, d_K))
+        # S: compact tensor ('L', 'L', 'L')
+        S110 = (t87.permute(0, 1, 3, 2) @ dA) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
+        t111 = N_1 @ W_Q
+        t112 = (2/(d_K*d_V)) * t15
+        t113 = (S110.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t112.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t114 = (t113.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        t115 = (2/(L*d_K*d_V)) * t15
+        t116 = (t64.permute(0, 1, 3, 2) @ dA)
+        t117 = (t116.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t115.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t118 = (t117.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        t119 = t109.diagonal(0, 2, 4)
+        t120 = t103 @ N_1
+        t121 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+        t122 = t114 + t118
+        t109[...] = (t122.reshape((n_batch, L, d_K*d_V, 1)) * t111.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_K, d_V, d_K))
+        t119 += (t120.reshape((L*d_V*n_batch, 1)) * t121.reshape((1, d_K))).reshape((n_batch, L, d_V, d_K))
+        t123 = t11[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t124 = t123.view((n_batch, L, d_K, d_V, d_V))
+        t125 = ((1/2)*d_V) * t90
+        t126 = ((1/2)*d_V) * G
+        t127 = t88 + t125 + t126
+        t128 = (2/(math.sqrt(d_K)*d_V)) * t15
+        t129 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t128.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t130 = (t129.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        t131 = W_V.sum(-1, keepdim=True)
+        t132 = t131.expand(*t131.shape[:-1], d_V)
+        t133 = A @ N_1
+        t134 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        # S: compact tensor ('d_V', 'd_V', 'd_V')
+        S135 = (t134.reshape((d_V, 1)) * t22.reshape((1, d_V**2))).reshape((d_V, d_V, d_V)) + (-1/d_V) * (t134.reshape((d_V, 1)) * t31.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))
+        t136 = (-2/(math.sqrt(d_K)*d_V**2)) * t15
+        t137 = (t132.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t138 = (t137.permute(1, 2, 0) @ S82.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t139 = (t138.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t140 = (t139.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t141 = ((t136 @ t140.permute(0, 2, 1, 3, 4).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t142 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t143 = (t142.permute(1, 2, 0) @ S82.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t144 = (t143.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t145 = (t144.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t146 = ((t128 @ t145.permute(0, 2, 1, 3, 4).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t147 = (2/(L*math.sqrt(d_K)*d_V)) * t15
+        t148 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t147.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t149 = (t148.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t142.permute(1, 2, 0)).reshape((n_batch, L, d_K, d_V))
+        t150 = (4/(L*math.sqrt(d_K)*d_V**2)) * t15
+        t151 = (t142.reshape((d_V, n_batch, L, 1)) * M_N_2.permute(2, 0, 1).reshape((d_V, n_batch, 1, L)))
+        t152 = (t151.permute(1, 2, 3, 0).reshape((L**2*n_batch, d_V)) @ t31).reshape((n_batch, L, L, d_V))
+        t153 = (t152.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t154 = (t153.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t155 = (t154.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t156 = (t155.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_2).reshape((n_batch, L, L, d_V))
+        t157 = (t156.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t158 = ((t150 @ t157.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t159 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t150.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t160 = (t42.permute(1, 0) @ W_2.permute(1, 0))
+        t161 = (t159.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t142.permute(1, 2, 0)).reshape((n_batch, L, d_K, d_V))
+        t162 = (t161.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_K, 1)) * M_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+        t163 = (t162.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t31).reshape((n_batch, L, d_K, d_V))
+        t164 = (t163.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_K, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+        t165 = (S.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t43.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+        t166 = (t165.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+        t167 = (t166.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t160).reshape((n_batch, L, d_V, d_ff))
+        t168 = (t167.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+        t169 = (t168.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t170 = (t169 @ t164)
+        t171 = (t170.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
+        t172 = (t142.reshape((d_V, n_batch, L, 1)) * P_N_2.permute(2, 0, 1).reshape((d_V, n_batch, 1, L)))
+        t173 = (t172.permute(1, 2, 3, 0).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t174 = (t173.permute(0, 2, 3, 1).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t175 = (t174.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_2).reshape((n_batch, L, L, d_V))
+        t176 = (t175.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t177 = ((t147 @ t176.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t178 = (t149.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_K, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+        t179 = (t169 @ t178)
+        t180 = (t179.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
+        t181 = (-2/(L*math.sqrt(d_K)*d_V**2)) * t15
+        t182 = (t142.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t31).reshape((n_batch, L, d_V))
+        t183 = (t182 @ S58.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t184 = (t183.reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t185 = (t184.permute(0, 2, 3, 1).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t186 = (t185.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_2).reshape((n_batch, L, L, d_V))
+        t187 = (t186.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t188 = ((t181 @ t187.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t189 = (t59.reshape((n_batch, L*d_V, d_V)) @ t142.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+        t190 = (t189 @ dA.permute(0, 1, 3, 2))
+        t191 = (t190.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t192 = (t191.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t193 = (t192.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t160.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t194 = (t193.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t195 = (t194.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t196 = (t195 @ S)
+        t197 = (t196.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t181.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+        t198 = (t197.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
+        t199 = (t142.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t42).reshape((n_batch, L, d_ff))
+        t200 = (t199.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, 1, L)))
+        t201 = (t200.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t202 = (t201.permute(0, 2, 1, 3) @ S)
+        t203 = (t202.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t204 = (t203.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t205 = ((t147 @ t204.permute(0, 2, 1, 3, 4).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t206 = t88 + t125
+        t207 = t206.sum(-1, keepdim=True)
+        t208 = t207.expand(*t207.shape[:-1], d_V)
+        t209 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t136.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t210 = (t209.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        t124[...] = (t130.reshape((n_batch, L, d_K*d_V, 1)) * t127.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
+        t211 = t141 + t146 + t171 + t180 + t198 + t205
+        t124 += ((t133.reshape((n_batch, L, d_V, 1, 1)) * t211.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t212 = t149 + t158 + t177 + t188
+        t124 += ((t133.reshape((n_batch, L, d_V, 1)) * t212.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t124 += (t210.reshape((n_batch, L, d_K*d_V, 1)) * t208.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
+        t213 = t11[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t214 = t213.view((n_batch, L, d_K, d_V, d_ff))
+        t215 = (1/math.sqrt(d_K)) * t15
+        t216 = (t83.permute(0, 2, 3, 1) @ S58.permute(1, 0, 2, 3))
+        t217 = (t216.permute(0, 1, 3, 2) @ dA.permute(1, 0, 3, 2))
+        t218 = ((t215 @ t217.permute(1, 3, 0, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S219 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t51.permute(1, 2, 3, 0) @ t53) + (t56.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-1/d_V) * (t59.permute(0, 1, 3, 2) @ t53)
+        t220 = (S219.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t221 = (t220 @ dA.permute(0, 1, 3, 2))
+        t222 = (t221.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t42).reshape((n_batch, L, L, d_ff))
+        t223 = ((t147 @ t222.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
+        t224 = (N_2.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
+        t214[...] = (t218.reshape((n_batch, L, d_K*d_V, 1)) * t71.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_K, d_V, d_ff))
+        t214 += ((t223.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_K, 1)) * t224.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t225 = t11[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t226 = t225.view((n_batch, L, d_K, d_ff, d_V))
+        t227 = (t41.reshape((n_batch, L, d_ff, 1)) * G.reshape((n_batch, L, 1, d_V)))
+        t228 = (t217.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((L, n_batch, L, d_ff))
+        t229 = ((t215 @ t228.permute(1, 2, 0, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
+        t230 = (t148.permute(0, 1, 3, 2) @ t220.permute(0, 1, 3, 2))
+        t226[...] = ((t229.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_K, 1)) * t227.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
+        t226 += ((t65.reshape((n_batch, L, d_ff, 1)) * t230.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t231 = t10.permute(1, 0, 2)
+        t232 = t231.reshape((d_V, L*n_batch))
+        t233 = (1/n_batch) * t232
+        t234 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t235 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t233, t234, out=t235)
+        del R
+        R236 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t237 = R236.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t238 = t237[..., 0:d_K*d_V]
+        t239 = t238.view((n_batch, L, d_K, d_V, d_K))
+        t240 = t111.transpose(-1, -2)
+        t241 = (2/(L*d_K*d_V)) * t240
+        t242 = ((t105.permute(0, 2, 1) @ t116.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t243 = ((N_1.reshape((n_batch, L, d_V, 1)) * t241.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t244 = (2/(d_K*d_V)) * t240
+        t245 = ((N_1.reshape((n_batch, L, d_V, 1)) * t244.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t246 = ((t105.permute(0, 2, 1) @ S110.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t247 = t243.reshape((n_batch, d_K*d_V, L))
+        t248 = t245.reshape((n_batch, d_K*d_V, L))
+        t249 = t242.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t250 = t246.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t251 = torch.cat([t247, t248], dim=-1)
+        t252 = torch.cat([t249, t250], dim=-2)
+        t239[...] = ((t251 @ t252).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t253 = t237[..., d_K*d_V:2*d_K*d_V]
+        t254 = t253.view((n_batch, L, d_K, d_V, d_K))
+        t255 = ((N_1.permute(0, 2, 1) @ t116.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t256 = ((t111.reshape((n_batch, L, d_K, 1)) * t241.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t257 = ((t111.reshape((n_batch, L, d_K, 1)) * t244.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t258 = ((N_1.permute(0, 2, 1) @ S110.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t259 = t255.reshape((n_batch, L*d_V, L))
+        t260 = t258.reshape((n_batch, L*d_V, L))
+        t261 = t256.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t262 = t257.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t263 = torch.cat([t259, t260], dim=-1)
+        t264 = torch.cat([t261, t262], dim=-2)
+        t254[...] = ((t263 @ t264).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t265 = t237[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t266 = t265.view((n_batch, L, d_K, d_V, d_V))
+        t267 = (2/(math.sqrt(d_K)*d_V)) * t240
+        t268 = ((t127.reshape((n_batch, L, d_V, 1)) * t267.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t269 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t270 = (-2/(math.sqrt(d_K)*d_V**2)) * t240
+        t271 = ((t133.reshape((n_batch, L, d_V, 1)) * t270.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t272 = ((S135.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t139.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t273 = ((t133.reshape((n_batch, L, d_V, 1)) * t267.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t274 = ((S135.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t144.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t275 = (2/(L*math.sqrt(d_K)*d_V)) * t240
+        t276 = ((t142.permute(1, 0, 2) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t277 = ((t133.reshape((n_batch, L, d_V, 1)) * t275.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t278 = (4/(L*math.sqrt(d_K)*d_V**2)) * t240
+        t279 = ((t133.reshape((n_batch, L, d_V, 1)) * t278.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t280 = (t142.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t281 = (t280.reshape((n_batch, d_V, L, L, 1)) * M_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L))
+        t282 = (t281.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ t31).reshape((n_batch, L, L, d_V))
+        t283 = (t282.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t284 = (t283.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t285 = (t284.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t286 = ((W_2.permute(1, 0) @ t285.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t287 = (t285.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t160.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t288 = (t287.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t289 = (t288.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t290 = (t289 @ S)
+        t291 = (t290.reshape((L**2*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t292 = ((t291.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t133.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
+        t293 = (t280.reshape((n_batch, d_V, L, L, 1)) * P_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L))
+        t294 = (t293.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t295 = (t294.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t296 = ((W_2.permute(1, 0) @ t295.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t297 = (t295.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t160.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t298 = (t297.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t299 = (t298.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t300 = (t299 @ S)
+        t301 = (t300.reshape((L**2*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t302 = ((t301.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t133.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
+        t303 = (-2/(L*math.sqrt(d_K)*d_V**2)) * t240
+        t304 = ((t133.reshape((n_batch, L, d_V, 1)) * t303.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t305 = (t183.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t306 = (t305.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t307 = (t306.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t308 = ((W_2.permute(1, 0) @ t307.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t309 = ((S135.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t196.permute(3, 0, 2, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t310 = ((S135.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t203.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t311 = ((t208.reshape((n_batch, L, d_V, 1)) * t270.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t312 = t269.reshape((n_batch, L*d_V, L))
+        t313 = t268.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))
+        t314 = t311.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))
+        t315 = torch.cat([t312, t312], dim=-1)
+        t316 = torch.cat([t313, t314], dim=-2)
+        t266[...] = ((t315 @ t316).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t266 += ((t271.permute(0, 2, 1, 3) @ t272.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t266 += ((t273.permute(0, 2, 1, 3) @ t274.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t317 = t277.reshape((n_batch, d_K*d_V, L))
+        t318 = t279.reshape((n_batch, d_K*d_V, L))
+        t319 = t304.reshape((n_batch, d_K*d_V, L))
+        t320 = t276.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t321 = t286.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t322 = t296.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t323 = t308.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t324 = torch.cat([t317, t318, t317, t319], dim=-1)
+        t325 = torch.cat([t320, t321, t322, t323], dim=-2)
+        t266 += ((t324 @ t325).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t266 += ((t278 @ t292.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t266 += ((t275 @ t302.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t266 += ((t304.permute(0, 2, 1, 3) @ t309.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t266 += ((t277.permute(0, 2, 1, 3) @ t310.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t326 = t237[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t327 = t326.view((n_batch, L, d_K, d_V, d_ff))
+        t328 = (1/math.sqrt(d_K)) * t240
+        t329 = (t21.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t330 = (t329.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S45).reshape((L, n_batch, L, d_V))
+        t331 = ((t330.permute(1, 0, 2, 3) @ S58)).permute(0, 2, 3, 1)
+        t332 = ((t71.reshape((n_batch, L, d_ff, 1)) * t328.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t333 = ((t222.permute(0, 3, 1, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
+        t334 = ((N_2.reshape((n_batch, L, d_V, 1)) * t275.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t327[...] = ((t331.reshape((n_batch, L*d_V, L)) @ t332.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
+        t327 += ((t334.reshape((n_batch, d_K*d_V, L)) @ t333.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
+        t335 = t237[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t336 = t335.view((n_batch, L, d_K, d_ff, d_V))
+        t337 = ((G.reshape((n_batch, L, d_V, 1)) * t328.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t338 = ((t228.permute(1, 3, 0, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
+        t339 = ((t329.permute(0, 2, 3, 1) @ S219)).permute(0, 2, 3, 1)
+        t340 = ((t65.reshape((n_batch, L, d_ff, 1)) * t275.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t336[...] = ((t338.reshape((n_batch, L*d_ff, L)) @ t337.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t336 += ((t340.reshape((n_batch, d_K*d_ff, L)) @ t339.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
+        t341 = R236.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t342 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t233, t341, out=t342)
+        del R236
+        t343 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t344 = t343.view((d_V, d_K, d_V, d_K))
+        t345 = t344.diagonal(0, 1, 3)
+        t346 = t120.transpose(-1, -2)
+        t347 = (1/n_batch) * t121
+        t348 = (t346.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
+        t345 += (t348.reshape((d_V**2, 1)) * t347.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+        t349 = t133.transpose(-1, -2)
+        R350 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t351 = R350.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t352 = t351[..., 0:d_K*d_V]
+        t353 = t352.view((n_batch, L, d_V, d_V, d_K))
+        t354 = W_V.transpose(-1, -2)
+        t355 = (-2/(L*math.sqrt(d_K)*d_V**2)) * t10
+        t356 = (t355.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t354.permute(1, 0)).reshape((n_batch, L, d_V))
+        t357 = (t356.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t358 = (t357.permute(0, 2, 3, 1) @ S49.permute(0, 1, 3, 2))
+        t359 = (t358.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t360 = (t359.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t361 = (t360.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((n_batch, L, L, d_V))
+        t362 = (t361 @ S58.permute(0, 1, 3, 2))
+        t363 = (t362.reshape((L**2*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, L, d_V))
+        t364 = (t363.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S365 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t51.permute(1, 2, 3, 0) @ t54) + (t57.reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (t47 @ t48.permute(2, 0, 3, 1))
+        t366 = (2/(L*math.sqrt(d_K)*d_V)) * t10
+        t367 = (t366.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t354.permute(1, 0)).reshape((n_batch, L, d_V))
+        t368 = (t367 @ S365.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t369 = (t368.permute(0, 2, 3, 1) @ dA)
+        t370 = (t369.reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
+        t371 = (-2/(math.sqrt(d_K)*d_V**2)) * t10
+        t372 = (t371.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t354.permute(1, 0)).reshape((n_batch, L, d_V))
+        t373 = (t372.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t374 = (t373.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S45.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+        t375 = (t374 @ S82.permute(1, 0, 3, 2))
+        t376 = (t375.reshape((L**2*n_batch, d_V)) @ t31.permute(1, 0)).reshape((L, n_batch, L, d_V))
+        t377 = (t376.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
+        t378 = (2/(math.sqrt(d_K)*d_V)) * t10
+        t379 = (t378.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t354.permute(1, 0)).reshape((n_batch, L, d_V))
+        t380 = (t379.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t381 = (t380.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S45.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+        t382 = (t381 @ S82.permute(1, 0, 3, 2))
+        t383 = (t382.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
+        t384 = t364 + t370 + t377 + t383
+        t353[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t384.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t385 = t351[..., d_K*d_V:2*d_K*d_V]
+        t386 = t385.view((n_batch, L, d_V, d_V, d_K))
+        t387 = (t363.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t388 = (t369.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t389 = (t376.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t390 = (t382.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t391 = t387 + t388 + t389 + t390
+        t386[...] = (t391.reshape((n_batch, L, d_V**2, 1)) * t111.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+        t392 = t351[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t393 = t392.view((n_batch, L, d_V, d_V, d_V))
+        t394 = (2/d_V) * t133
+        t395 = S135.permute(0, 2, 1)
+        t396 = ((t394.reshape((n_batch, L, d_V, 1)) * S82.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t397 = (4/(L*d_V**2)) * M_N_2
+        t398 = (t397.reshape((n_batch, L, d_V, 1)) * t133.reshape((n_batch, L, 1, d_V)))
+        t399 = (t37.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.permute(1, 0).reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))
+        t400 = (t399.permute(1, 2, 3, 0) @ t53)
+        t401 = (t43.reshape((d_ff, d_V, 1)) * t41.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+        t402 = (t401.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t42.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+        t403 = (t402.permute(1, 2, 0, 3) @ t56.permute(1, 2, 0, 3))
+        t404 = (t403.permute(0, 1, 3, 2) @ S)
+        t405 = (t404.reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t406 = (t405.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t407 = (t406.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t397.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t408 = ((t133.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S135.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t409 = (2/(L*d_V)) * P_N_2
+        t410 = (t409.reshape((n_batch, L, d_V, 1)) * t133.reshape((n_batch, L, 1, d_V)))
+        t411 = (t404.reshape((L*d_V*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t412 = (-2/d_V**2) * t133
+        t413 = ((t31 @ S82.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t414 = ((t412.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S135.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t415 = (-2/(L*d_V**2)) * t133
+        t416 = (t59.permute(0, 1, 3, 2) @ t53)
+        t417 = (t404.permute(0, 1, 3, 2) @ S58.permute(0, 1, 3, 2))
+        t418 = (t417.reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t419 = (t418.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t420 = (2/(L*d_V)) * t133
+        t421 = (t47 @ S)
+        t422 = ((t420.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S135.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t423 = t393.diagonal(0, 2, 4)
+        t424 = (2/(L*d_V)) * t134
+        t393[...] = ((t396.permute(3, 0, 1, 2, 4).reshape((d_V, L*d_V*n_batch, d_V)) @ t395.permute(0, 2, 1)).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 3, 0, 4)
+        t393 += (t398.reshape((n_batch, L, d_V, d_V, 1)) * t400.reshape((n_batch, L, d_V, 1, d_V)))
+        t393 += (t407 @ t408.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t393 += (t410.reshape((n_batch, L, d_V, d_V, 1)) * t53.reshape((n_batch, L, d_V, 1, d_V)))
+        t393 += (t410.reshape((n_batch, L, d_V, d_V, 1, 1)) * t411.reshape((n_batch, L, d_V, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))
+        t393 += (t413 @ t414.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t393 += ((t415.reshape((n_batch, L, d_V, 1)) * t416.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t393 += ((t415.reshape((n_batch, L, d_V, 1, 1)) * t419.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t393 += (t421 @ t422.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t423 += (t133.reshape((L*d_V*n_batch, 1)) * t424.reshape((1, d_V))).reshape((n_batch, L, d_V, d_V))
+        t425 = t351[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t426 = t425.view((n_batch, L, d_V, d_V, d_ff))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S427 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t51.permute(1, 2, 3, 0) @ t53) + (t56.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t428 = (2/(L*d_V)) * N_2
+        t429 = (S427.reshape((L*d_V*n_batch, d_V)) @ t42).reshape((n_batch, L, d_V, d_ff))
+        t430 = (t428.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
+        t431 = W_2 @ t42
+        t432 = (-2/(L*d_V**2)) * N_2
+        t433 = (t59.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        t434 = (t433.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+        t435 = (t434.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t431).reshape((n_batch, L, d_V, d_ff))
+        t436 = (t432.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
+        t437 = (-1/d_V) * t31
+        t438 = ((t437 @ S58.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t426[...] = (S58.reshape((n_batch, L, d_V**2, 1)) * t71.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
+        t426 += ((t429.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t430.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t426 += ((t435.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t436.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t426 += (t438.reshape((n_batch, L, d_V**2, 1)) * t71.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
+        t439 = t351[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t440 = t439.view((n_batch, L, d_V, d_ff, d_V))
+        t441 = (S58.reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        t442 = (2/(L*d_V)) * t65
+        t443 = (-1/d_V) * G
+        t444 = (t41.reshape((n_batch, L, d_ff, 1)) * t443.reshape((n_batch, L, 1, d_V)))
+        t445 = (-2/(L*d_V**2)) * t31
+        t446 = (S58.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t445.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t447 = (t446.permute(0, 1, 3, 2) @ t53)
+        t440[...] = ((t441.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t227.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
+        t440 += ((t442.reshape((n_batch, L, d_ff, 1)) * S427.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t440 += ((t433.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t444.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
+        t440 += ((t65.reshape((n_batch, L, d_ff, 1)) * t447.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t448 = t349.permute(1, 0, 2)
+        t449 = t448.reshape((d_V, L*n_batch))
+        t450 = (1/n_batch) * t449
+        t451 = R350.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t452 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t450, t451, out=t452)
+        del R350
+        t453 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t454 = t453.view((d_V, d_V, d_V, d_K))
+        t455 = sigma2_N_2.transpose(-1, -2)
+        t456 = t36.transpose(-1, -2)
+        t457 = t72.transpose(-1, -2)
+        t458 = M_N_2.transpose(-1, -2)
+        t459 = t456 * t457 * t458
+        t460 = t459.sum(-2, keepdim=True)
+        t461 = t460.expand(*t460.shape[:-2], d_V, t460.shape[-1])
+        t462 = t461 * t458
+        t463 = P_N_2.transpose(-1, -2)
+        t464 = t457 * t463
+        t465 = ((1/2)*d_V) * t464
+        t466 = G.transpose(-1, -2)
+        t467 = ((1/2)*d_V) * t466
+        t468 = t462 + t465 + t467
+        t469 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t468
+        t470 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t471 = ((t105.permute(0, 2, 1) @ t470.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+        t472 = ((N_1.reshape((n_batch, L, d_V, 1)) * t469.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t473 = t462 + t465
+        t474 = t473.sum(-2, keepdim=True)
+        t475 = t474.expand(*t474.shape[:-2], d_V, t474.shape[-1])
+        t476 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t475
+        t477 = ((N_1.reshape((n_batch, L, d_V, 1)) * t476.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t478 = t472.reshape((d_V**2, L*n_batch))
+        t479 = t477.reshape((d_V**2, L*n_batch))
+        t480 = t471.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        t481 = torch.cat([t478, t479], dim=-1)
+        t482 = torch.cat([t480, t480], dim=-2)
+        t454 += ((t481 @ t482).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t483 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t484 = t483.view((d_V, d_V, d_V, d_K))
+        t485 = ((N_1.permute(0, 2, 1) @ t470.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+        t486 = ((t111.reshape((n_batch, L, d_K, 1)) * t469.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t487 = ((t111.reshape((n_batch, L, d_K, 1)) * t476.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t488 = t485.reshape((d_V**2, L*n_batch))
+        t489 = t486.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        t490 = t487.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        t491 = torch.cat([t488, t488], dim=-1)
+        t492 = torch.cat([t489, t490], dim=-2)
+        t484 += ((t491 @ t492).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t493 = N_2.transpose(-1, -2)
+        R494 = torch.empty((n_batch, L, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t495 = R494.view((n_batch, L*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t496 = t495[..., 0:d_K*d_V]
+        t497 = t496.view((n_batch, L, d_ff, d_V, d_K))
+        t498 = (2/(L*math.sqrt(d_K)*d_V)) * t61
+        t499 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t498.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t500 = (t499 @ S49.permute(0, 1, 3, 2))
+        t501 = (t500.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t502 = (t501.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t503 = (t502.reshape((n_batch, L*d_ff, L)) @ t105).reshape((n_batch, L, d_ff, d_K))
+        t497[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t503.reshape((n_batch, L, 1, d_K*d_ff))).reshape((n_batch, L, d_V, d_ff, d_K))).permute(0, 1, 3, 2, 4)
+        t504 = t495[..., d_K*d_V:2*d_K*d_V]
+        t505 = t504.view((n_batch, L, d_ff, d_V, d_K))
+        t506 = (t502.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+        t505[...] = (t506.reshape((n_batch, L, d_V*d_ff, 1)) * t111.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_ff, d_V, d_K))
+        t507 = t495[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t508 = t507.view((n_batch, L, d_ff, d_V, d_V))
+        t509 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t510 = (t55.permute(2, 3, 0, 1) @ t421)
+        t508[...] = ((t420.reshape((n_batch, L, d_V, 1)) * t509.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_V, d_ff, d_V))).permute(0, 1, 3, 2, 4)
+        t508 += (t510 @ t422.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))
+        t511 = t495[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t512 = t511.view((n_batch, L, d_ff, d_V, d_ff))
+        t513 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t431.reshape((d_ff, 1, d_ff))).reshape((d_ff, n_batch, L, d_ff))).permute(1, 2, 0, 3)
+        t512[...] = ((t513.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t430.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t514 = t495[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t515 = t514.view((n_batch, L, d_ff, d_ff, d_V))
+        t516 = (2/(L*d_V)) * t41
+        t517 = ((t516.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t518 = t515.diagonal(0, 2, 3)
+        t515[...] = ((t65.reshape((n_batch, L, d_ff, 1)) * t517.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_ff, d_ff, d_V))).permute(0, 1, 3, 2, 4)
+        t518 += (G.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
+        t519 = t493.permute(1, 0, 2)
+        t520 = t519.reshape((d_V, L*n_batch))
+        t521 = (1/n_batch) * t520
+        t522 = R494.view((L*n_batch, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t523 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t521, t522, out=t523)
+        del R494
+        t524 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        t525 = t524.view((d_V, d_ff, d_V, d_K))
+        t526 = t40.transpose(-1, -2)
+        t527 = t41.transpose(-1, -2)
+        t528 = t70.transpose(-1, -2)
+        t529 = t527 * t528
+        t530 = t456 * t458
+        t531 = (t31.reshape((d_V, d_V, 1)) * t530.permute(1, 0, 2).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        # S: compact tensor ('d_V', 'L', 'd_V')
+        S532 = ((t463.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t531.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t458.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
+        t533 = (1/(math.sqrt(d_K)*n_batch)) * t61
+        t534 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t533.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t535 = (t534.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S45.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+        t536 = (t535 @ S532.permute(2, 0, 3, 1))
+        t537 = ((t105.permute(0, 2, 1) @ t536.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+        t538 = ((N_1.reshape((n_batch, L, d_V, 1)) * t529.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t525 += ((t538.reshape((d_V*d_ff, L*n_batch)) @ t537.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t539 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t540 = t539.view((d_V, d_ff, d_V, d_K))
+        t541 = ((N_1.permute(0, 2, 1) @ t536.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+        t542 = ((t111.reshape((n_batch, L, d_K, 1)) * t529.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t540 += ((t541.reshape((d_V**2, L*n_batch)) @ t542.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
+        t543 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t544 = t543.view((d_V, d_ff, d_V, d_V))
+        # S: compact tensor ('d_V', 'd_V', 'd_V')
+        S545 = ((t134.reshape((d_V, 1)) * t22.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2) + (-1/d_V) * ((t134.reshape((d_V, 1)) * t31.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2)
+        t546 = (1/n_batch) * t133
+        t547 = ((t546.reshape((n_batch, L, d_V, 1)) * t529.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t548 = ((S545.permute(1, 2, 0).reshape((d_V**2, d_V)) @ S532.permute(3, 1, 0, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+        t544 += ((t547.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t548.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 1, 0, 3)
+        t549 = t65.transpose(-1, -2)
+        R550 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t551 = R550.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t552 = t551[..., 0:d_K*d_V]
+        t553 = t552.view((n_batch, L, d_V, d_V, d_K))
+        t554 = (t498.permute(0, 2, 1) @ S49.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t555 = (t105.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
+        t556 = (t554.permute(0, 2, 3, 1) @ t555.permute(0, 2, 3, 1))
+        t553[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t556.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t557 = t551[..., d_K*d_V:2*d_K*d_V]
+        t558 = t557.view((n_batch, L, d_V, d_V, d_K))
+        t559 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t560 = (t554.permute(0, 2, 3, 1) @ t559.permute(0, 2, 3, 1))
+        t558[...] = (t560.reshape((n_batch, L, d_V**2, 1)) * t111.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+        t561 = t551[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t562 = t561.view((n_batch, L, d_V, d_V, d_V))
+        t563 = t562.diagonal(0, 2, 4)
+        t562[...] = (t421 @ t422.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t563 += (t133.reshape((L*d_V*n_batch, 1)) * t424.reshape((1, d_V))).reshape((n_batch, L, d_V, d_V))
+        t564 = t551[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t565 = t564.view((n_batch, L, d_V, d_V, d_ff))
+        t566 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t42.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 3, 0)
+        t565[...] = ((t428.reshape((n_batch, L, d_V, 1)) * t566.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))).permute(0, 1, 3, 2, 4)
+        t567 = t551[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t567[...] = 0
+        t568 = t549.permute(1, 0, 2)
+        t569 = t568.reshape((d_ff, L*n_batch))
+        t570 = (1/n_batch) * t569
+        t571 = R550.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t572 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t570, t571, out=t572)
+        del R550
+        t573 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        t574 = t573.view((d_ff, d_V, d_V, d_K))
+        t575 = (1/(math.sqrt(d_K)*n_batch)) * t466
+        t576 = ((N_1.reshape((n_batch, L, d_V, 1)) * t575.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t577 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t61.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t578 = (t577.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S45.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+        t579 = (t578 @ S532.permute(2, 0, 3, 1))
+        t580 = (t579.reshape((L**2*n_batch, d_V)) @ t43.permute(1, 0)).reshape((L, n_batch, L, d_ff))
+        t581 = (t580.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t527.permute(2, 0, 1).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
+        t582 = ((t105.permute(0, 2, 1) @ t581.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
+        t574 += ((t576.reshape((d_V**2, L*n_batch)) @ t582.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+        t583 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t584 = t583.view((d_ff, d_V, d_V, d_K))
+        t585 = ((t111.reshape((n_batch, L, d_K, 1)) * t575.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t586 = ((N_1.permute(0, 2, 1) @ t581.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
+        t584 += ((t586.reshape((d_V*d_ff, L*n_batch)) @ t585.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t587 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t588 = t587.view((d_ff, d_V, d_V, d_V))
+        t589 = (1/n_batch) * t466
+        t590 = ((t133.reshape((n_batch, L, d_V, 1)) * t589.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t591 = (t43.reshape((d_ff, d_V, 1)) * t527.permute(1, 0, 2).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+        t592 = (t591.permute(2, 3, 0, 1) @ S532.permute(0, 2, 1, 3))
+        t593 = ((S545.permute(1, 2, 0).reshape((d_V**2, d_V)) @ t592.permute(3, 2, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
+        t588 += ((t590.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t593.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 1, 0, 3)
+        t594 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t595 = t594.view((d_ff, d_V, d_V, d_ff))
+        t596 = t595.diagonal(0, 0, 3)
+        t597 = t527.permute(1, 0, 2)
+        t598 = ((N_2.reshape((n_batch, L, d_V, 1)) * t589.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t596 += (t598.reshape((d_V**2, L*n_batch)) @ t597.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        t599 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t600 = t599.view((d_ff, d_V, d_ff, d_V))
+        t601 = t600.diagonal(0, 1, 3)
+        t602 = t549 @ t65
+        t603 = (2/(L*d_V*n_batch)) * t134
+        t601 += (t602.sum((0,)).reshape((d_ff**2, 1)) * t603.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
+        return H
     H = torch.empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -13629,7 +14749,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t123 = t102 @ N_1
     t124 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t125 = (1/n_batch) * t124
-    t126 = (t123.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t12.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t126 = (t12.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t123.reshape((L*n_batch, d_V)))
     t127 = t115.reshape((d_K*d_V, L*n_batch))
     t128 = t120.reshape((d_K*d_V, L*n_batch))
     t129 = t116.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
@@ -13637,7 +14757,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t131 = torch.cat([t127, t128], dim=-1)
     t132 = torch.cat([t129, t130], dim=-2)
     t110[...] = ((t131 @ t132).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t122 += (t126.permute(1, 0).reshape((d_V**2, 1)) * t125.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t122 += (t126.reshape((d_V**2, 1)) * t125.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t133 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t134 = t133.view((d_V, d_K, d_V, d_V))
     t135 = ((1/2)*d_V) * t89
@@ -13793,7 +14913,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t273 = ((N_1.reshape((n_batch, L, d_V, 1)) * t266.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
     t274 = t265.diagonal(0, 1, 3)
     t275 = t123.transpose(-1, -2)
-    t276 = (N_1.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t275.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t276 = (t275.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
     t277 = t270.reshape((d_K*d_V, L*n_batch))
     t278 = t273.reshape((d_K*d_V, L*n_batch))
     t279 = t269.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
@@ -13801,7 +14921,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t281 = torch.cat([t277, t278], dim=-1)
     t282 = torch.cat([t279, t280], dim=-2)
     t265[...] = ((t281 @ t282).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t274 += (t276.permute(1, 0).reshape((d_V**2, 1)) * t125.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t274 += (t276.reshape((d_V**2, 1)) * t125.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t283 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t284 = t283.view((d_V, d_K, d_V, d_K))
     t285 = ((N_1.permute(0, 2, 1) @ t268.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
@@ -13926,7 +15046,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t393 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t47.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
     t394 = t360.diagonal(0, 1, 3)
     t395 = (2/(L*d_V*n_batch)) * t145
-    t396 = (t144.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t361.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t396 = (t361.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t144.reshape((L*n_batch, d_V)))
     t360[...] = ((t363.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t364.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
     t397 = t366.reshape((d_V**2, L*n_batch))
     t398 = t374.reshape((d_V**2, L*n_batch))
@@ -13942,7 +15062,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t360 += ((t384.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t386.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
     t360 += ((t388.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t392.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
     t360 += ((t374.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t393.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
-    t394 += (t396.permute(1, 0).reshape((d_V**2, 1)) * t395.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t394 += (t396.reshape((d_V**2, 1)) * t395.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     t405 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
     t406 = t405.view((d_V, d_V, d_V, d_ff))
     t407 = (1/n_batch) * t361
@@ -14047,12 +15167,12 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t495 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
     t496 = t495.view((d_V, d_ff, d_ff, d_V))
     t497 = (t40.reshape((n_batch, L, d_ff, 1)) * t491.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t498 = (t497.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t64.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t498 = (t497.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t64.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
     t499 = t496.diagonal(0, 1, 2)
     t500 = (1/n_batch) * t475
     t501 = t40.permute(2, 0, 1)
     t502 = ((G.reshape((n_batch, L, d_V, 1)) * t500.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t496[...] = ((t498.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t496[...] = ((t498.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
     t499 += (t502.reshape((d_V**2, L*n_batch)) @ t501.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t503 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
     t504 = t503.view((d_ff, d_V, d_V, d_K))
@@ -14093,19 +15213,19 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t534 = (t533.permute(2, 3, 0, 1) @ S468.permute(0, 2, 1, 3))
     t535 = ((S530.permute(1, 2, 0).reshape((d_V**2, d_V)) @ t534.permute(3, 2, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
     t536 = t527.diagonal(0, 1, 3)
-    t537 = (t144.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t505.permute(0, 2, 1).reshape((L*n_batch, d_ff)))
+    t537 = (t505.permute(1, 0, 2).reshape((d_ff, L*n_batch)) @ t144.reshape((L*n_batch, d_V)))
     t527[...] = ((t529.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t393.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(1, 2, 0, 3)
     t527 += ((t532.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t535.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 1, 0, 3)
-    t536 += (t537.permute(1, 0).reshape((d_V*d_ff, 1)) * t395.reshape((1, d_V))).reshape((d_ff, d_V, d_V))
+    t536 += (t537.reshape((d_V*d_ff, 1)) * t395.reshape((1, d_V))).reshape((d_ff, d_V, d_V))
     t538 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
     t539 = t538.view((d_ff, d_V, d_V, d_ff))
     t540 = (2/(L*d_V*n_batch)) * N_2
     t541 = (t540.reshape((n_batch, L, d_V, 1)) * t505.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t542 = (t541.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t40.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+    t542 = (t541.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t40.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
     t543 = t539.diagonal(0, 0, 3)
     t544 = t459.permute(1, 0, 2)
     t545 = ((N_2.reshape((n_batch, L, d_V, 1)) * t531.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t539[...] = ((t542.permute(2, 1, 0).reshape((d_ff, d_V*d_ff, 1)) * t41.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t539[...] = ((t41.permute(1, 0).reshape((d_ff, d_V, 1)) * t542.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
     t543 += (t545.reshape((d_V**2, L*n_batch)) @ t544.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t546 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
     t546[...] = 0
@@ -16431,7 +17551,7 @@ def mse_bias0_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t114 = t81 @ N_1
     t115 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t116 = (1/n_batch) * t115
-    t117 = (t114.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t11.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t117 = (t11.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t114.reshape((L*n_batch, d_V)))
     t118 = t86.reshape((d_K*d_V, L*n_batch))
     t119 = t111.reshape((d_K*d_V, L*n_batch))
     t120 = t87.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
@@ -16439,7 +17559,7 @@ def mse_bias0_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t122 = torch.cat([t118, t119], dim=-1)
     t123 = torch.cat([t120, t121], dim=-2)
     t0[...] = ((t122 @ t123).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t113 += (t117.permute(1, 0).reshape((d_V**2, 1)) * t116.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t113 += (t117.reshape((d_V**2, 1)) * t116.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -18043,7 +19163,7 @@ def mse_bias0_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t117 = t12 @ t116
     t118 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t119 = (1/n_batch) * t118
-    t120 = (N_1.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t117.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t120 = (t117.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
     t121 = t70.reshape((d_K*d_V, L*n_batch))
     t122 = t114.reshape((d_K*d_V, L*n_batch))
     t123 = t69.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
@@ -18051,7 +19171,7 @@ def mse_bias0_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t125 = torch.cat([t121, t122], dim=-1)
     t126 = torch.cat([t123, t124], dim=-2)
     t0[...] = ((t125 @ t126).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t115 += (t120.permute(1, 0).reshape((d_V**2, 1)) * t119.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t115 += (t120.reshape((d_V**2, 1)) * t119.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -20804,7 +21924,7 @@ def mse_bias0_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t111 = ((S60.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t110.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
     t112 = t0.diagonal(0, 1, 3)
     t113 = (2/(L*d_V*n_batch)) * t59
-    t114 = (t20.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t19.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t114 = (t19.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t20.reshape((L*n_batch, d_V)))
     t0[...] = ((t62.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t63.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
     t115 = t66.reshape((d_V**2, L*n_batch))
     t116 = t85.reshape((d_V**2, L*n_batch))
@@ -20820,7 +21940,7 @@ def mse_bias0_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t0 += ((t97.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t99.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
     t0 += ((t102.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t107.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
     t0 += ((t85.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t111.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
-    t112 += (t114.permute(1, 0).reshape((d_V**2, 1)) * t113.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t112 += (t114.reshape((d_V**2, 1)) * t113.reshape((1, d_V))).reshape((d_V, d_V, d_V))
     return out
 
 
@@ -21656,10 +22776,11 @@ def mse_bias0_causal0__diag__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = W_2.transpose(-1, -2)
     t36 = W_2 @ t35
     t37 = (2/(L*d_V*n_batch)) * t32
-    t38 = t34 * t34
+    t38 = oe.contract('aa->a', t36)
     t39 = N_2 * t37.permute(0, 2, 1)
-    t40 = (t39.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t38.reshape((L*n_batch, d_ff)))
-    t0[...] = oe.contract('ab,bb->ab', t40, t36)
+    t40 = t34 * t34
+    t41 = (t39.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t40.reshape((L*n_batch, d_ff)))
+    t0[...] = ((t38.reshape((d_ff, 1, 1)) * t41.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_V))).permute(1, 0)
     return out
 
 
@@ -22281,7 +23402,7 @@ def mse_bias0_causal0__block__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t61 = t35.transpose(-1, -2)
     t62 = (2/(L*d_V*n_batch)) * t33
     t63 = (t55.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t64 = (t63.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch)) @ t61.reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    t64 = ((t61.permute(2, 0, 1).reshape((d_ff, L*n_batch)) @ t63.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_V, d_V))).permute(1, 0, 2)
     t65 = W_2.transpose(-1, -2)
     t66 = t49 * M_N_2
     t67 = (t53.reshape((d_V, d_V, 1)) * t66.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
@@ -22297,7 +23418,7 @@ def mse_bias0_causal0__block__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t75 = (t74.permute(0, 1, 3, 2) @ t71.permute(2, 3, 1, 0))
     t76 = ((t63.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch)) @ t75.permute(0, 1, 3, 2).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(0, 2, 1, 3)
     t0[...] = ((t59.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t60.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 1, 0, 3)
-    t0 += ((t64.permute(2, 1, 0).reshape((d_ff, d_V**2, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+    t0 += ((t64.permute(1, 0, 2).reshape((d_ff, d_V**2, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_V, d_V))).permute(1, 0, 2, 3)
     t0 += ((t76.permute(2, 0, 1, 3).reshape((d_V, d_V*d_ff, d_V)) @ t70.permute(0, 2, 1)).reshape((d_V, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
     return out
 
@@ -22613,7 +23734,7 @@ def mse_bias0_causal0__block__W_1__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t36 = (2/(L*d_V*n_batch)) * t32
     t37 = (t34.reshape((n_batch, L, d_ff, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t38 = (t37.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t35.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t38 = (t37.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t35.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
     t39 = t0.diagonal(0, 1, 2)
     t40 = t35 @ W_2
     t41 = t40 + Y21
@@ -22624,7 +23745,7 @@ def mse_bias0_causal0__block__W_1__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t44 = (1/n_batch) * t32
     t45 = t34.permute(2, 0, 1)
     t46 = ((G.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t38.reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t0[...] = ((t38.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
     t39 += (t46.reshape((d_V**2, L*n_batch)) @ t45.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
@@ -23392,10 +24513,10 @@ def mse_bias0_causal0__block__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t72 = ((S67.permute(1, 2, 0).reshape((d_V**2, d_V)) @ t71.permute(3, 2, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
     t73 = t0.diagonal(0, 1, 3)
     t74 = (2/(L*d_V*n_batch)) * t46
-    t75 = (t45.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t35.permute(0, 2, 1).reshape((L*n_batch, d_ff)))
+    t75 = (t35.permute(1, 0, 2).reshape((d_ff, L*n_batch)) @ t45.reshape((L*n_batch, d_V)))
     t0[...] = ((t49.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t53.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(1, 2, 0, 3)
     t0 += ((t69.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t72.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 1, 0, 3)
-    t73 += (t75.permute(1, 0).reshape((d_V*d_ff, 1)) * t74.reshape((1, d_V))).reshape((d_ff, d_V, d_V))
+    t73 += (t75.reshape((d_V*d_ff, 1)) * t74.reshape((1, d_V))).reshape((d_ff, d_V, d_V))
     return out
 
 
@@ -23587,7 +24708,7 @@ def mse_bias0_causal0__block__W_2__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t39 = t38.transpose(-1, -2)
     t40 = (2/(L*d_V*n_batch)) * N_2
     t41 = (t40.reshape((n_batch, L, d_V, 1)) * t35.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t42 = (t41.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t39.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+    t42 = (t41.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t39.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
     t43 = t0.diagonal(0, 0, 3)
     t44 = t35.transpose(-1, -2)
     t45 = t44 @ W_2
@@ -23600,7 +24721,7 @@ def mse_bias0_causal0__block__W_2__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t50 = (1/n_batch) * t49
     t51 = t38.permute(1, 0, 2)
     t52 = ((N_2.reshape((n_batch, L, d_V, 1)) * t50.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t42.permute(2, 1, 0).reshape((d_ff, d_V*d_ff, 1)) * t36.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_ff, d_V, d_V))).permute(1, 3, 2, 0)
+    t0[...] = ((t36.permute(1, 0).reshape((d_ff, d_V, 1)) * t42.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
     t43 += (t52.reshape((d_V**2, L*n_batch)) @ t51.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
@@ -27613,8 +28734,8 @@ def bias0_causal0__jacobian__W_Q(X, W_Q, W_K, W_V, W_1, W_2):
     dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t47.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t48 = t15.transpose(-1, -2)
     t49 = (t46.permute(0, 2, 1) @ S44.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t50 = (t49.permute(0, 2, 3, 1) @ dA)
-    t51 = (t50.reshape((n_batch, L*d_V, L)) @ t48).reshape((n_batch, L, d_V, d_K))
+    t50 = (t48.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
+    t51 = (t49.permute(0, 2, 3, 1) @ t50.permute(0, 2, 3, 1))
     t45[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t51.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     return out
 
@@ -27771,8 +28892,8 @@ def bias0_causal0__jacobian__W_K(X, W_Q, W_K, W_V, W_1, W_2):
     dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t47.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
     t48 = N_1 @ W_Q
     t49 = (t46.permute(0, 2, 1) @ S44.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t50 = (t49.permute(0, 2, 3, 1) @ dA)
-    t51 = (t50.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+    t50 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+    t51 = (t49.permute(0, 2, 3, 1) @ t50.permute(0, 2, 3, 1))
     t45[...] = (t51.reshape((n_batch, L, d_V**2, 1)) * t48.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     return out
 
@@ -27924,7 +29045,7 @@ def bias0_causal0__jacobian__W_V(X, W_Q, W_K, W_V, W_1, W_2):
     t46 = (t33.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t19.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
     t47 = (t46.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t34).reshape((n_batch, L, d_V, d_V))
     t48 = (t17.reshape((n_batch, L, d_V, 1)) * P_N_2.reshape((n_batch, L, 1, d_V)))
-    t18 += ((t48.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t47.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V)))).permute(0, 1, 4, 3, 2)
+    t18 += ((t47.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t48.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V)))).permute(0, 1, 3, 4, 2)
     t49 = (P_N_2.reshape((L*n_batch, d_V)) @ t34.permute(1, 0)).reshape((n_batch, L, d_ff))
     t50 = t49 * t33
     t51 = (t50.reshape((L*n_batch, d_ff)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -28005,7 +29126,7 @@ def bias0_causal0__jacobian_compact__W_V(X, W_Q, W_K, W_V, W_1, W_2):
     t46 = (t33.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t19.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
     t47 = (t46.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t34).reshape((n_batch, L, d_V, d_V))
     t48 = (t17.reshape((n_batch, L, d_V, 1)) * P_N_2.reshape((n_batch, L, 1, d_V)))
-    t18 += ((t48.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t47.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V)))).permute(0, 1, 4, 3, 2)
+    t18 += ((t47.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t48.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V)))).permute(0, 1, 3, 4, 2)
     t49 = (P_N_2.reshape((L*n_batch, d_V)) @ t34.permute(1, 0)).reshape((n_batch, L, d_ff))
     t50 = t49 * t33
     t51 = (t50.reshape((L*n_batch, d_ff)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -28421,6 +29542,294 @@ def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 1:    # row slabs (their operands grow with the batch)
+        H = torch.empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t0 = H[0:d_K*d_V, 0:d_K*d_V]
+        t1 = t0.view((d_V, d_K, d_V, d_K))
+        t2 = X.sum(-1, keepdim=True)
+        t3 = t2.expand(*t2.shape[:-1], d_V)
+        t4 = (1/d_V) * t3
+        t5 = X - t4
+        M_N_1 = t5
+        t6 = M_N_1 * M_N_1
+        t7 = t6.sum(-1, keepdim=True)
+        t8 = t7.expand(*t7.shape[:-1], d_V)
+        t9 = (1/d_V) * t8
+        sigma2_N_1 = t9
+        t10 = (sigma2_N_1 ** -0.5)
+        P_N_1 = t10
+        t11 = M_N_1 * P_N_1
+        N_1 = t11
+        t12 = N_1.transpose(-1, -2)
+        t13 = W_K.transpose(-1, -2)
+        t14 = t13 @ t12
+        t15 = W_Q @ t14
+        t16 = N_1 @ t15
+        t17 = (1/math.sqrt(d_K)) * t16
+        t18 = torch.exp(t17 - t17.amax(-1, keepdim=True))
+        A = t18 / t18.sum(-1, keepdim=True)
+        t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'L', 'L')
+        dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+        t20 = N_1 @ W_V
+        t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        t22 = torch.ones((L,), dtype=X.dtype, device=X.device)
+        t23 = A @ t20
+        t24 = t23 + X
+        Y25 = t24
+        t26 = Y25.sum(-1, keepdim=True)
+        t27 = t26.expand(*t26.shape[:-1], d_V)
+        t28 = (1/d_V) * t27
+        t29 = Y25 - t28
+        M_N_2 = t29
+        t30 = torch.ones((d_V, d_V), dtype=X.dtype, device=X.device)
+        t31 = M_N_2 * M_N_2
+        t32 = t31.sum(-1, keepdim=True)
+        t33 = t32.expand(*t32.shape[:-1], d_V)
+        t34 = (1/d_V) * t33
+        sigma2_N_2 = t34
+        t35 = (-0.5 * (sigma2_N_2 ** -1.5))
+        t36 = t35 * M_N_2
+        t37 = (sigma2_N_2 ** -0.5)
+        P_N_2 = t37
+        t38 = M_N_2 * P_N_2
+        N_2 = t38
+        t39 = N_2 @ W_1
+        t40 = torch.heaviside(t39, torch.full_like(t39, 0.0))
+        t41 = (t30.reshape((d_V, d_V, 1)) * M_N_2.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        t42 = (t41.permute(1, 2, 3, 0).reshape((d_V, n_batch, L, d_V, 1)) * t36.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))
+        t43 = (t40.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+        t44 = (t43.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
+        t45 = (W_2.reshape((d_ff, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+        t46 = (t45.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S = ((P_N_2.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t41.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t36.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+        t47 = (S.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S48 = (1/(L*d_K)) * (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/(L*d_K*d_V)) * (t42.permute(1, 2, 3, 0) @ t44) + (1/(L*d_K)) * (t46.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-1/(L*d_K*d_V)) * (t47.permute(0, 1, 3, 2) @ t44)
+        t49 = Y.sum(-1, keepdim=True)
+        t50 = t49.expand(*t49.shape[:-1], d_V)
+        t51 = (t39 * torch.heaviside(t39, torch.full_like(t39, 0.0)))
+        t52 = t51 @ W_2
+        t53 = t52 + Y25
+        t54 = torch.exp(t53 - t53.amax(-1, keepdim=True))
+        A55 = t54 / t54.sum(-1, keepdim=True)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA56 = ((A55.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A55.reshape((n_batch, L, d_V, 1)) * A55.reshape((n_batch, L, 1, d_V)))
+        t57 = W_2.transpose(-1, -2)
+        t58 = W_1.transpose(-1, -2)
+        t59 = (t30.reshape((d_V, d_V, 1)) * t36.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S60 = ((P_N_2.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t59.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * M_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S61 = (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t22.reshape((L, 1)) * t30.reshape((1, d_V**2))).reshape((L, d_V, d_V))
+        t62 = (t40.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t57.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+        t63 = (t62.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t58).reshape((n_batch, L, d_V, d_V))
+        t64 = (S61.permute(0, 2, 1) @ S60.permute(1, 3, 0, 2).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S65 = (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (t63 @ t64.permute(2, 0, 3, 1))
+        t66 = t20.transpose(-1, -2)
+        t67 = t14.transpose(-1, -2)
+        t68 = (1/n_batch) * t12
+        t69 = ((N_1.reshape((n_batch, L, d_V, 1)) * t68.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t70 = (t66.permute(0, 2, 1) @ S65.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t71 = (t70.permute(0, 2, 1, 3) @ dA56.permute(0, 1, 3, 2))
+        t72 = (t71.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t50.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t73 = (t72.permute(0, 1, 3, 2) @ S48.permute(0, 1, 3, 2))
+        t74 = (t73.reshape((n_batch, L**2, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+        t75 = (t74.permute(0, 1, 3, 2) @ dA)
+        t76 = (t75.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t77 = (t76.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t67).reshape((n_batch, L, L, d_K))
+        t78 = ((t14 @ t77.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(1, 2, 0, 3)
+        t1[...] = ((t69.reshape((d_V**2, L*n_batch)) @ t78.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+        t79 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t80 = t79.view((d_V, d_K, d_V, d_K))
+        t81 = N_1 @ W_Q
+        t82 = ((t81.reshape((n_batch, L, d_K, 1)) * t68.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t83 = (t76.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ N_1).reshape((n_batch, L, L, d_V))
+        t84 = ((t14 @ t83.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
+        t80[...] = ((t84.reshape((d_K*d_V, L*n_batch)) @ t82.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t85 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t86 = t85.view((d_V, d_K, d_V, d_V))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S87 = (1/(L*math.sqrt(d_K))) * (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/(L*math.sqrt(d_K)*d_V)) * (t42.permute(1, 2, 3, 0) @ t44) + (1/(L*math.sqrt(d_K))) * (t46.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-1/(L*math.sqrt(d_K)*d_V)) * (t47.permute(0, 1, 3, 2) @ t44)
+        t88 = A @ N_1
+        t89 = ((t88.reshape((n_batch, L, d_V, 1)) * t68.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t90 = (S87.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t91 = (t90.reshape((n_batch, L, d_V, L, 1)) * t50.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t92 = (t91.permute(0, 1, 3, 2) @ dA56)
+        t93 = (t92.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t94 = ((t14 @ t93.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
+        t95 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        # S: compact tensor ('d_V', 'd_V', 'd_V')
+        S96 = (t95.reshape((d_V, 1)) * t21.reshape((1, d_V**2))).reshape((d_V, d_V, d_V)) + (-1/d_V) * (t95.reshape((d_V, 1)) * t30.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))
+        t97 = (t90 @ dA.permute(0, 1, 3, 2))
+        t98 = (dA56.reshape((n_batch, L, d_V, d_V, 1)) * t50.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t99 = (t98.permute(0, 1, 3, 2) @ t97)
+        t100 = (t99.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t57).reshape((n_batch, L, L, d_ff))
+        t101 = (t100.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t102 = (t101.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t58).reshape((n_batch, L, L, d_V))
+        t103 = (t102 @ S60)
+        t104 = (t103.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t14.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+        t105 = ((S96.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t104.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_V, d_K, n_batch, L))).permute(2, 0, 1, 3, 4)
+        t86[...] = ((t89.reshape((d_V**2, L*n_batch)) @ t94.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+        t86 += ((t89.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t105.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
+        t106 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t107 = t106.view((d_V, d_K, d_V, d_ff))
+        t108 = ((N_2.reshape((n_batch, L, d_V, 1)) * t68.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t109 = (t50.reshape((n_batch, L, d_V, 1, 1)) * S87.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V))
+        t110 = (t109.reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t111 = (t110.permute(0, 1, 3, 2) @ dA56)
+        t112 = (t111.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t113 = (t112.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t57).reshape((n_batch, L, L, d_ff))
+        t114 = (t113.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t115 = ((t14 @ t114.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
+        t107[...] = ((t108.reshape((d_V**2, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
+        t116 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t117 = t116.view((d_V, d_K, d_ff, d_V))
+        t118 = ((t51.reshape((n_batch, L, d_ff, 1)) * t68.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t117[...] = ((t118.reshape((d_V*d_ff, L*n_batch)) @ t94.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
+        t119 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t120 = t119.view((d_V, d_K, d_V, d_K))
+        t121 = t81.transpose(-1, -2)
+        t122 = (1/n_batch) * t121
+        t123 = ((N_1.reshape((n_batch, L, d_V, 1)) * t122.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+        t124 = ((t12 @ t77.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(1, 2, 0, 3)
+        t120[...] = ((t123.reshape((d_K*d_V, L*n_batch)) @ t124.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t125 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+        t126 = t125.view((d_V, d_K, d_V, d_K))
+        t127 = ((t81.reshape((n_batch, L, d_K, 1)) * t122.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+        t128 = ((t12 @ t83.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+        t126[...] = ((t128.reshape((d_V**2, L*n_batch)) @ t127.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+        t129 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t130 = t129.view((d_V, d_K, d_V, d_V))
+        t131 = ((t88.reshape((n_batch, L, d_V, 1)) * t122.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+        t132 = ((t12 @ t93.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+        t133 = (t103.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+        t134 = ((S96.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t133.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+        t130[...] = ((t131.reshape((d_K*d_V, L*n_batch)) @ t132.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+        t130 += ((t131.permute(1, 0, 2, 3).reshape((d_V, d_K, L*n_batch)) @ t134.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 1, 0, 3)
+        t135 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t136 = t135.view((d_V, d_K, d_V, d_ff))
+        t137 = ((N_2.reshape((n_batch, L, d_V, 1)) * t122.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+        t138 = ((t12 @ t114.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
+        t136[...] = ((t137.reshape((d_K*d_V, L*n_batch)) @ t138.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+        t139 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t140 = t139.view((d_V, d_K, d_ff, d_V))
+        t141 = ((t51.reshape((n_batch, L, d_ff, 1)) * t122.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+        t140[...] = ((t141.reshape((d_K*d_ff, L*n_batch)) @ t132.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+        t142 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t143 = t142.view((d_V, d_V, d_V, d_K))
+        t144 = t88.transpose(-1, -2)
+        t145 = (1/n_batch) * t144
+        t146 = ((N_1.reshape((n_batch, L, d_V, 1)) * t145.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t147 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t66.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t148 = (t147 @ S65.permute(0, 1, 3, 2))
+        t149 = (t148 @ dA56.permute(0, 1, 3, 2))
+        t150 = (t149.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t50.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t151 = (t150.permute(0, 1, 3, 2) @ S87.permute(0, 1, 3, 2))
+        t152 = ((t67.permute(0, 2, 1) @ t151.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+        t143[...] = ((t146.reshape((d_V**2, L*n_batch)) @ t152.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t153 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t154 = t153.view((d_V, d_V, d_V, d_K))
+        t155 = ((t81.reshape((n_batch, L, d_K, 1)) * t145.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t156 = ((N_1.permute(0, 2, 1) @ t151.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+        t154[...] = ((t156.reshape((d_V**2, L*n_batch)) @ t155.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t157 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t158 = t157.view((d_V, d_V, d_V, d_V))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S159 = (1/L) * (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/(L*d_V)) * (t42.permute(1, 2, 3, 0) @ t44) + (1/L) * (t46.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-1/(L*d_V)) * (t47.permute(0, 1, 3, 2) @ t44)
+        t160 = ((t98.permute(0, 1, 3, 2) @ S159.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+        t161 = ((t88.reshape((n_batch, L, d_V, 1)) * t145.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t162 = (t50.reshape((n_batch, L, d_V, 1, 1)) * S159.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V))
+        t163 = (t162.permute(0, 1, 3, 2) @ dA56)
+        t164 = (t63 @ S60)
+        t165 = (t164.permute(0, 1, 3, 2) @ t163.permute(0, 1, 3, 2))
+        t166 = ((S96.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t165.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+        t158[...] = ((t161.reshape((d_V**2, L*n_batch)) @ t160.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+        t158 += ((t161.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t166.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
+        t167 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t168 = t167.view((d_V, d_V, d_V, d_ff))
+        t169 = ((N_2.reshape((n_batch, L, d_V, 1)) * t145.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t170 = (t163.reshape((L*d_V*n_batch, d_V)) @ t57).reshape((n_batch, L, d_V, d_ff))
+        t171 = ((t170.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(3, 0, 1, 2)
+        t168[...] = ((t169.reshape((d_V**2, L*n_batch)) @ t171.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
+        t172 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t173 = t172.view((d_V, d_V, d_ff, d_V))
+        t174 = ((t51.reshape((n_batch, L, d_ff, 1)) * t145.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t173[...] = ((t174.reshape((d_V*d_ff, L*n_batch)) @ t160.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+        t175 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        t176 = t175.view((d_V, d_ff, d_V, d_K))
+        t177 = N_2.transpose(-1, -2)
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S178 = (1/math.sqrt(d_K)) * (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (1/math.sqrt(d_K)) * (t63 @ t64.permute(2, 0, 3, 1))
+        t179 = (1/(L*n_batch)) * t177
+        t180 = ((N_1.reshape((n_batch, L, d_V, 1)) * t179.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t181 = (t147 @ S178.permute(0, 1, 3, 2))
+        t182 = (t181 @ t98.permute(0, 1, 3, 2))
+        t183 = (t182.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t184 = (t183.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t185 = ((t67.permute(0, 2, 1) @ t184.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
+        t176[...] = ((t180.reshape((d_V**2, L*n_batch)) @ t185.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
+        t186 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t187 = t186.view((d_V, d_ff, d_V, d_K))
+        t188 = ((t81.reshape((n_batch, L, d_K, 1)) * t179.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t189 = ((N_1.permute(0, 2, 1) @ t184.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
+        t187[...] = ((t189.reshape((d_V*d_ff, L*n_batch)) @ t188.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t190 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t191 = t190.view((d_V, d_ff, d_V, d_ff))
+        t192 = ((N_2.reshape((n_batch, L, d_V, 1)) * t179.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t193 = (t45.permute(2, 3, 0, 1) @ t98)
+        t194 = ((t193 @ t62.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
+        t191[...] = ((t192.reshape((d_V**2, L*n_batch)) @ t194.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
+        t195 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t196 = t195.view((d_V, d_ff, d_ff, d_V))
+        t197 = ((t51.reshape((n_batch, L, d_ff, 1)) * t179.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t198 = (t98.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+        t199 = ((t198.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(0, 3, 1, 2)
+        t196[...] = ((t197.reshape((d_V*d_ff, L*n_batch)) @ t199.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
+        t200 = t39.transpose(-1, -2)
+        t201 = t51.transpose(-1, -2)
+        R = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t202 = R.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t203 = t202[..., 0:d_K*d_V]
+        t204 = t203.view((n_batch, L, d_V, d_V, d_K))
+        t205 = (1/L) * t50
+        t206 = (t205.reshape((n_batch, L, d_V, 1)) * N_1.reshape((n_batch, L, 1, d_V)))
+        t207 = (t181 @ dA56.permute(0, 1, 3, 2))
+        t208 = (t207.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t67).reshape((n_batch, L, d_V, d_K))
+        t204[...] = (t206.reshape((n_batch, L, d_V, d_V, 1)) * t208.reshape((n_batch, L, d_V, 1, d_K)))
+        t209 = t202[..., d_K*d_V:2*d_K*d_V]
+        t210 = t209.view((n_batch, L, d_V, d_V, d_K))
+        t211 = (t205.reshape((n_batch, L, d_V, 1)) * t81.reshape((n_batch, L, 1, d_K)))
+        t212 = (t207.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t210[...] = (t212.reshape((n_batch, L, d_V, d_V, 1)) * t211.reshape((n_batch, L, d_V, 1, d_K)))
+        t213 = t202[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t214 = t213.view((n_batch, L, d_V, d_V, d_V))
+        t215 = (dA56.reshape((n_batch, L, d_V, d_V, 1)) * t205.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t216 = (t215 @ t164)
+        t217 = ((t88.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S96.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t214[...] = ((t88.reshape((n_batch, L, d_V, 1)) * t215.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t214 += (t216 @ t217.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t218 = t202[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t219 = t218.view((n_batch, L, d_V, d_V, d_ff))
+        t220 = (dA56.reshape((L*d_V*n_batch, d_V)) @ t57).reshape((n_batch, L, d_V, d_ff))
+        t221 = (N_2.reshape((n_batch, L, d_V, 1)) * t205.reshape((n_batch, L, 1, d_V)))
+        t222 = (t221.permute(0, 1, 3, 2).reshape((n_batch, L, d_V**2, 1)) * t40.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
+        t219[...] = ((t220.reshape((n_batch, L, d_V, d_ff, 1, 1)) * t222.permute(0, 1, 2, 4, 3).reshape((n_batch, L, d_V, d_ff, 1, d_V))).reshape((n_batch, L, d_V, d_ff, d_V))).permute(0, 1, 2, 4, 3)
+        t223 = t202[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t224 = t223.view((n_batch, L, d_V, d_ff, d_V))
+        t224[...] = ((t51.reshape((n_batch, L, d_ff, 1)) * t215.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t225 = t201.permute(1, 0, 2)
+        t226 = t225.reshape((d_ff, L*n_batch))
+        t227 = (1/n_batch) * t226
+        t228 = R.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t229 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t227, t228, out=t229)
+        del R
+        t230 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t230[...] = t167.transpose(-1, -2)
+        return H
     H = torch.empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -35120,9 +36529,9 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t103 = t87 @ N_1
     t104 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t105 = (1/n_batch) * t104
-    t106 = (t103.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t12.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t106 = (t12.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t103.reshape((L*n_batch, d_V)))
     t95[...] = ((t100.reshape((d_K*d_V, L*n_batch)) @ t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t102 += (t106.permute(1, 0).reshape((d_V**2, 1)) * t105.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t102 += (t106.reshape((d_V**2, 1)) * t105.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t107 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t108 = t107.view((d_V, d_K, d_V, d_V))
     t109 = ((1/2)*d_V) * t74
@@ -36651,9 +38060,9 @@ def ce_bias0_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t94 = t86 @ N_1
     t95 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t96 = (1/n_batch) * t95
-    t97 = (t94.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t11.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t97 = (t11.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t94.reshape((L*n_batch, d_V)))
     t0[...] = ((t91.reshape((d_K*d_V, L*n_batch)) @ t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t93 += (t97.permute(1, 0).reshape((d_V**2, 1)) * t96.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t93 += (t97.reshape((d_V**2, 1)) * t96.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -41787,6 +43196,629 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
+    if n_batch <= 2:    # row slabs (their operands grow with the batch)
+        H = torch.empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t0 = X.sum(-1, keepdim=True)
+        t1 = t0.expand(*t0.shape[:-1], d_V)
+        t2 = (1/d_V) * t1
+        t3 = X - t2
+        M_N_1 = t3
+        t4 = M_N_1 * M_N_1
+        t5 = t4.sum(-1, keepdim=True)
+        t6 = t5.expand(*t5.shape[:-1], d_V)
+        t7 = (1/d_V) * t6
+        sigma2_N_1 = t7
+        t8 = (sigma2_N_1 ** -0.5)
+        P_N_1 = t8
+        t9 = M_N_1 * P_N_1
+        N_1 = t9
+        t10 = N_1.transpose(-1, -2)
+        R = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t11 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t12 = t11[..., 0:d_K*d_V]
+        t13 = t12.view((n_batch, L, d_K, d_V, d_K))
+        t14 = W_K.transpose(-1, -2)
+        t15 = t14 @ t10
+        t16 = W_Q @ t15
+        t17 = N_1 @ t16
+        t18 = (1/math.sqrt(d_K)) * t17
+        t19 = torch.exp(t18 - t18.amax(-1, keepdim=True))
+        A = t19 / t19.sum(-1, keepdim=True)
+        t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+        # dA: compact tensor ('L', 'L', 'L')
+        dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+        t21 = N_1 @ W_V
+        t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+        t23 = torch.ones((L,), dtype=X.dtype, device=X.device)
+        t24 = A @ t21
+        t25 = t24 + X
+        Y26 = t25
+        t27 = Y26.sum(-1, keepdim=True)
+        t28 = t27.expand(*t27.shape[:-1], d_V)
+        t29 = (1/d_V) * t28
+        t30 = Y26 - t29
+        M_N_2 = t30
+        t31 = torch.ones((d_V, d_V), dtype=X.dtype, device=X.device)
+        t32 = M_N_2 * M_N_2
+        t33 = t32.sum(-1, keepdim=True)
+        t34 = t33.expand(*t33.shape[:-1], d_V)
+        t35 = (1/d_V) * t34
+        sigma2_N_2 = t35
+        t36 = (-0.5 * (sigma2_N_2 ** -1.5))
+        t37 = t36 * M_N_2
+        t38 = (sigma2_N_2 ** -0.5)
+        P_N_2 = t38
+        t39 = M_N_2 * P_N_2
+        N_2 = t39
+        t40 = N_2 @ W_1
+        t41 = torch.heaviside(t40, torch.full_like(t40, 0.0))
+        t42 = (t31.reshape((d_V, d_V, 1)) * M_N_2.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        t43 = (t42.permute(1, 2, 3, 0).reshape((d_V, n_batch, L, d_V, 1)) * t37.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))
+        t44 = (t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+        t45 = (t44.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
+        t46 = (W_2.reshape((d_ff, d_V, 1)) * t41.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+        t47 = (t46.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S = ((P_N_2.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t42.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+        t48 = (S.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S49 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t43.permute(1, 2, 3, 0) @ t45) + (t47.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-1/d_V) * (t48.permute(0, 1, 3, 2) @ t45)
+        t50 = Y.sum(-1, keepdim=True)
+        t51 = t50.expand(*t50.shape[:-1], d_V)
+        t52 = (t40 * torch.heaviside(t40, torch.full_like(t40, 0.0)))
+        t53 = t52 @ W_2
+        t54 = t53 + Y26
+        t55 = torch.exp(t54 - t54.amax(-1, keepdim=True))
+        A56 = t55 / t55.sum(-1, keepdim=True)
+        # dA: compact tensor ('L', 'd_V', 'd_V')
+        dA57 = ((A56.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A56.reshape((n_batch, L, d_V, 1)) * A56.reshape((n_batch, L, 1, d_V)))
+        t58 = W_2.transpose(-1, -2)
+        t59 = W_1.transpose(-1, -2)
+        t60 = (t31.reshape((d_V, d_V, 1)) * t37.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S61 = ((P_N_2.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t60.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * M_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S62 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/d_V) * (t23.reshape((L, 1)) * t31.reshape((1, d_V**2))).reshape((L, d_V, d_V))
+        t63 = (t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t58.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+        t64 = (t63.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t59).reshape((n_batch, L, d_V, d_V))
+        t65 = (S62.permute(0, 2, 1) @ S61.permute(1, 3, 0, 2).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S66 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (t64 @ t65.permute(2, 0, 3, 1))
+        t67 = t21.transpose(-1, -2)
+        t68 = (t67.permute(0, 2, 1) @ S66.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t69 = (t68.permute(0, 2, 1, 3) @ dA57.permute(0, 1, 3, 2))
+        t70 = (t69.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t51.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t71 = (t70.permute(0, 1, 3, 2) @ S49.permute(0, 1, 3, 2))
+        t72 = (t71.reshape((n_batch, L**2, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+        t73 = (t72.permute(0, 1, 3, 2) @ dA)
+        F = t54
+        t74 = torch.exp(F - F.amax(-1, keepdim=True))
+        A75 = t74 / t74.sum(-1, keepdim=True)
+        t76 = t51 * A75
+        t77 = t76 - Y
+        t78 = (1/L) * t77
+        G = t78
+        t79 = G @ t58
+        t80 = t41 * t79
+        t81 = t80 @ t59
+        t82 = t36 * t81 * M_N_2
+        t83 = t82.sum(-1, keepdim=True)
+        t84 = t83.expand(*t83.shape[:-1], d_V)
+        t85 = t36 * t81
+        t86 = (t31.reshape((d_V, d_V, 1)) * t85.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        t87 = (0.75 * (sigma2_N_2 ** -2.5))
+        t88 = t87 * t81 * M_N_2
+        t89 = (t31.reshape((d_V, d_V, 1)) * t88.permute(2, 0, 1).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S90 = ((t85.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t89.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * M_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S91 = ((t84.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + ((t86.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * M_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2) + (t42.permute(2, 3, 0, 1) @ S90)
+        t92 = (S62.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t21.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((L, d_V, n_batch, L))
+        t93 = (t92.permute(0, 2, 3, 1) @ S91.permute(1, 0, 2, 3))
+        t94 = (t93.reshape((L, L*n_batch, d_V)) @ S62).reshape((L, n_batch, L, d_V))
+        t95 = (t94.permute(1, 0, 2, 3).reshape((n_batch, L**2, d_V)) @ t67).reshape((n_batch, L, L, L))
+        t96 = (t95.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t97 = t84 * M_N_2
+        t98 = (2/(math.sqrt(d_K)*d_V**2)) * t97
+        t99 = t81 * P_N_2
+        t100 = (1/(math.sqrt(d_K)*d_V)) * t99
+        t101 = -t98 - t100
+        t102 = t101.sum(-1, keepdim=True)
+        t103 = t67.sum(-2, keepdim=True)
+        t104 = t102 * t103
+        t105 = (2/(math.sqrt(d_K)*d_V)) * t97
+        t106 = (1/math.sqrt(d_K)) * t99
+        t107 = (1/math.sqrt(d_K)) * G
+        t108 = t105 + t106 + t107
+        t109 = t108 @ t67
+        t110 = t104 + t109
+        t111 = t110 - (A * t110).sum(-1, keepdim=True)
+        t112 = A * t111
+        # d2A: compact tensor ('L', 'L', 'L')
+        d2A = ((t112.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t112.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t112.reshape((n_batch, L, 1, L)))
+        # S: compact tensor ('L', 'L', 'L')
+        S113 = (1/(L*d_K)) * (dA @ t73) + (2/(d_K*d_V)) * (t96.permute(0, 1, 3, 2) @ dA) + (1/math.sqrt(d_K)) * d2A
+        t114 = t15.transpose(-1, -2)
+        t115 = (S113.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t15.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t116 = (t115.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t114).reshape((n_batch, L, d_K, d_K))
+        t13[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t116.reshape((n_batch, L, 1, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t117 = t11[..., d_K*d_V:2*d_K*d_V]
+        t118 = t117.view((n_batch, L, d_K, d_V, d_K))
+        # S: compact tensor ('L', 'L', 'L')
+        S119 = (t96.permute(0, 1, 3, 2) @ dA) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
+        t120 = N_1 @ W_Q
+        t121 = (2/(d_K*d_V)) * t15
+        t122 = (S119.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t121.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t123 = (t122.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        t124 = (1/(L*d_K)) * t15
+        t125 = (t73.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t126 = (t125.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ N_1).reshape((n_batch, L, L, d_V))
+        t127 = ((t124 @ t126.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t128 = t118.diagonal(0, 2, 4)
+        t129 = t112 @ N_1
+        t130 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+        t131 = t123 + t127
+        t118[...] = (t131.reshape((n_batch, L, d_K*d_V, 1)) * t120.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_K, d_V, d_K))
+        t128 += (t129.reshape((L*d_V*n_batch, 1)) * t130.reshape((1, d_K))).reshape((n_batch, L, d_V, d_K))
+        t132 = t11[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t133 = t132.view((n_batch, L, d_K, d_V, d_V))
+        t134 = ((1/2)*d_V) * t99
+        t135 = ((1/2)*d_V) * G
+        t136 = t97 + t134 + t135
+        t137 = (2/(math.sqrt(d_K)*d_V)) * t15
+        t138 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t137.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t139 = (t138.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        t140 = W_V.sum(-1, keepdim=True)
+        t141 = t140.expand(*t140.shape[:-1], d_V)
+        t142 = A @ N_1
+        t143 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        # S: compact tensor ('d_V', 'd_V', 'd_V')
+        S144 = (t143.reshape((d_V, 1)) * t22.reshape((1, d_V**2))).reshape((d_V, d_V, d_V)) + (-1/d_V) * (t143.reshape((d_V, 1)) * t31.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))
+        t145 = (-2/(math.sqrt(d_K)*d_V**2)) * t15
+        t146 = (t141.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t147 = (t146.permute(1, 2, 0) @ S91.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t148 = (t147.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t149 = (t148.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S144.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t150 = ((t145 @ t149.permute(0, 2, 1, 3, 4).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t151 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t152 = (t151.permute(1, 2, 0) @ S91.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t153 = (t152.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t154 = (t153.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S144.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t155 = ((t137 @ t154.permute(0, 2, 1, 3, 4).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t156 = (1/(L*math.sqrt(d_K))) * t15
+        t157 = (t151.permute(1, 2, 0) @ S49.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t158 = (t157.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t51.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t159 = (t158.permute(0, 1, 3, 2) @ dA57)
+        t160 = (t159.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t161 = ((t156 @ t160.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t162 = (t157.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t163 = (dA57.reshape((n_batch, L, d_V, d_V, 1)) * t51.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t164 = (t163.permute(0, 1, 3, 2) @ t162)
+        t165 = (t164.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t58).reshape((n_batch, L, L, d_ff))
+        t166 = (t165.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t167 = (t166.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t59).reshape((n_batch, L, L, d_V))
+        t168 = (t167 @ S61)
+        t169 = (t168.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t156.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+        t170 = (t169.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ S144.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
+        t171 = t97 + t134
+        t172 = t171.sum(-1, keepdim=True)
+        t173 = t172.expand(*t172.shape[:-1], d_V)
+        t174 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t145.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t175 = (t174.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        t133[...] = (t139.reshape((n_batch, L, d_K*d_V, 1)) * t136.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
+        t176 = t150 + t155 + t170
+        t133 += ((t142.reshape((n_batch, L, d_V, 1, 1)) * t176.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t133 += ((t142.reshape((n_batch, L, d_V, 1)) * t161.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t133 += (t175.reshape((n_batch, L, d_K*d_V, 1)) * t173.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
+        t177 = t11[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t178 = t177.view((n_batch, L, d_K, d_V, d_ff))
+        t179 = (1/math.sqrt(d_K)) * t15
+        t180 = (t92.permute(0, 2, 3, 1) @ S.permute(1, 0, 2, 3))
+        t181 = (t180.permute(0, 1, 3, 2) @ dA.permute(1, 0, 3, 2))
+        t182 = ((t179 @ t181.permute(1, 3, 0, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t183 = (N_2.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
+        t184 = (S49.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t185 = (t184.reshape((n_batch, L, d_V, L, 1)) * t51.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t186 = (t185.permute(0, 1, 3, 2) @ dA57)
+        t187 = (t186.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t188 = (t187.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t58).reshape((n_batch, L, L, d_ff))
+        t189 = ((t156 @ t188.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
+        t178[...] = (t182.reshape((n_batch, L, d_K*d_V, 1)) * t80.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_K, d_V, d_ff))
+        t178 += ((t183.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t189.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_K)))).permute(0, 1, 4, 3, 2)
+        t190 = t11[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t191 = t190.view((n_batch, L, d_K, d_ff, d_V))
+        t192 = (t41.reshape((n_batch, L, d_ff, 1)) * G.reshape((n_batch, L, 1, d_V)))
+        t193 = (t181.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((L, n_batch, L, d_ff))
+        t194 = ((t179 @ t193.permute(1, 2, 0, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
+        t195 = ((t156 @ t187.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t191[...] = ((t194.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_K, 1)) * t192.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
+        t191 += ((t52.reshape((n_batch, L, d_ff, 1)) * t195.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t196 = t10.permute(1, 0, 2)
+        t197 = t196.reshape((d_V, L*n_batch))
+        t198 = (1/n_batch) * t197
+        t199 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t200 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t198, t199, out=t200)
+        del R
+        R201 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t202 = R201.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t203 = t202[..., 0:d_K*d_V]
+        t204 = t203.view((n_batch, L, d_K, d_V, d_K))
+        t205 = t120.transpose(-1, -2)
+        t206 = (1/(L*d_K)) * t205
+        t207 = ((N_1.reshape((n_batch, L, d_V, 1)) * t206.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t208 = ((t114.permute(0, 2, 1) @ t125.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t209 = (2/(d_K*d_V)) * t205
+        t210 = ((N_1.reshape((n_batch, L, d_V, 1)) * t209.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t211 = ((t114.permute(0, 2, 1) @ S119.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t212 = t207.reshape((n_batch, d_K*d_V, L))
+        t213 = t210.reshape((n_batch, d_K*d_V, L))
+        t214 = t208.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t215 = t211.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t216 = torch.cat([t212, t213], dim=-1)
+        t217 = torch.cat([t214, t215], dim=-2)
+        t204[...] = ((t216 @ t217).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t218 = t202[..., d_K*d_V:2*d_K*d_V]
+        t219 = t218.view((n_batch, L, d_K, d_V, d_K))
+        t220 = ((t120.reshape((n_batch, L, d_K, 1)) * t206.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t221 = ((N_1.permute(0, 2, 1) @ t125.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t222 = ((t120.reshape((n_batch, L, d_K, 1)) * t209.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t223 = ((N_1.permute(0, 2, 1) @ S119.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t224 = t221.reshape((n_batch, L*d_V, L))
+        t225 = t223.reshape((n_batch, L*d_V, L))
+        t226 = t220.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t227 = t222.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t228 = torch.cat([t224, t225], dim=-1)
+        t229 = torch.cat([t226, t227], dim=-2)
+        t219[...] = ((t228 @ t229).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t230 = t202[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t231 = t230.view((n_batch, L, d_K, d_V, d_V))
+        t232 = (2/(math.sqrt(d_K)*d_V)) * t205
+        t233 = ((t136.reshape((n_batch, L, d_V, 1)) * t232.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t234 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t235 = (-2/(math.sqrt(d_K)*d_V**2)) * t205
+        t236 = ((t142.reshape((n_batch, L, d_V, 1)) * t235.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t237 = ((S144.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t148.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t238 = ((t142.reshape((n_batch, L, d_V, 1)) * t232.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t239 = ((S144.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t153.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t240 = (1/(L*math.sqrt(d_K))) * t205
+        t241 = ((t142.reshape((n_batch, L, d_V, 1)) * t240.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t242 = ((t159.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
+        t243 = (t168.reshape((L**2*n_batch, d_V)) @ S144.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t244 = ((t243.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t142.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
+        t245 = ((t173.reshape((n_batch, L, d_V, 1)) * t235.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t246 = t234.reshape((n_batch, L*d_V, L))
+        t247 = t233.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))
+        t248 = t245.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))
+        t249 = torch.cat([t246, t246], dim=-1)
+        t250 = torch.cat([t247, t248], dim=-2)
+        t231[...] = ((t249 @ t250).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t231 += ((t236.permute(0, 2, 1, 3) @ t237.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t231 += ((t238.permute(0, 2, 1, 3) @ t239.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t231 += ((t241.reshape((n_batch, d_K*d_V, L)) @ t242.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t231 += ((t240 @ t244.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t251 = t202[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t252 = t251.view((n_batch, L, d_K, d_V, d_ff))
+        t253 = (1/math.sqrt(d_K)) * t205
+        t254 = (t21.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t255 = (t254.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S62).reshape((L, n_batch, L, d_V))
+        t256 = ((t255.permute(1, 0, 2, 3) @ S)).permute(0, 2, 3, 1)
+        t257 = ((t80.reshape((n_batch, L, d_ff, 1)) * t253.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t258 = ((N_2.reshape((n_batch, L, d_V, 1)) * t240.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t259 = ((t188.permute(0, 3, 1, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
+        t252[...] = ((t256.reshape((n_batch, L*d_V, L)) @ t257.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
+        t252 += ((t258.reshape((n_batch, d_K*d_V, L)) @ t259.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
+        t260 = t202[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t261 = t260.view((n_batch, L, d_K, d_ff, d_V))
+        t262 = ((G.reshape((n_batch, L, d_V, 1)) * t253.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t263 = ((t193.permute(1, 3, 0, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
+        t264 = ((t52.reshape((n_batch, L, d_ff, 1)) * t240.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t265 = ((t186.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
+        t261[...] = ((t263.reshape((n_batch, L*d_ff, L)) @ t262.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t261 += ((t264.reshape((n_batch, d_K*d_ff, L)) @ t265.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
+        t266 = R201.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t267 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t198, t266, out=t267)
+        del R201
+        t268 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t269 = t268.view((d_V, d_K, d_V, d_K))
+        t270 = t269.diagonal(0, 1, 3)
+        t271 = t129.transpose(-1, -2)
+        t272 = (1/n_batch) * t130
+        t273 = (t271.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
+        t270 += (t273.reshape((d_V**2, 1)) * t272.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+        t274 = t142.transpose(-1, -2)
+        R275 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t276 = R275.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t277 = t276[..., 0:d_K*d_V]
+        t278 = t277.view((n_batch, L, d_V, d_V, d_K))
+        t279 = W_V.transpose(-1, -2)
+        t280 = (2/(math.sqrt(d_K)*d_V)) * t10
+        t281 = (t280.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t279.permute(1, 0)).reshape((n_batch, L, d_V))
+        t282 = (t281.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t283 = (t282.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S62.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+        t284 = (t283 @ S91.permute(1, 0, 3, 2))
+        t285 = (t284.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ t114).reshape((n_batch, L, d_V, d_K))
+        t286 = (-2/(math.sqrt(d_K)*d_V**2)) * t10
+        t287 = (t286.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t279.permute(1, 0)).reshape((n_batch, L, d_V))
+        t288 = (t287.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t289 = (t288.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S62.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+        t290 = (t289 @ S91.permute(1, 0, 3, 2))
+        t291 = (t290.reshape((L**2*n_batch, d_V)) @ t31.permute(1, 0)).reshape((L, n_batch, L, d_V))
+        t292 = (t291.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ t114).reshape((n_batch, L, d_V, d_K))
+        t293 = (-1/(L*math.sqrt(d_K)*d_V)) * t51
+        t294 = (S66.permute(0, 1, 3, 2) @ dA57.permute(0, 1, 3, 2))
+        t295 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t279.permute(1, 0)).reshape((n_batch, L, d_V))
+        t296 = (t295 @ t294.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t297 = (t296.permute(0, 2, 3, 1) @ dA)
+        t298 = (t297.reshape((n_batch, L, d_V, L, 1)) * t293.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t299 = (t298.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t300 = (t299.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t301 = (t300.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((n_batch, L, L, d_V))
+        t302 = (t301 @ t48)
+        t303 = (t302.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t114).reshape((n_batch, L, d_V, d_K))
+        # S: compact tensor ('L', 'd_V', 'd_V')
+        S304 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t43.permute(1, 2, 3, 0) @ t45) + (t47.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t305 = (1/(L*math.sqrt(d_K))) * t51
+        t306 = (t295.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t307 = (t306.permute(0, 2, 3, 1) @ S66.permute(0, 1, 3, 2))
+        t308 = (t307 @ dA57.permute(0, 1, 3, 2))
+        t309 = (t308.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t305.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t310 = (t309.permute(0, 1, 3, 2) @ S304.permute(0, 1, 3, 2))
+        t311 = (t310.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t114).reshape((n_batch, L, d_V, d_K))
+        t312 = t285 + t292 + t303 + t311
+        t278[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t312.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t313 = t276[..., d_K*d_V:2*d_K*d_V]
+        t314 = t313.view((n_batch, L, d_V, d_V, d_K))
+        t315 = (t284.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t316 = (t291.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t317 = (t302.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t318 = (t310.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t319 = t315 + t316 + t317 + t318
+        t314[...] = (t319.reshape((n_batch, L, d_V**2, 1)) * t120.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+        t320 = t276[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t321 = t320.view((n_batch, L, d_V, d_V, d_V))
+        t322 = (2/d_V) * t142
+        t323 = S144.permute(0, 2, 1)
+        t324 = ((t322.reshape((n_batch, L, d_V, 1)) * S91.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t325 = (1/L) * t51
+        t326 = (dA57.reshape((n_batch, L, d_V, d_V, 1)) * t325.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t327 = (S304 @ t326)
+        t328 = (t325.reshape((n_batch, L, d_V, 1, 1)) * S304.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V))
+        t329 = (t328.permute(0, 1, 3, 2) @ dA57)
+        t330 = (t64 @ S61)
+        t331 = (t330.permute(0, 1, 3, 2) @ t329.permute(0, 1, 3, 2))
+        t332 = (t331.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S144.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t333 = (-2/d_V**2) * t142
+        t334 = ((t31 @ S91.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t335 = ((t333.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S144.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t336 = (-1/(L*d_V)) * t51
+        t337 = (dA57.reshape((n_batch, L, d_V, d_V, 1)) * t336.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t338 = (t45.permute(0, 1, 3, 2) @ t48)
+        t339 = (t338.permute(0, 1, 3, 2) @ t337)
+        t340 = (t337.reshape((L*d_V*n_batch, d_V)) @ t58).reshape((n_batch, L, d_V, d_ff))
+        t341 = (t340.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+        t342 = (t341.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t59).reshape((n_batch, L, d_V, d_V))
+        t343 = (t342 @ S61)
+        t344 = (t48.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        t345 = (t344.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+        t346 = (t345.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
+        t347 = (t346 @ t343)
+        t348 = (t347.reshape((L*d_V*n_batch, d_V)) @ S144.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t321[...] = ((t324.permute(3, 0, 1, 2, 4).reshape((d_V, L*d_V*n_batch, d_V)) @ t323.permute(0, 2, 1)).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 3, 0, 4)
+        t349 = t327 + t339
+        t321 += ((t142.reshape((n_batch, L, d_V, 1)) * t349.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t350 = t332 + t348
+        t321 += ((t142.reshape((n_batch, L, d_V, 1, 1)) * t350.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t321 += (t334 @ t335.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t351 = t276[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t352 = t351.view((n_batch, L, d_V, d_V, d_ff))
+        t353 = (t329.reshape((L*d_V*n_batch, d_V)) @ t58).reshape((n_batch, L, d_V, d_ff))
+        t354 = (-1/d_V) * t31
+        t355 = ((t354 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t356 = (t339.reshape((L*d_V*n_batch, d_V)) @ t58).reshape((n_batch, L, d_V, d_ff))
+        t357 = ((t356.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))).permute(0, 1, 3, 2)
+        t352[...] = (S.reshape((n_batch, L, d_V**2, 1)) * t80.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
+        t352 += ((t353.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t183.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t352 += (t355.reshape((n_batch, L, d_V**2, 1)) * t80.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
+        t352 += ((N_2.reshape((n_batch, L, d_V, 1)) * t357.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))).permute(0, 1, 3, 2, 4)
+        t358 = t276[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t359 = t358.view((n_batch, L, d_V, d_ff, d_V))
+        t360 = (S.reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        t361 = (-1/d_V) * G
+        t362 = (t41.reshape((n_batch, L, d_ff, 1)) * t361.reshape((n_batch, L, 1, d_V)))
+        t359[...] = ((t360.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t192.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
+        t359 += ((t52.reshape((n_batch, L, d_ff, 1)) * t349.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t359 += ((t344.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t362.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
+        t363 = t274.permute(1, 0, 2)
+        t364 = t363.reshape((d_V, L*n_batch))
+        t365 = (1/n_batch) * t364
+        t366 = R275.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t367 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t365, t366, out=t367)
+        del R275
+        t368 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t369 = t368.view((d_V, d_V, d_V, d_K))
+        t370 = sigma2_N_2.transpose(-1, -2)
+        t371 = t36.transpose(-1, -2)
+        t372 = t81.transpose(-1, -2)
+        t373 = M_N_2.transpose(-1, -2)
+        t374 = t371 * t372 * t373
+        t375 = t374.sum(-2, keepdim=True)
+        t376 = t375.expand(*t375.shape[:-2], d_V, t375.shape[-1])
+        t377 = t376 * t373
+        t378 = P_N_2.transpose(-1, -2)
+        t379 = t372 * t378
+        t380 = ((1/2)*d_V) * t379
+        t381 = G.transpose(-1, -2)
+        t382 = ((1/2)*d_V) * t381
+        t383 = t377 + t380 + t382
+        t384 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t383
+        t385 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t386 = ((t114.permute(0, 2, 1) @ t385.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+        t387 = ((N_1.reshape((n_batch, L, d_V, 1)) * t384.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t388 = t377 + t380
+        t389 = t388.sum(-2, keepdim=True)
+        t390 = t389.expand(*t389.shape[:-2], d_V, t389.shape[-1])
+        t391 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t390
+        t392 = ((N_1.reshape((n_batch, L, d_V, 1)) * t391.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t393 = t387.reshape((d_V**2, L*n_batch))
+        t394 = t392.reshape((d_V**2, L*n_batch))
+        t395 = t386.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        t396 = torch.cat([t393, t394], dim=-1)
+        t397 = torch.cat([t395, t395], dim=-2)
+        t369 += ((t396 @ t397).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t398 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t399 = t398.view((d_V, d_V, d_V, d_K))
+        t400 = ((N_1.permute(0, 2, 1) @ t385.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+        t401 = ((t120.reshape((n_batch, L, d_K, 1)) * t384.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t402 = ((t120.reshape((n_batch, L, d_K, 1)) * t391.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t403 = t400.reshape((d_V**2, L*n_batch))
+        t404 = t401.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        t405 = t402.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        t406 = torch.cat([t403, t403], dim=-1)
+        t407 = torch.cat([t404, t405], dim=-2)
+        t399 += ((t406 @ t407).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t408 = N_2.transpose(-1, -2)
+        R409 = torch.empty((n_batch, L, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t410 = R409.view((n_batch, L*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t411 = t410[..., 0:d_K*d_V]
+        t412 = t411.view((n_batch, L, d_ff, d_V, d_K))
+        t413 = (dA57.reshape((n_batch, L, d_V, d_V, 1)) * t305.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t414 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t67.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t415 = (t414 @ S66.permute(0, 1, 3, 2))
+        t416 = (t415 @ t413.permute(0, 1, 3, 2))
+        t417 = (t416.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t418 = (t417.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t419 = (t418.reshape((n_batch, L*d_ff, L)) @ t114).reshape((n_batch, L, d_ff, d_K))
+        t412[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t419.reshape((n_batch, L, 1, d_K*d_ff))).reshape((n_batch, L, d_V, d_ff, d_K))).permute(0, 1, 3, 2, 4)
+        t420 = t410[..., d_K*d_V:2*d_K*d_V]
+        t421 = t420.view((n_batch, L, d_ff, d_V, d_K))
+        t422 = (t418.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+        t421[...] = (t422.reshape((n_batch, L, d_V*d_ff, 1)) * t120.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_ff, d_V, d_K))
+        t423 = t410[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t424 = t423.view((n_batch, L, d_ff, d_V, d_V))
+        t425 = ((W_2 @ t326.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t426 = (t41.reshape((n_batch, L, d_ff, 1)) * t142.reshape((n_batch, L, 1, d_V)))
+        t427 = (t330.permute(0, 1, 3, 2) @ t326.permute(0, 1, 3, 2))
+        t428 = (t46.permute(2, 3, 0, 1) @ t427.permute(0, 1, 3, 2))
+        t429 = ((t142.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S144.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t424[...] = (t426.reshape((n_batch, L, d_ff, d_V, 1)) * t425.reshape((n_batch, L, d_ff, 1, d_V)))
+        t424 += (t428 @ t429.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))
+        t430 = t410[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t431 = t430.view((n_batch, L, d_ff, d_V, d_ff))
+        t432 = (t46.permute(2, 3, 0, 1) @ t326)
+        t433 = (t432 @ t63.permute(1, 2, 3, 0))
+        t431[...] = ((N_2.reshape((n_batch, L, d_V, 1)) * t433.reshape((n_batch, L, 1, d_ff**2))).reshape((n_batch, L, d_V, d_ff, d_ff))).permute(0, 1, 3, 2, 4)
+        t434 = t410[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t435 = t434.view((n_batch, L, d_ff, d_ff, d_V))
+        t436 = (t326.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+        t437 = (t436.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+        t438 = t435.diagonal(0, 2, 3)
+        t435[...] = ((t52.reshape((n_batch, L, d_ff, 1)) * t437.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_ff, d_ff, d_V))).permute(0, 1, 3, 2, 4)
+        t438 += (G.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
+        t439 = t408.permute(1, 0, 2)
+        t440 = t439.reshape((d_V, L*n_batch))
+        t441 = (1/n_batch) * t440
+        t442 = R409.view((L*n_batch, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t443 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t441, t442, out=t443)
+        del R409
+        t444 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        t445 = t444.view((d_V, d_ff, d_V, d_K))
+        t446 = t40.transpose(-1, -2)
+        t447 = t41.transpose(-1, -2)
+        t448 = t79.transpose(-1, -2)
+        t449 = t447 * t448
+        t450 = t371 * t373
+        t451 = (t31.reshape((d_V, d_V, 1)) * t450.permute(1, 0, 2).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        # S: compact tensor ('d_V', 'L', 'd_V')
+        S452 = ((t378.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t451.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t373.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
+        t453 = (1/(math.sqrt(d_K)*n_batch)) * t67
+        t454 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t453.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t455 = (t454.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S62.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+        t456 = (t455 @ S452.permute(2, 0, 3, 1))
+        t457 = ((t114.permute(0, 2, 1) @ t456.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+        t458 = ((N_1.reshape((n_batch, L, d_V, 1)) * t449.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t445 += ((t458.reshape((d_V*d_ff, L*n_batch)) @ t457.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t459 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t460 = t459.view((d_V, d_ff, d_V, d_K))
+        t461 = ((N_1.permute(0, 2, 1) @ t456.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+        t462 = ((t120.reshape((n_batch, L, d_K, 1)) * t449.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t460 += ((t461.reshape((d_V**2, L*n_batch)) @ t462.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
+        t463 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t464 = t463.view((d_V, d_ff, d_V, d_V))
+        # S: compact tensor ('d_V', 'd_V', 'd_V')
+        S465 = ((t143.reshape((d_V, 1)) * t22.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2) + (-1/d_V) * ((t143.reshape((d_V, 1)) * t31.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2)
+        t466 = (1/n_batch) * t142
+        t467 = ((t466.reshape((n_batch, L, d_V, 1)) * t449.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t468 = ((S465.permute(1, 2, 0).reshape((d_V**2, d_V)) @ S452.permute(3, 1, 0, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+        t464 += ((t467.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t468.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 1, 0, 3)
+        t469 = t52.transpose(-1, -2)
+        R470 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t471 = R470.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t472 = t471[..., 0:d_K*d_V]
+        t473 = t472.view((n_batch, L, d_V, d_V, d_K))
+        t474 = (t305.reshape((n_batch, L, d_V, 1)) * N_1.reshape((n_batch, L, 1, d_V)))
+        t475 = (t415 @ dA57.permute(0, 1, 3, 2))
+        t476 = (t475.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t114).reshape((n_batch, L, d_V, d_K))
+        t473[...] = (t474.reshape((n_batch, L, d_V, d_V, 1)) * t476.reshape((n_batch, L, d_V, 1, d_K)))
+        t477 = t471[..., d_K*d_V:2*d_K*d_V]
+        t478 = t477.view((n_batch, L, d_V, d_V, d_K))
+        t479 = (t305.reshape((n_batch, L, d_V, 1)) * t120.reshape((n_batch, L, 1, d_K)))
+        t480 = (t475.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t478[...] = (t480.reshape((n_batch, L, d_V, d_V, 1)) * t479.reshape((n_batch, L, d_V, 1, d_K)))
+        t481 = t471[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t482 = t481.view((n_batch, L, d_V, d_V, d_V))
+        t483 = (t326 @ t330)
+        t482[...] = ((t142.reshape((n_batch, L, d_V, 1)) * t326.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t482 += (t483 @ t429.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t484 = t471[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t485 = t484.view((n_batch, L, d_V, d_V, d_ff))
+        t486 = (dA57.reshape((L*d_V*n_batch, d_V)) @ t58).reshape((n_batch, L, d_V, d_ff))
+        t487 = (N_2.reshape((n_batch, L, d_V, 1)) * t325.reshape((n_batch, L, 1, d_V)))
+        t488 = (t487.permute(0, 1, 3, 2).reshape((n_batch, L, d_V**2, 1)) * t41.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
+        t485[...] = ((t486.reshape((n_batch, L, d_V, d_ff, 1, 1)) * t488.permute(0, 1, 2, 4, 3).reshape((n_batch, L, d_V, d_ff, 1, d_V))).reshape((n_batch, L, d_V, d_ff, d_V))).permute(0, 1, 2, 4, 3)
+        t489 = t471[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t490 = t489.view((n_batch, L, d_V, d_ff, d_V))
+        t490[...] = ((t52.reshape((n_batch, L, d_ff, 1)) * t326.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t491 = t469.permute(1, 0, 2)
+        t492 = t491.reshape((d_ff, L*n_batch))
+        t493 = (1/n_batch) * t492
+        t494 = R470.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t495 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t493, t494, out=t495)
+        del R470
+        t496 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        t497 = t496.view((d_ff, d_V, d_V, d_K))
+        t498 = (1/(math.sqrt(d_K)*n_batch)) * t381
+        t499 = ((N_1.reshape((n_batch, L, d_V, 1)) * t498.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t500 = (t414.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S62.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+        t501 = (t500 @ S452.permute(2, 0, 3, 1))
+        t502 = (t501.reshape((L**2*n_batch, d_V)) @ t59.permute(1, 0)).reshape((L, n_batch, L, d_ff))
+        t503 = (t502.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t447.permute(2, 0, 1).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
+        t504 = ((t114.permute(0, 2, 1) @ t503.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
+        t497 += ((t499.reshape((d_V**2, L*n_batch)) @ t504.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+        t505 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t506 = t505.view((d_ff, d_V, d_V, d_K))
+        t507 = ((t120.reshape((n_batch, L, d_K, 1)) * t498.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t508 = ((N_1.permute(0, 2, 1) @ t503.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
+        t506 += ((t508.reshape((d_V*d_ff, L*n_batch)) @ t507.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t509 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t510 = t509.view((d_ff, d_V, d_V, d_V))
+        t511 = (1/n_batch) * t381
+        t512 = ((t142.reshape((n_batch, L, d_V, 1)) * t511.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t513 = (t59.reshape((d_ff, d_V, 1)) * t447.permute(1, 0, 2).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+        t514 = (t513.permute(2, 3, 0, 1) @ S452.permute(0, 2, 1, 3))
+        t515 = ((S465.permute(1, 2, 0).reshape((d_V**2, d_V)) @ t514.permute(3, 2, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
+        t510 += ((t512.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t515.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 1, 0, 3)
+        t516 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t517 = t516.view((d_ff, d_V, d_V, d_ff))
+        t518 = t517.diagonal(0, 0, 3)
+        t519 = t447.permute(1, 0, 2)
+        t520 = ((N_2.reshape((n_batch, L, d_V, 1)) * t511.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t518 += (t520.reshape((d_V**2, L*n_batch)) @ t519.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        return H
     H = torch.empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
@@ -41950,7 +43982,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t132 = t111 @ N_1
     t133 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t134 = (1/n_batch) * t133
-    t135 = (t132.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t12.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t135 = (t12.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t132.reshape((L*n_batch, d_V)))
     t136 = t124.reshape((d_K*d_V, L*n_batch))
     t137 = t130.reshape((d_K*d_V, L*n_batch))
     t138 = t125.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
@@ -41958,7 +43990,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t140 = torch.cat([t136, t137], dim=-1)
     t141 = torch.cat([t138, t139], dim=-2)
     t119[...] = ((t140 @ t141).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t131 += (t135.permute(1, 0).reshape((d_V**2, 1)) * t134.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t131 += (t135.reshape((d_V**2, 1)) * t134.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     t142 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t143 = t142.view((d_V, d_K, d_V, d_V))
     t144 = ((1/2)*d_V) * t98
@@ -44290,7 +46322,7 @@ def ce_bias0_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t123 = t86 @ N_1
     t124 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t125 = (1/n_batch) * t124
-    t126 = (t123.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t11.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t126 = (t11.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t123.reshape((L*n_batch, d_V)))
     t127 = t91.reshape((d_K*d_V, L*n_batch))
     t128 = t121.reshape((d_K*d_V, L*n_batch))
     t129 = t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
@@ -44298,7 +46330,7 @@ def ce_bias0_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t131 = torch.cat([t127, t128], dim=-1)
     t132 = torch.cat([t129, t130], dim=-2)
     t0[...] = ((t131 @ t132).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t122 += (t126.permute(1, 0).reshape((d_V**2, 1)) * t125.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t122 += (t126.reshape((d_V**2, 1)) * t125.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 
@@ -45801,7 +47833,7 @@ def ce_bias0_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t126 = t12 @ t125
     t127 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t128 = (1/n_batch) * t127
-    t129 = (N_1.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t126.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t129 = (t126.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
     t130 = t70.reshape((d_K*d_V, L*n_batch))
     t131 = t123.reshape((d_K*d_V, L*n_batch))
     t132 = t79.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
@@ -45809,7 +47841,7 @@ def ce_bias0_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t134 = torch.cat([t130, t131], dim=-1)
     t135 = torch.cat([t132, t133], dim=-2)
     t0[...] = ((t134 @ t135).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t124 += (t129.permute(1, 0).reshape((d_V**2, 1)) * t128.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t124 += (t129.reshape((d_V**2, 1)) * t128.reshape((1, d_K))).reshape((d_V, d_V, d_K))
     return out
 
 

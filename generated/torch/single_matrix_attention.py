@@ -1830,13 +1830,13 @@ def causal0__jacobian__W_QK(X, W_QK, W_V):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t7 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t8 = (t7.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t6).reshape((n_batch, d_V, L, d_V))
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t8.permute(0, 2, 3, 1).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+    t8 = ((t6.permute(0, 2, 1) @ t7.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t8.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
     t9 = -A
-    t10 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t11 = (t6.permute(0, 2, 1) @ t9.permute(0, 2, 1))
-    t12 = (t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += (t11.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t12.permute(0, 1, 3, 2).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+    t10 = (t9 @ t6)
+    t11 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t12 = (X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t2 += (t10.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
     return out
 
 
@@ -1855,13 +1855,13 @@ def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t7 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t8 = (t7.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t6).reshape((n_batch, d_V, L, d_V))
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t8.permute(0, 2, 3, 1).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+    t8 = ((t6.permute(0, 2, 1) @ t7.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t8.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
     t9 = -A
-    t10 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t11 = (t6.permute(0, 2, 1) @ t9.permute(0, 2, 1))
-    t12 = (t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += (t11.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t12.permute(0, 1, 3, 2).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+    t10 = (t9 @ t6)
+    t11 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t12 = (X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t2 += (t10.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
     return (J,)
 
 
@@ -3808,13 +3808,13 @@ def causal1__jacobian__W_QK(X, W_QK, W_V):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t10 = (t9.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t8).reshape((n_batch, d_V, L, d_V))
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 3, 1).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+    t10 = ((t8.permute(0, 2, 1) @ t9.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
     t11 = -A
-    t12 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t13 = (t8.permute(0, 2, 1) @ t11.permute(0, 2, 1))
-    t14 = (t12.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += (t13.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t14.permute(0, 1, 3, 2).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+    t12 = (t11 @ t8)
+    t13 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t14 = (X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t2 += (t12.reshape((n_batch, L, d_V, 1)) * t14.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
     return out
 
 
@@ -3835,13 +3835,13 @@ def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t10 = (t9.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t8).reshape((n_batch, d_V, L, d_V))
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 3, 1).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+    t10 = ((t8.permute(0, 2, 1) @ t9.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
+    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
     t11 = -A
-    t12 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t13 = (t8.permute(0, 2, 1) @ t11.permute(0, 2, 1))
-    t14 = (t12.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += (t13.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t14.permute(0, 1, 3, 2).reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+    t12 = (t11 @ t8)
+    t13 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t14 = (X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t2 += (t12.reshape((n_batch, L, d_V, 1)) * t14.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
     return (J,)
 
 

@@ -3876,13 +3876,13 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t151 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t152 = t151.view((d_V, d_H, d_H, d_V))
     t153 = (2/(L*d_V*n_batch)) * t131
-    t154 = (t73.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t153.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t154 = (t153.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t73.reshape((L*n_batch, d_H)))
     t155 = t152.diagonal(0, 1, 2)
     t156 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t157 = (1/n_batch) * t156
-    t158 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t131.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t152[...] = ((t154.permute(1, 0).reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
-    t155 += (t158.permute(1, 0).reshape((d_V**2, 1)) * t157.reshape((1, d_H))).reshape((d_V, d_V, d_H))
+    t158 = (t131.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
+    t152[...] = ((t154.reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
+    t155 += (t158.reshape((d_V**2, 1)) * t157.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     t159 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t160 = t159.view((d_H, d_V, d_V, d_K))
     t161 = t73.transpose(-1, -2)
@@ -5886,7 +5886,7 @@ def mse_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t9 = M_1.transpose(-1, -2)
     t10 = M_1 @ W_V
     t11 = (2/(L*d_V*n_batch)) * t9
-    t12 = (t10.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t11.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t12 = (t11.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t10.reshape((L*n_batch, d_H)))
     t13 = t0.diagonal(0, 1, 2)
     t14 = t10 @ W_O
     F = t14
@@ -5895,9 +5895,9 @@ def mse_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t16
     t17 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t18 = (1/n_batch) * t17
-    t19 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t9.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t0[...] = ((t12.permute(1, 0).reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
-    t13 += (t19.permute(1, 0).reshape((d_V**2, 1)) * t18.reshape((1, d_H))).reshape((d_V, d_V, d_H))
+    t19 = (t9.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
+    t0[...] = ((t12.reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
+    t13 += (t19.reshape((d_V**2, 1)) * t18.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     return out
 
 
@@ -7340,13 +7340,14 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
     t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V))
     t13 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t12.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t13.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t4[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t15 = (t14.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L)) @ t13.permute(1, 2, 0)).reshape((n_batch, L, d_V, d_K))
+    t4[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
-    t18 = (t13.permute(1, 0, 2) @ A.permute(0, 2, 1))
-    t19 = (t17.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t4 += (t19.reshape((n_batch, L, d_V**2, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t17 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t18 = (t17.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K))
+    t19 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
+    t20 = (t19.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
+    t4 += (t20.reshape((n_batch, L, d_V**2, 1)) * t18.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -7374,13 +7375,14 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
     t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V))
     t13 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t12.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t13.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t4[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t15 = (t14.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L)) @ t13.permute(1, 2, 0)).reshape((n_batch, L, d_V, d_K))
+    t4[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
-    t18 = (t13.permute(1, 0, 2) @ A.permute(0, 2, 1))
-    t19 = (t17.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t4 += (t19.reshape((n_batch, L, d_V**2, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t17 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t18 = (t17.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K))
+    t19 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
+    t20 = (t19.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
+    t4 += (t20.reshape((n_batch, L, d_V**2, 1)) * t18.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -7405,16 +7407,17 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = (1/math.sqrt(d_K)) * A
-    t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V))
-    t13 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
+    t13 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t12).reshape((n_batch, d_V, L, d_V))
-    t4[...] = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V**2, 1)) * t13.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t15 = ((t13.permute(0, 2, 1) @ t14.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
+    t4[...] = (t15.reshape((n_batch, L, d_V**2, 1)) * t12.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t18 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
-    t19 = (t17.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t13.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t4 += (t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
+    t17 = (t16 @ t13)
+    t18 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t20 = (t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t19.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
+    t4 += (t17.reshape((n_batch, L, d_V, 1)) * t20.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -7439,16 +7442,17 @@ def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = (1/math.sqrt(d_K)) * A
-    t12 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V))
-    t13 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t12 = (X.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
+    t13 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t12).reshape((n_batch, d_V, L, d_V))
-    t4[...] = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V**2, 1)) * t13.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t15 = ((t13.permute(0, 2, 1) @ t14.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
+    t4[...] = (t15.reshape((n_batch, L, d_V**2, 1)) * t12.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     t16 = (-1/math.sqrt(d_K)) * A
-    t17 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t18 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
-    t19 = (t17.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t13.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t4 += (t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
+    t17 = (t16 @ t13)
+    t18 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t20 = (t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t19.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
+    t4 += (t17.reshape((n_batch, L, d_V, 1)) * t20.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -11568,13 +11572,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t153 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
     t154 = t153.view((d_V, d_H, d_H, d_V))
     t155 = (2/(L*d_V*n_batch)) * t133
-    t156 = (t75.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t155.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t156 = (t155.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t75.reshape((L*n_batch, d_H)))
     t157 = t154.diagonal(0, 1, 2)
     t158 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t159 = (1/n_batch) * t158
-    t160 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t133.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t154[...] = ((t156.permute(1, 0).reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
-    t157 += (t160.permute(1, 0).reshape((d_V**2, 1)) * t159.reshape((1, d_H))).reshape((d_V, d_V, d_H))
+    t160 = (t133.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
+    t154[...] = ((t156.reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
+    t157 += (t160.reshape((d_V**2, 1)) * t159.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     t161 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t162 = t161.view((d_H, d_V, d_V, d_K))
     t163 = t75.transpose(-1, -2)
@@ -13640,7 +13644,7 @@ def mse_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = M_1.transpose(-1, -2)
     t12 = M_1 @ W_V
     t13 = (2/(L*d_V*n_batch)) * t11
-    t14 = (t12.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t13.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t14 = (t13.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t12.reshape((L*n_batch, d_H)))
     t15 = t0.diagonal(0, 1, 2)
     t16 = t12 @ W_O
     F = t16
@@ -13649,9 +13653,9 @@ def mse_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t18
     t19 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t20 = (1/n_batch) * t19
-    t21 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t11.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t0[...] = ((t14.permute(1, 0).reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
-    t15 += (t21.permute(1, 0).reshape((d_V**2, 1)) * t20.reshape((1, d_H))).reshape((d_V, d_V, d_H))
+    t21 = (t11.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
+    t0[...] = ((t14.reshape((d_H*d_V, 1)) * W_O.reshape((1, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
+    t15 += (t21.reshape((d_V**2, 1)) * t20.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     return out
 
 
@@ -15150,13 +15154,14 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
     t14 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V))
     t15 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t14.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t17 = (t16.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t15.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t4[...] = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t17 = (t16.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L)) @ t15.permute(1, 2, 0)).reshape((n_batch, L, d_V, d_K))
+    t4[...] = ((X.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t18 = (-1/math.sqrt(d_K)) * A
-    t19 = (t14.permute(0, 2, 1) @ t18.permute(0, 2, 1))
-    t20 = (t15.permute(1, 0, 2) @ A.permute(0, 2, 1))
-    t21 = (t19.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t4 += (t21.reshape((n_batch, L, d_V**2, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t19 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t20 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K))
+    t21 = (t14.permute(0, 2, 1) @ t18.permute(0, 2, 1))
+    t22 = (t21.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
+    t4 += (t22.reshape((n_batch, L, d_V**2, 1)) * t20.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -15186,13 +15191,14 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
     t14 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V))
     t15 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t14.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t17 = (t16.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t15.permute(1, 2, 0)).reshape((n_batch, d_V, L, d_K))
-    t4[...] = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1, 3).reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t17 = (t16.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L)) @ t15.permute(1, 2, 0)).reshape((n_batch, L, d_V, d_K))
+    t4[...] = ((X.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
     t18 = (-1/math.sqrt(d_K)) * A
-    t19 = (t14.permute(0, 2, 1) @ t18.permute(0, 2, 1))
-    t20 = (t15.permute(1, 0, 2) @ A.permute(0, 2, 1))
-    t21 = (t19.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t4 += (t21.reshape((n_batch, L, d_V**2, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t19 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t20 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K))
+    t21 = (t14.permute(0, 2, 1) @ t18.permute(0, 2, 1))
+    t22 = (t21.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
+    t4 += (t22.reshape((n_batch, L, d_V**2, 1)) * t20.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -15219,16 +15225,17 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = (1/math.sqrt(d_K)) * A
-    t14 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V))
-    t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t14 = (X.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
+    t15 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V))
     t16 = (X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t17 = (t16.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t14).reshape((n_batch, d_V, L, d_V))
-    t4[...] = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V**2, 1)) * t15.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t17 = ((t15.permute(0, 2, 1) @ t16.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
+    t4[...] = (t17.reshape((n_batch, L, d_V**2, 1)) * t14.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     t18 = (-1/math.sqrt(d_K)) * A
-    t19 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t20 = (t14.permute(0, 2, 1) @ t18.permute(0, 2, 1))
-    t21 = (t19.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t15.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t4 += (t20.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t21.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
+    t19 = (t18 @ t15)
+    t20 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t22 = (t20.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t21.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
+    t4 += (t19.reshape((n_batch, L, d_V, 1)) * t22.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
     return out
 
 
@@ -15255,16 +15262,17 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = (1/math.sqrt(d_K)) * A
-    t14 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V))
-    t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t14 = (X.reshape((L*n_batch, d_V)) @ W_Q).reshape((n_batch, L, d_K))
+    t15 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0)).reshape((n_batch, L, d_V))
     t16 = (X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
-    t17 = (t16.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t14).reshape((n_batch, d_V, L, d_V))
-    t4[...] = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V**2, 1)) * t15.permute(1, 2, 0).reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t17 = ((t15.permute(0, 2, 1) @ t16.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
+    t4[...] = (t17.reshape((n_batch, L, d_V**2, 1)) * t14.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
     t18 = (-1/math.sqrt(d_K)) * A
-    t19 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t20 = (t14.permute(0, 2, 1) @ t18.permute(0, 2, 1))
-    t21 = (t19.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t15.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t4 += (t20.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t21.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
+    t19 = (t18 @ t15)
+    t20 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
+    t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t22 = (t20.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t21.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
+    t4 += (t19.reshape((n_batch, L, d_V, 1)) * t22.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
     return (J,)
 
 
@@ -19883,9 +19891,9 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t171 = t168.diagonal(0, 1, 2)
     t172 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t173 = (1/n_batch) * t172
-    t174 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t149.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t174 = (t149.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
     t168[...] = ((t169.reshape((d_H*d_V, L*n_batch)) @ t170.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
-    t171 += (t174.permute(1, 0).reshape((d_V**2, 1)) * t173.reshape((1, d_H))).reshape((d_V, d_V, d_H))
+    t171 += (t174.reshape((d_V**2, 1)) * t173.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     t175 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t176 = t175.view((d_H, d_V, d_V, d_K))
     t177 = G.transpose(-1, -2)
@@ -22276,9 +22284,9 @@ def ce_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t26
     t27 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t28 = (1/n_batch) * t27
-    t29 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t9.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t29 = (t9.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
     t0[...] = ((t18.reshape((d_H*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
-    t21 += (t29.permute(1, 0).reshape((d_V**2, 1)) * t28.reshape((1, d_H))).reshape((d_V, d_V, d_H))
+    t21 += (t29.reshape((d_V**2, 1)) * t28.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     return out
 
 
@@ -28697,9 +28705,9 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t173 = t170.diagonal(0, 1, 2)
     t174 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t175 = (1/n_batch) * t174
-    t176 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t151.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t176 = (t151.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
     t170[...] = ((t171.reshape((d_H*d_V, L*n_batch)) @ t172.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
-    t173 += (t176.permute(1, 0).reshape((d_V**2, 1)) * t175.reshape((1, d_H))).reshape((d_V, d_V, d_H))
+    t173 += (t176.reshape((d_V**2, 1)) * t175.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     t177 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
     t178 = t177.view((d_H, d_V, d_V, d_K))
     t179 = G.transpose(-1, -2)
@@ -31152,9 +31160,9 @@ def ce_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t28
     t29 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
     t30 = (1/n_batch) * t29
-    t31 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t11.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t31 = (t11.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ G.reshape((L*n_batch, d_V)))
     t0[...] = ((t20.reshape((d_H*d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_H*d_V))).reshape((d_V, d_H, d_H, d_V))).permute(0, 2, 1, 3)
-    t23 += (t31.permute(1, 0).reshape((d_V**2, 1)) * t30.reshape((1, d_H))).reshape((d_V, d_V, d_H))
+    t23 += (t31.reshape((d_V**2, 1)) * t30.reshape((1, d_H))).reshape((d_V, d_V, d_H))
     return out
 
 

@@ -57,6 +57,7 @@ class Routine:
         self.uses = {}                        # factor tuple -> chains holding it (plan)
         self.products = {}                    # factor tuple -> (name, transposed)
         self.transposed = {}                  # name of a transposed view -> name of its base
+        self.written = 0                      # entries written by dense_into (its passes)
         self.env, self.batch_size = representative_sizes(symbols, sizes)
         self.env_key = E.size_env(self.env)
         self.like = next((n for n in variables if n in self.batched_vars), next(iter(variables)))
@@ -338,13 +339,13 @@ class Routine:
         return self._operands(term, inline=True)
 
     def _snapshot(self):
-        return (len(self.lines), dict(self.rhs), set(self.taken), self.count,
+        return (self.written, len(self.lines), dict(self.rhs), set(self.taken), self.count,
                 dict(self.is_batched), dict(self.memo), dict(self.inter), dict(self.products),
                 dict(self.transposed))
 
     def _restore(self, snap):
         """Forget every statement and name made since ``_snapshot``."""
-        n, rhs, taken, count, is_batched, memo, inter, products, transposed = snap
+        self.written, n, rhs, taken, count, is_batched, memo, inter, products, transposed = snap
         del self.lines[n:]
         self.rhs, self.taken, self.count = dict(rhs), set(taken), count
         self.is_batched, self.memo, self.inter = dict(is_batched), dict(memo), dict(inter)
@@ -483,8 +484,9 @@ class Routine:
             shared = [a for a in dict.fromkeys(lab for i in h for lab in labs[i])
                       if a in outside and a not in out]
             frees.append([a for a in out if a in inside] + shared)
-        if not (set(frees[0]) & set(frees[1])) - set(out):
-            return None                       # nothing summed in the last step: no GEMM
+        both = set(frees[0]) & set(frees[1])
+        if not both - set(out) and (len(ops) < 3 or set(frees[0]) == set(frees[1])):
+            return None     # no GEMM, and no broadcast product of halves to share
         names = []
         for k in (0, 1):
             h = halves[k]
@@ -536,14 +538,20 @@ class Routine:
         c = [lab for d in cols for lab in self.lw.labels.fresh(d)]
         return self.lw.lower(expr, r, c), r, c
 
-    def dense_into(self, target, terms, r, c, fresh):
+    def dense_into(self, target, terms, r, c, fresh, keep_batch=False):
         """Write Σ terms into ``target`` (a 2-D array or slice); ``fresh``: target unset.
+        ``keep_batch``: the target has a leading batch axis and receives each sequence's
+        sum (no batch mean); a term that reads no data broadcasts over it.
 
         Terms whose last product has the same shape (same free indices of each half in the
         same output positions) are written by one product: their halves are stacked along
         the contracted index, Σ_t L_t R_t = [L_1 … L_T][R_1; …; R_T], so the block is
         written once per group instead of once per term.
         """
+        size = self.batch_size if keep_batch else 1
+        if terms:
+            size *= _prod(self._rep(self.lw.labels.size[a])
+                          for a in self.lw.resolve(terms[0], r) + self.lw.resolve(terms[0], c))
         if not terms:
             self.line(f"{target}[...] = 0")
             return
@@ -552,15 +560,19 @@ class Routine:
         needs_zero = fresh and _repeats(self, terms[0], r, c)
         if needs_zero:
             self.line(f"{target}[...] = 0")
+            self.written += size
         printed = []
         for term in terms:
             atoms = self.lw.resolve(term, r) + self.lw.resolve(term, c)
             sizes = [self.lw.labels.size[a] for a in atoms]
-            view = self.emit(self.fmt("view", target, self.shape(sizes)), False)
+            lead = [BATCH] if keep_batch else []
+            view = self.emit(self.fmt("view", target, self.shape([N_BATCH] * len(lead) + sizes)),
+                             False)
             order = list(dict.fromkeys(atoms))
             if len(order) < len(atoms):
-                view, order = _diag_view(self, view, atoms)
-            coef, code, _ = self.network(term, order, fold_coef=True)
+                view, order = _diag_view(self, view, lead + atoms)
+                order = order[len(lead):] if lead and order[0] == BATCH else order
+            coef, code, _ = self.network(term, order, fold_coef=True, keep_batch=keep_batch)
             printed.append((view, coef, code))
         first = fresh and not needs_zero
         for view, how, members in self._write_groups(printed):
@@ -572,6 +584,7 @@ class Routine:
             else:
                 rhs = self._shared([code for _, code in members], how)
             self.line(f"{view}[...] = {rhs}" if first else f"{view} += {rhs}")
+            self.written += size
             first = False
 
     def _write_groups(self, printed):
@@ -612,7 +625,7 @@ class Routine:
     def _shared_keys(self, f):
         """{"M": key, "N": key}: the product's arrangement with one half's code; two terms
         with an equal key multiply the same tensor, laid out alike, on that side."""
-        stack = f.stack_key()
+        stack = f.arrangement_key()
         if stack is None:
             return {}
         xg, yg, _, _, _ = self._halves(f)
@@ -640,7 +653,8 @@ class Routine:
             rest = self._grouped(total, labs, pre, groups)
         else:
             rest = self.emit(" + ".join(p[own] for p in parts), False)
-        code = f"({xg} @ {rest})" if own else f"({rest} @ {yg})"
+        op = "@" if finals[0].summed else "*"
+        code = f"({xg} {op} {rest})" if own else f"({rest} {op} {yg})"
         return self._finish(code, pre, m, n, finals[0].out)
 
     def _stacked(self, finals):
@@ -691,8 +705,15 @@ class Final(str):
     def stack_key(self):
         """The arrangement (P, M, N, output order) of the product as a canonical string;
         terms of a block with equal keys are written by one product of stacked halves."""
+        if not self.summed:
+            return None
+        return self.arrangement_key()
+
+    def arrangement_key(self):
+        """``stack_key`` without the need of a summed index: terms with equal keys that
+        share one half are written by one product (a broadcast one when nothing is summed)."""
         (_, la), (_, lb) = self.halves
-        if not self.summed or len(set(la)) < len(la) or len(set(lb)) < len(lb):
+        if len(set(la)) < len(la) or len(set(lb)) < len(lb):
             return None
         _, _, pre, m, n = self.oriented()
         return _spec([pre + m + [STACKED], pre + [STACKED] + n], self.out)

@@ -19,6 +19,7 @@ NUMPY = {
     "tril_ones": "np.tril(np.ones(({0}, {0}), dtype={like}.dtype))",
     "where": "np.where({0}, {1}, {2})",
     "view": "np.reshape({0}, {1}, copy=False)",
+    "matmul_into": "np.matmul({0}, {1}, out={2})",
     "reshape": "np.reshape({0}, {1})",
     "permute": "{0}.transpose({1})",
     "flatten_mats": "np.reshape({0}, {0}.shape[:-2] + ({1}, 1))",

@@ -18,6 +18,7 @@ TORCH = {
     "tril_ones": "torch.tril(torch.ones(({0}, {0}), dtype={like}.dtype, device={like}.device))",
     "where": "torch.where({0}, {1}, {2})",
     "view": "{0}.view({1})",
+    "matmul_into": "torch.matmul({0}, {1}, out={2})",
     "reshape": "{0}.reshape({1})",
     "permute": "{0}.permute({1})",
     "flatten_mats": "{0}.reshape(*{0}.shape[:-2], {1}, 1)",
