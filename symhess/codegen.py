@@ -223,7 +223,7 @@ class Variant:
     def function(self, kind, rt, ret, doc, extra=()):
         name = f"{self.tag}__{kind}"
         args = list(self.vars) + [v.name for v in extra]
-        return Function(name, args, self.header(rt) + rt.lines, ret, doc)
+        return Function(name, args, self.header(rt) + rt.pruned(ret), ret, doc)
 
     def numel(self, p):
         w = self.d.param(p)
@@ -253,8 +253,8 @@ class Variant:
         if limit < 1:
             return fn
         body = [f"if n_batch <= {limit}:    # row slabs (their operands grow with the batch)"]
-        body += ["    " + ln for ln in srt.lines] + ["    return H"]
-        return Function(fn.name, fn.args, self.header(rt) + body + rt.lines, "H", doc)
+        body += ["    " + ln for ln in srt.pruned("H")] + ["    return H"]
+        return Function(fn.name, fn.args, self.header(rt) + body + rt.pruned("H"), "H", doc)
 
     def _hessian_into(self, part, slabs):
         """(routine, entries written, entries of slab operands per sequence) of the full

@@ -153,3 +153,37 @@ def test_symbolic_sizes_print_as_names():
         exec("\n".join(rt.lines), ns)
         got = eval(code, ns)
         assert np.allclose(got, np.einsum("ijk,j->ki", ns["A"], ns["B"]))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_sum_of_networks_multiplies_a_shared_factor_once(backend):
+    """Σ_t A[i,s] T_t[s,u] F[u,m] (three networks sharing A and F, as the R operands of a
+    Hessian row slab do): ``_sum_nets`` prints A (Σ_t T_t) F, two products instead of two
+    per network, and the sum is exact."""
+    rng = np.random.default_rng(3)
+    rt = routine(backend)
+    i, s, u, m = (rt.lw.labels.new(n) for n in (7, 5, 6, 9))
+    names = ["A", "T0", "T1", "T2", "F"]
+    for n in names:
+        rt.is_batched[n] = False
+    arrays = {"A": rng.standard_normal((7, 5)), "F": rng.standard_normal((6, 9))}
+    arrays.update({f"T{t}": rng.standard_normal((5, 6)) for t in range(3)})
+    nets = [(["A", f"T{t}", "F"], [[i, s], [s, u], [u, m]], [i, m]) for t in range(3)]
+    total = rt._sum_nets(nets, 1)
+    kept = rt.pruned(total)
+    assert sum(ln.count("@") for ln in kept) == 2, kept     # A (Σ_t T_t) F: two products
+    rt.lines = kept
+    got = evaluate(rt, backend, total, arrays)
+    want = sum(arrays["A"] @ arrays[f"T{t}"] @ arrays["F"] for t in range(3))
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_pruned_drops_dead_statements_with_their_comments_and_dels():
+    rt = routine("numpy")
+    rt.lines = ["a = X + 1", "# b: a compact tensor", "b = a * 2", "c = a - 1",
+                "H = np.empty((2, 2))", "t = H[0:1]", "t[...] = c", "# unused", "d = b + c",
+                "del b", "e = c"]
+    assert rt.pruned("H") == ["a = X + 1", "c = a - 1", "H = np.empty((2, 2))", "t = H[0:1]",
+                              "t[...] = c"]
+    # a name read by the result keeps its chain
+    assert "b = a * 2" in rt.pruned("(H, b)")

@@ -54,7 +54,6 @@ def mse_bias0_residual0__gradient(X, W_1, W_2, Y):
     t8 = G @ t7
     t9 = t2 * t8
     t10 = t0 @ t9
-    t11 = np.swapaxes(t1, -1, -2)
     t12 = np.swapaxes(t3, -1, -2)
     t13 = t12 @ G
     return ((t10[0] if n_batch == 1 else t10.mean(0)), (t13[0] if n_batch == 1 else t13.mean(0)),)
@@ -87,7 +86,6 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t12[...] = (np.reshape((np.reshape(t15.transpose(1, 0, 2), (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
     t16 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t17 = np.reshape(t16, (d_ff, d_V, d_V, d_ff), copy=False)
-    t18 = np.swapaxes(t3, -1, -2)
     t19 = np.swapaxes(t13, -1, -2)
     t20 = (2/(L*d_V*n_batch)) * X
     t21 = (np.reshape(t20, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
@@ -124,7 +122,6 @@ def mse_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     t11 = t9 @ t10
     t12 = t2 * t11
     t13 = t0 @ t12
-    t14 = np.swapaxes(t1, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = t15 @ t9
     return ((t13[0] if n_batch == 1 else t13.mean(0)), (t16[0] if n_batch == 1 else t16.mean(0)),)
@@ -158,7 +155,6 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t19 = t18 * t16.transpose(2, 3, 0, 1)
     t20 = (4/(L**2*d_V**2*n_batch**2)) * (t6 * t19.transpose(2, 3, 0, 1)).sum()
     t21 = np.sqrt(np.maximum(t20, 0.0))
-    t22 = np.swapaxes(t1, -1, -2)
     t23 = np.swapaxes(t14, -1, -2)
     t24 = np.reshape((np.reshape(t3.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t3.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
     t25 = np.reshape((np.reshape(t23.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t23.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -308,7 +304,6 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t2 = np.swapaxes(X, -1, -2)
     t3 = t1 @ t2
     t4 = (t3 * np.heaviside(t3, 0.0))
-    t5 = np.swapaxes(t3, -1, -2)
     t6 = np.swapaxes(t4, -1, -2)
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
@@ -327,7 +322,6 @@ def mse_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
-    t4 = np.swapaxes(t2, -1, -2)
     t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     return (2/(L*n_batch)) * oe.contract('abb->', t6)
@@ -346,7 +340,6 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t3 = t1 @ t2
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = np.swapaxes(W_2, -1, -2)
-    t6 = np.swapaxes(t3, -1, -2)
     t7 = np.heaviside(t3, 0.0)
     t8 = np.swapaxes(t7, -1, -2)
     t9 = (2/(L*d_V*n_batch)) * X
@@ -367,7 +360,6 @@ def mse_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = np.swapaxes(W_2, -1, -2)
-    t5 = np.swapaxes(t2, -1, -2)
     t6 = np.heaviside(t2, 0.0)
     t7 = np.swapaxes(t6, -1, -2)
     t8 = np.reshape((np.reshape(t4.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t4.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
@@ -395,7 +387,6 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = (t4 * np.heaviside(t4, 0.0))
-    t6 = np.swapaxes(t4, -1, -2)
     t7 = np.swapaxes(t5, -1, -2)
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
@@ -414,7 +405,6 @@ def mse_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
-    t4 = np.swapaxes(t2, -1, -2)
     t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
@@ -453,7 +443,6 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t15 = np.reshape(t14, (d_ff, d_V, d_V, d_ff), copy=False)
     t16 = np.einsum('abca->abc', t15)
     t17 = np.swapaxes(G, -1, -2)
-    t18 = np.swapaxes(t5, -1, -2)
     t19 = np.swapaxes(t6, -1, -2)
     t20 = (1/n_batch) * t17
     t21 = t19.transpose(1, 0, 2)
@@ -483,7 +472,6 @@ def mse_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     t8 = G @ t7
     t9 = t2 * t8
     t10 = t0 @ t9
-    t11 = np.swapaxes(t1, -1, -2)
     t12 = np.swapaxes(t2, -1, -2)
     t13 = np.swapaxes(V_W_1, -1, -2)
     t14 = t13 @ t0
@@ -515,7 +503,6 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t11 = (n_batch**(-2)) * (t10 * t9).sum()
     t12 = np.sqrt(np.maximum(t11, 0.0))
     t13 = np.swapaxes(G, -1, -2)
-    t14 = np.swapaxes(t1, -1, -2)
     t15 = np.swapaxes(t2, -1, -2)
     t16 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t15.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -657,7 +644,6 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t6 = (2/(L*d_V)) * t5
     G = t6
     t7 = np.swapaxes(G, -1, -2)
-    t8 = np.swapaxes(t2, -1, -2)
     t9 = np.heaviside(t2, 0.0)
     t10 = np.swapaxes(t9, -1, -2)
     t11 = (1/n_batch) * t7
@@ -681,7 +667,6 @@ def mse_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t4 = (2/(L*d_V)) * t3
     G = t4
     t5 = np.swapaxes(G, -1, -2)
-    t6 = np.swapaxes(t0, -1, -2)
     t7 = np.heaviside(t0, 0.0)
     t8 = np.swapaxes(t7, -1, -2)
     t9 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t8.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -757,7 +742,6 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         del R
         t25 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
         t26 = np.reshape(t25, (d_ff, d_V, d_V, d_ff), copy=False)
-        t27 = np.swapaxes(t4, -1, -2)
         t28 = np.swapaxes(t13, -1, -2)
         t29 = (2/(L*d_V*n_batch)) * X
         t30 = (np.reshape(t29, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
@@ -810,7 +794,6 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t16 += (np.reshape((np.reshape(t21, (d_ff, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     t23 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t24 = np.reshape(t23, (d_ff, d_V, d_V, d_ff), copy=False)
-    t25 = np.swapaxes(t3, -1, -2)
     t26 = np.swapaxes(t13, -1, -2)
     t27 = (2/(L*d_V*n_batch)) * X
     t28 = (np.reshape(t27, (n_batch, L, d_V, 1)) * np.reshape(t26.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
@@ -861,7 +844,6 @@ def mse_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     t17 = t11 + t16
     t18 = t17 * t4
     t19 = t0 @ t18
-    t20 = np.swapaxes(t1, -1, -2)
     t21 = np.swapaxes(t2, -1, -2)
     t22 = t21 @ t9
     t23 = np.swapaxes(t4, -1, -2)
@@ -912,7 +894,6 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t29 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t30 = (4/(L**2*d_V**2*n_batch**2)) * (t6 * t19.transpose(2, 3, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t26 * t6).sum() + (n_batch**(-2)) * (t29 * t28).sum()
     t31 = np.sqrt(np.maximum(t30, 0.0))
-    t32 = np.swapaxes(t1, -1, -2)
     t33 = np.swapaxes(t14, -1, -2)
     t34 = np.reshape((np.reshape(t3.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t3.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
     t35 = np.reshape((np.reshape(t33.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t33.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1093,7 +1074,6 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t2 = np.swapaxes(X, -1, -2)
     t3 = t1 @ t2
     t4 = (t3 * np.heaviside(t3, 0.0))
-    t5 = np.swapaxes(t3, -1, -2)
     t6 = np.swapaxes(t4, -1, -2)
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
@@ -1112,7 +1092,6 @@ def mse_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
-    t4 = np.swapaxes(t2, -1, -2)
     t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     return (2/(L*n_batch)) * oe.contract('abb->', t6)
@@ -1131,7 +1110,6 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t3 = t1 @ t2
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = np.swapaxes(W_2, -1, -2)
-    t6 = np.swapaxes(t3, -1, -2)
     t7 = np.heaviside(t3, 0.0)
     t8 = np.swapaxes(t7, -1, -2)
     t9 = (2/(L*d_V*n_batch)) * X
@@ -1164,7 +1142,6 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = np.swapaxes(W_2, -1, -2)
-    t5 = np.swapaxes(t2, -1, -2)
     t6 = np.heaviside(t2, 0.0)
     t7 = np.swapaxes(t6, -1, -2)
     t8 = np.reshape((np.reshape(t4.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t4.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
@@ -1206,7 +1183,6 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = (t4 * np.heaviside(t4, 0.0))
-    t6 = np.swapaxes(t4, -1, -2)
     t7 = np.swapaxes(t5, -1, -2)
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
@@ -1225,7 +1201,6 @@ def mse_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
-    t4 = np.swapaxes(t2, -1, -2)
     t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
@@ -1308,7 +1283,6 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = np.swapaxes(W_2, -1, -2)
-    t5 = np.swapaxes(t2, -1, -2)
     t6 = np.heaviside(t2, 0.0)
     t7 = np.swapaxes(t6, -1, -2)
     t8 = np.reshape((np.reshape(t4.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t4.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
@@ -1351,7 +1325,6 @@ def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
-    t4 = np.swapaxes(t2, -1, -2)
     t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
@@ -1464,7 +1437,6 @@ def ce_bias0_residual0__gradient(X, W_1, W_2, Y):
     t12 = G @ t11
     t13 = t2 * t12
     t14 = t0 @ t13
-    t15 = np.swapaxes(t1, -1, -2)
     t16 = np.swapaxes(t5, -1, -2)
     t17 = t16 @ G
     return ((t14[0] if n_batch == 1 else t14.mean(0)), (t17[0] if n_batch == 1 else t17.mean(0)),)
@@ -1508,7 +1480,6 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t20[...] = (np.reshape((np.reshape(t21, (d_V*d_ff, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))).transpose(0, 2, 1, 3)
     t24 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t25 = np.reshape(t24, (d_ff, d_V, d_V, d_ff), copy=False)
-    t26 = np.swapaxes(t3, -1, -2)
     t27 = np.swapaxes(t7, -1, -2)
     t28 = (1/(L*n_batch)) * t6
     t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
@@ -1551,7 +1522,6 @@ def ce_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     t18 = t2 * t17
     t19 = t0 @ t18
     t20 = (1/L) * t19
-    t21 = np.swapaxes(t1, -1, -2)
     t22 = np.swapaxes(t5, -1, -2)
     t23 = t22 @ t15
     t24 = (1/L) * t23
@@ -1598,7 +1568,6 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t28 = np.reshape((np.reshape(t27.transpose(2, 3, 0, 1), (d_ff, d_V, L*n_batch)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1))), (d_ff, d_V))
     t29 = (1/(L**2*n_batch**2)) * (t28 * W_2).sum()
     t30 = np.sqrt(np.maximum(t29, 0.0))
-    t31 = np.swapaxes(t1, -1, -2)
     t32 = np.swapaxes(t5, -1, -2)
     t33 = np.reshape((np.reshape(t32.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t32.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = t12 * t33
@@ -1815,7 +1784,6 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = np.swapaxes(t3, -1, -2)
     t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
@@ -1842,7 +1810,6 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = np.swapaxes(t2, -1, -2)
     t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
@@ -1869,7 +1836,6 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = np.swapaxes(t3, -1, -2)
     t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
@@ -1901,7 +1867,6 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = np.swapaxes(t2, -1, -2)
     t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
@@ -1940,7 +1905,6 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = np.swapaxes(t3, -1, -2)
     t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
@@ -1967,7 +1931,6 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = np.swapaxes(t2, -1, -2)
     t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
@@ -2021,7 +1984,6 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t19 = np.reshape(t18, (d_ff, d_V, d_V, d_ff), copy=False)
     t20 = np.einsum('abca->abc', t19)
     t21 = np.swapaxes(G, -1, -2)
-    t22 = np.swapaxes(t5, -1, -2)
     t23 = np.swapaxes(t6, -1, -2)
     t24 = (1/n_batch) * t21
     t25 = t23.transpose(1, 0, 2)
@@ -2056,7 +2018,6 @@ def ce_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     t12 = G @ t11
     t13 = t2 * t12
     t14 = t0 @ t13
-    t15 = np.swapaxes(t1, -1, -2)
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.swapaxes(V_W_1, -1, -2)
     t18 = t17 @ t0
@@ -2093,7 +2054,6 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t15 = (n_batch**(-2)) * (t14 * t13).sum()
     t16 = np.sqrt(np.maximum(t15, 0.0))
     t17 = np.swapaxes(G, -1, -2)
-    t18 = np.swapaxes(t1, -1, -2)
     t19 = np.swapaxes(t2, -1, -2)
     t20 = np.reshape((np.reshape(t19.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t19.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = np.reshape((np.reshape(t17.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t17.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2250,7 +2210,6 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t10 = (1/L) * t9
     G = t10
     t11 = np.swapaxes(G, -1, -2)
-    t12 = np.swapaxes(t4, -1, -2)
     t13 = np.heaviside(t4, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
     t15 = (1/n_batch) * t11
@@ -2279,7 +2238,6 @@ def ce_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t8 = (1/L) * t7
     G = t8
     t9 = np.swapaxes(G, -1, -2)
-    t10 = np.swapaxes(t2, -1, -2)
     t11 = np.heaviside(t2, 0.0)
     t12 = np.swapaxes(t11, -1, -2)
     t13 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2367,7 +2325,6 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         del R
         t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
         t35 = np.reshape(t34, (d_ff, d_V, d_V, d_ff), copy=False)
-        t36 = np.swapaxes(t4, -1, -2)
         t37 = np.swapaxes(t8, -1, -2)
         t38 = (1/(L*n_batch)) * t7
         t39 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t37.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
@@ -2431,7 +2388,6 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t24 += (np.reshape((np.reshape(t31, (d_ff, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t34 = np.reshape(t33, (d_ff, d_V, d_V, d_ff), copy=False)
-    t35 = np.swapaxes(t3, -1, -2)
     t36 = np.swapaxes(t7, -1, -2)
     t37 = (1/(L*n_batch)) * t6
     t38 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
@@ -2488,7 +2444,6 @@ def ce_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     t24 = t11 + t23
     t25 = t24 * t13
     t26 = t0 @ t25
-    t27 = np.swapaxes(t3, -1, -2)
     t28 = np.swapaxes(t4, -1, -2)
     t29 = t28 @ t20
     t30 = (1/L) * t29
@@ -2555,7 +2510,6 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t41 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t42 = (1/(L**2*n_batch**2)) * (t28 * W_2).sum() + (2/(L*n_batch**2)) * (t38 * t37.transpose(3, 4, 0, 1, 2)).sum() + (n_batch**(-2)) * (t41 * t40).sum()
     t43 = np.sqrt(np.maximum(t42, 0.0))
-    t44 = np.swapaxes(t1, -1, -2)
     t45 = np.swapaxes(t5, -1, -2)
     t46 = np.reshape((np.reshape(t45.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t45.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t47 = t12 * t46
@@ -2809,7 +2763,6 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = np.swapaxes(t3, -1, -2)
     t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
@@ -2836,7 +2789,6 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = np.swapaxes(t2, -1, -2)
     t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
@@ -2863,7 +2815,6 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = np.swapaxes(t3, -1, -2)
     t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
@@ -2908,7 +2859,6 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = np.swapaxes(t2, -1, -2)
     t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
@@ -2963,7 +2913,6 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = np.swapaxes(t3, -1, -2)
     t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
@@ -2990,7 +2939,6 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = np.swapaxes(t2, -1, -2)
     t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
@@ -3109,7 +3057,6 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = np.swapaxes(t2, -1, -2)
     t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
@@ -3167,7 +3114,6 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = np.swapaxes(t2, -1, -2)
     t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))

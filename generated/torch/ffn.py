@@ -53,7 +53,6 @@ def mse_bias0_residual0__gradient(X, W_1, W_2, Y):
     t8 = G @ t7
     t9 = t2 * t8
     t10 = t0 @ t9
-    t11 = t1.transpose(-1, -2)
     t12 = t3.transpose(-1, -2)
     t13 = t12 @ G
     return ((t10[0] if n_batch == 1 else t10.mean(0)), (t13[0] if n_batch == 1 else t13.mean(0)),)
@@ -86,7 +85,6 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t12[...] = ((t15.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
     t16 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t17 = t16.view((d_ff, d_V, d_V, d_ff))
-    t18 = t3.transpose(-1, -2)
     t19 = t13.transpose(-1, -2)
     t20 = (2/(L*d_V*n_batch)) * X
     t21 = (t20.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
@@ -123,7 +121,6 @@ def mse_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     t11 = t9 @ t10
     t12 = t2 * t11
     t13 = t0 @ t12
-    t14 = t1.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = t15 @ t9
     return ((t13[0] if n_batch == 1 else t13.mean(0)), (t16[0] if n_batch == 1 else t16.mean(0)),)
@@ -157,7 +154,6 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t19 = t18 * t16.permute(2, 3, 0, 1)
     t20 = (4/(L**2*d_V**2*n_batch**2)) * (t6 * t19.permute(2, 3, 0, 1)).sum()
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t22 = t1.transpose(-1, -2)
     t23 = t14.transpose(-1, -2)
     t24 = (t3.permute(1, 0).reshape((d_ff, 1, d_V)) @ t3.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t25 = (t23.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t23.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -307,7 +303,6 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t2 = X.transpose(-1, -2)
     t3 = t1 @ t2
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
-    t5 = t3.transpose(-1, -2)
     t6 = t4.transpose(-1, -2)
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
@@ -326,7 +321,6 @@ def mse_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
-    t4 = t2.transpose(-1, -2)
     t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     return (2/(L*n_batch)) * oe.contract('abb->', t6)
@@ -345,7 +339,6 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t3 = t1 @ t2
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = W_2.transpose(-1, -2)
-    t6 = t3.transpose(-1, -2)
     t7 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t8 = t7.transpose(-1, -2)
     t9 = (2/(L*d_V*n_batch)) * X
@@ -366,7 +359,6 @@ def mse_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = W_2.transpose(-1, -2)
-    t5 = t2.transpose(-1, -2)
     t6 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t7 = t6.transpose(-1, -2)
     t8 = (t4.permute(1, 0).reshape((d_ff, 1, d_V)) @ t4.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
@@ -394,7 +386,6 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
-    t6 = t4.transpose(-1, -2)
     t7 = t5.transpose(-1, -2)
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
@@ -413,7 +404,6 @@ def mse_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
-    t4 = t2.transpose(-1, -2)
     t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
@@ -452,7 +442,6 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t15 = t14.view((d_ff, d_V, d_V, d_ff))
     t16 = t15.diagonal(0, 0, 3)
     t17 = G.transpose(-1, -2)
-    t18 = t5.transpose(-1, -2)
     t19 = t6.transpose(-1, -2)
     t20 = (1/n_batch) * t17
     t21 = t19.permute(1, 0, 2)
@@ -482,7 +471,6 @@ def mse_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     t8 = G @ t7
     t9 = t2 * t8
     t10 = t0 @ t9
-    t11 = t1.transpose(-1, -2)
     t12 = t2.transpose(-1, -2)
     t13 = V_W_1.transpose(-1, -2)
     t14 = t13 @ t0
@@ -514,7 +502,6 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t11 = (n_batch**(-2)) * (t10 * t9).sum()
     t12 = torch.sqrt(torch.clamp(t11, min=0.0))
     t13 = G.transpose(-1, -2)
-    t14 = t1.transpose(-1, -2)
     t15 = t2.transpose(-1, -2)
     t16 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t15.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -656,7 +643,6 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t6 = (2/(L*d_V)) * t5
     G = t6
     t7 = G.transpose(-1, -2)
-    t8 = t2.transpose(-1, -2)
     t9 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t10 = t9.transpose(-1, -2)
     t11 = (1/n_batch) * t7
@@ -680,7 +666,6 @@ def mse_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t4 = (2/(L*d_V)) * t3
     G = t4
     t5 = G.transpose(-1, -2)
-    t6 = t0.transpose(-1, -2)
     t7 = torch.heaviside(t0, torch.full_like(t0, 0.0))
     t8 = t7.transpose(-1, -2)
     t9 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t8.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -756,7 +741,6 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         del R
         t25 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
         t26 = t25.view((d_ff, d_V, d_V, d_ff))
-        t27 = t4.transpose(-1, -2)
         t28 = t13.transpose(-1, -2)
         t29 = (2/(L*d_V*n_batch)) * X
         t30 = (t29.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
@@ -809,7 +793,6 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t16 += (t22.reshape((d_V**2, L*n_batch)) @ t21.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t23 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t24 = t23.view((d_ff, d_V, d_V, d_ff))
-    t25 = t3.transpose(-1, -2)
     t26 = t13.transpose(-1, -2)
     t27 = (2/(L*d_V*n_batch)) * X
     t28 = (t27.reshape((n_batch, L, d_V, 1)) * t26.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
@@ -860,7 +843,6 @@ def mse_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     t17 = t11 + t16
     t18 = t17 * t4
     t19 = t0 @ t18
-    t20 = t1.transpose(-1, -2)
     t21 = t2.transpose(-1, -2)
     t22 = t21 @ t9
     t23 = t4.transpose(-1, -2)
@@ -911,7 +893,6 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t29 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t30 = (4/(L**2*d_V**2*n_batch**2)) * (t6 * t19.permute(2, 3, 0, 1)).sum() + (4/(L*d_V*n_batch**2)) * (t26 * t6).sum() + (n_batch**(-2)) * (t29 * t28).sum()
     t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = t1.transpose(-1, -2)
     t33 = t14.transpose(-1, -2)
     t34 = (t3.permute(1, 0).reshape((d_ff, 1, d_V)) @ t3.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t35 = (t33.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t33.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1092,7 +1073,6 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t2 = X.transpose(-1, -2)
     t3 = t1 @ t2
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
-    t5 = t3.transpose(-1, -2)
     t6 = t4.transpose(-1, -2)
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
@@ -1111,7 +1091,6 @@ def mse_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
-    t4 = t2.transpose(-1, -2)
     t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     return (2/(L*n_batch)) * oe.contract('abb->', t6)
@@ -1130,7 +1109,6 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t3 = t1 @ t2
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = W_2.transpose(-1, -2)
-    t6 = t3.transpose(-1, -2)
     t7 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t8 = t7.transpose(-1, -2)
     t9 = (2/(L*d_V*n_batch)) * X
@@ -1163,7 +1141,6 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = W_2.transpose(-1, -2)
-    t5 = t2.transpose(-1, -2)
     t6 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t7 = t6.transpose(-1, -2)
     t8 = (t4.permute(1, 0).reshape((d_ff, 1, d_V)) @ t4.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
@@ -1205,7 +1182,6 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t3 = X.transpose(-1, -2)
     t4 = t2 @ t3
     t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
-    t6 = t4.transpose(-1, -2)
     t7 = t5.transpose(-1, -2)
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
@@ -1224,7 +1200,6 @@ def mse_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
-    t4 = t2.transpose(-1, -2)
     t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
@@ -1307,7 +1282,6 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = W_2.transpose(-1, -2)
-    t5 = t2.transpose(-1, -2)
     t6 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t7 = t6.transpose(-1, -2)
     t8 = (t4.permute(1, 0).reshape((d_ff, 1, d_V)) @ t4.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
@@ -1350,7 +1324,6 @@ def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
-    t4 = t2.transpose(-1, -2)
     t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * (t6.sum((0,)) * t6.sum((0,))).sum()
@@ -1463,7 +1436,6 @@ def ce_bias0_residual0__gradient(X, W_1, W_2, Y):
     t12 = G @ t11
     t13 = t2 * t12
     t14 = t0 @ t13
-    t15 = t1.transpose(-1, -2)
     t16 = t5.transpose(-1, -2)
     t17 = t16 @ G
     return ((t14[0] if n_batch == 1 else t14.mean(0)), (t17[0] if n_batch == 1 else t17.mean(0)),)
@@ -1507,7 +1479,6 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t20[...] = ((t21.reshape((d_V*d_ff, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
     t24 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t25 = t24.view((d_ff, d_V, d_V, d_ff))
-    t26 = t3.transpose(-1, -2)
     t27 = t7.transpose(-1, -2)
     t28 = (1/(L*n_batch)) * t6
     t29 = ((X.reshape((n_batch, L, d_V, 1)) * t27.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
@@ -1550,7 +1521,6 @@ def ce_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     t18 = t2 * t17
     t19 = t0 @ t18
     t20 = (1/L) * t19
-    t21 = t1.transpose(-1, -2)
     t22 = t5.transpose(-1, -2)
     t23 = t22 @ t15
     t24 = (1/L) * t23
@@ -1597,7 +1567,6 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t28 = (t27.permute(2, 3, 0, 1).reshape((d_ff, d_V, L*n_batch)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))
     t29 = (1/(L**2*n_batch**2)) * (t28 * W_2).sum()
     t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = t1.transpose(-1, -2)
     t32 = t5.transpose(-1, -2)
     t33 = (t32.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t32.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = t12 * t33
@@ -1814,7 +1783,6 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = t3.transpose(-1, -2)
     t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
@@ -1841,7 +1809,6 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = t2.transpose(-1, -2)
     t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
@@ -1868,7 +1835,6 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = t3.transpose(-1, -2)
     t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
@@ -1900,7 +1866,6 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = t2.transpose(-1, -2)
     t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
@@ -1939,7 +1904,6 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = t3.transpose(-1, -2)
     t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
@@ -1966,7 +1930,6 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = t2.transpose(-1, -2)
     t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
@@ -2020,7 +1983,6 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t19 = t18.view((d_ff, d_V, d_V, d_ff))
     t20 = t19.diagonal(0, 0, 3)
     t21 = G.transpose(-1, -2)
-    t22 = t5.transpose(-1, -2)
     t23 = t6.transpose(-1, -2)
     t24 = (1/n_batch) * t21
     t25 = t23.permute(1, 0, 2)
@@ -2055,7 +2017,6 @@ def ce_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     t12 = G @ t11
     t13 = t2 * t12
     t14 = t0 @ t13
-    t15 = t1.transpose(-1, -2)
     t16 = t2.transpose(-1, -2)
     t17 = V_W_1.transpose(-1, -2)
     t18 = t17 @ t0
@@ -2092,7 +2053,6 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t15 = (n_batch**(-2)) * (t14 * t13).sum()
     t16 = torch.sqrt(torch.clamp(t15, min=0.0))
     t17 = G.transpose(-1, -2)
-    t18 = t1.transpose(-1, -2)
     t19 = t2.transpose(-1, -2)
     t20 = (t19.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t19.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (t17.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2249,7 +2209,6 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t10 = (1/L) * t9
     G = t10
     t11 = G.transpose(-1, -2)
-    t12 = t4.transpose(-1, -2)
     t13 = torch.heaviside(t4, torch.full_like(t4, 0.0))
     t14 = t13.transpose(-1, -2)
     t15 = (1/n_batch) * t11
@@ -2278,7 +2237,6 @@ def ce_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     t8 = (1/L) * t7
     G = t8
     t9 = G.transpose(-1, -2)
-    t10 = t2.transpose(-1, -2)
     t11 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t12 = t11.transpose(-1, -2)
     t13 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t12.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2366,7 +2324,6 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         del R
         t34 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
         t35 = t34.view((d_ff, d_V, d_V, d_ff))
-        t36 = t4.transpose(-1, -2)
         t37 = t8.transpose(-1, -2)
         t38 = (1/(L*n_batch)) * t7
         t39 = ((X.reshape((n_batch, L, d_V, 1)) * t37.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
@@ -2430,7 +2387,6 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t24 += (t32.reshape((d_V**2, L*n_batch)) @ t31.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t34 = t33.view((d_ff, d_V, d_V, d_ff))
-    t35 = t3.transpose(-1, -2)
     t36 = t7.transpose(-1, -2)
     t37 = (1/(L*n_batch)) * t6
     t38 = ((X.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
@@ -2487,7 +2443,6 @@ def ce_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     t24 = t11 + t23
     t25 = t24 * t13
     t26 = t0 @ t25
-    t27 = t3.transpose(-1, -2)
     t28 = t4.transpose(-1, -2)
     t29 = t28 @ t20
     t30 = (1/L) * t29
@@ -2554,7 +2509,6 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t41 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t42 = (1/(L**2*n_batch**2)) * (t28 * W_2).sum() + (2/(L*n_batch**2)) * (t38 * t37.permute(3, 4, 0, 1, 2)).sum() + (n_batch**(-2)) * (t41 * t40).sum()
     t43 = torch.sqrt(torch.clamp(t42, min=0.0))
-    t44 = t1.transpose(-1, -2)
     t45 = t5.transpose(-1, -2)
     t46 = (t45.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t45.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t47 = t12 * t46
@@ -2808,7 +2762,6 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = t3.transpose(-1, -2)
     t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
@@ -2835,7 +2788,6 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = t2.transpose(-1, -2)
     t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
@@ -2862,7 +2814,6 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = t3.transpose(-1, -2)
     t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
@@ -2907,7 +2858,6 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = t2.transpose(-1, -2)
     t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
@@ -2962,7 +2912,6 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = t3.transpose(-1, -2)
     t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
@@ -2989,7 +2938,6 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = t2.transpose(-1, -2)
     t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
@@ -3108,7 +3056,6 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = t2.transpose(-1, -2)
     t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
@@ -3166,7 +3113,6 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = t2.transpose(-1, -2)
     t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))

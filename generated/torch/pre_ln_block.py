@@ -177,7 +177,6 @@ def mse_bias0_causal0__gradient(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t81 = t77 + t80
     t82 = N_2.transpose(-1, -2)
     t83 = t82 @ t41
-    t84 = t32.transpose(-1, -2)
     t85 = t34.transpose(-1, -2)
     t86 = t85 @ G
     return ((t66[0] if n_batch == 1 else t66.mean(0)), (t69[0] if n_batch == 1 else t69.mean(0)), (t81[0] if n_batch == 1 else t81.mean(0)), (t83[0] if n_batch == 1 else t83.mean(0)), (t86[0] if n_batch == 1 else t86.mean(0)),)
@@ -290,7 +289,6 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
         t75 = A @ N_1
         t76 = (2/(L*math.sqrt(d_K)*d_V)) * t15
         t77 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t76.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t78 = (t77.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t21).reshape((n_batch, L, d_K, d_V))
         t79 = (4/(L*math.sqrt(d_K)*d_V**2)) * t15
         t80 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t79.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
         t81 = (M_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t21.permute(0, 2, 1).reshape((n_batch, d_V, 1, L)))
@@ -298,8 +296,6 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
         t83 = (t82.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
         t84 = (t83.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
         t85 = (t84.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t86 = (t85.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_2).reshape((n_batch, L, L, d_V))
-        t87 = (t80.permute(0, 1, 3, 2) @ t86)
         t88 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
         # S: compact tensor ('d_V', 'd_V', 'd_V')
         S89 = (t88.reshape((d_V, 1)) * t22.reshape((1, d_V**2))).reshape((d_V, d_V, d_V)) + (-1/d_V) * (t88.reshape((d_V, 1)) * t31.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))
@@ -308,288 +304,292 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
         t92 = (t91.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
         t93 = (t92.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
         t94 = (t93 @ S)
-        t95 = (t94.permute(0, 1, 3, 2) @ t80)
-        t96 = (t95.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
         t97 = (P_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t21.permute(0, 2, 1).reshape((n_batch, d_V, 1, L)))
         t98 = (t97.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
         t99 = (t98.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t100 = (t99.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_2).reshape((n_batch, L, L, d_V))
-        t101 = (t77.permute(0, 1, 3, 2) @ t100)
         t102 = (t99.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t90.permute(1, 0)).reshape((n_batch, L, L, d_ff))
         t103 = (t102.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
         t104 = (t103.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
         t105 = (t104 @ S)
-        t106 = (t105.permute(0, 1, 3, 2) @ t77)
-        t107 = (t106.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
         t108 = (-2/(L*math.sqrt(d_K)*d_V**2)) * t15
         t109 = (t31.permute(1, 0) @ t21.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
         t110 = (t109.permute(1, 2, 0) @ S58.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
         t111 = (t110.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
         t112 = (t111.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
         t113 = (t112.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t114 = (t113.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_2).reshape((n_batch, L, L, d_V))
-        t115 = ((t108 @ t114.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
         t116 = (t113.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t90.permute(1, 0)).reshape((n_batch, L, L, d_ff))
         t117 = (t116.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
         t118 = (t117.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
         t119 = (t118 @ S)
-        t120 = (t119.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t108.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-        t121 = (t120.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
         t122 = (t42.permute(1, 0) @ t21.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_ff, n_batch, L))
         t123 = (t122.reshape((d_ff, n_batch, L, 1)) * t41.permute(2, 0, 1).reshape((d_ff, n_batch, 1, L)))
         t124 = (t123.permute(1, 2, 3, 0).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
         t125 = (t124.permute(0, 2, 1, 3) @ S)
         t126 = (t125.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t127 = (t126.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-        t128 = ((t76 @ t127.permute(0, 2, 1, 3, 4).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
-        t129 = t78 + t87 + t101 + t115
-        t74[...] = ((t75.reshape((n_batch, L, d_V, 1)) * t129.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t130 = t96 + t107 + t121 + t128
-        t74 += ((t75.reshape((n_batch, L, d_V, 1, 1)) * t130.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t131 = t11[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t132 = t131.view((n_batch, L, d_K, d_V, d_ff))
+        t129 = t21.permute(0, 2, 1)
+        t130 = ((t76 @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t131 = ((t79 @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t132 = ((W_2.permute(1, 0) @ t85.permute(2, 0, 1, 3).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t133 = ((W_2.permute(1, 0) @ t99.permute(2, 0, 1, 3).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t134 = ((W_2.permute(1, 0) @ t113.permute(2, 0, 1, 3).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t135 = (t130.reshape((n_batch, L*d_K, L)) @ t129.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V)) + (t131 @ t132.permute(0, 1, 3, 2)) + (t130 @ t133.permute(0, 1, 3, 2)) + ((t108 @ t134.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t74[...] = ((t75.reshape((n_batch, L, d_V, 1)) * t135.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t136 = S89.permute(0, 2, 1)
+        t137 = (t80.permute(0, 1, 3, 2) @ t94)
+        t138 = (t77.permute(0, 1, 3, 2) @ t105)
+        t139 = ((t108 @ t119.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t140 = ((S89.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t126.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t141 = t137.reshape((L*d_K*n_batch, d_V))
+        t142 = t138.reshape((L*d_K*n_batch, d_V))
+        t143 = t139.reshape((L*d_K*n_batch, d_V))
+        t144 = t136.permute(2, 0, 1).reshape((d_V, d_V**2))
+        t145 = torch.cat([t141, t142, t143], dim=-1)
+        t146 = torch.cat([t144, t144, t144], dim=-2)
+        t147 = (t145 @ t146).reshape((n_batch, L, d_K, d_V, d_V)) + ((t76 @ t140.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t74 += ((t75.reshape((n_batch, L, d_V, 1, 1)) * t147.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t148 = t11[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t149 = t148.view((n_batch, L, d_K, d_V, d_ff))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S133 = (2/(L*math.sqrt(d_K)*d_V)) * (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t51.permute(1, 2, 3, 0) @ t53) + (2/(L*math.sqrt(d_K)*d_V)) * (t56.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-2/(L*math.sqrt(d_K)*d_V**2)) * (t59.permute(0, 1, 3, 2) @ t53)
-        t134 = (S133.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-        t135 = (t134 @ dA.permute(0, 1, 3, 2))
-        t136 = (t135.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t42).reshape((n_batch, L, L, d_ff))
-        t137 = ((t15 @ t136.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
-        t138 = (N_2.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
-        t132[...] = ((t137.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_K, 1)) * t138.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
-        t139 = t11[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t140 = t139.view((n_batch, L, d_K, d_ff, d_V))
-        t141 = (t40 * torch.heaviside(t40, torch.full_like(t40, 0.0)))
-        t142 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t15.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t143 = (t142.permute(0, 1, 3, 2) @ t134.permute(0, 1, 3, 2))
-        t140[...] = ((t141.reshape((n_batch, L, d_ff, 1)) * t143.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t144 = t10.permute(1, 0, 2)
-        t145 = t144.reshape((d_V, L*n_batch))
-        t146 = (1/n_batch) * t145
-        t147 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t148 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t146, t147, out=t148)
+        S150 = (2/(L*math.sqrt(d_K)*d_V)) * (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t51.permute(1, 2, 3, 0) @ t53) + (2/(L*math.sqrt(d_K)*d_V)) * (t56.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-2/(L*math.sqrt(d_K)*d_V**2)) * (t59.permute(0, 1, 3, 2) @ t53)
+        t151 = (S150.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t152 = (t151 @ dA.permute(0, 1, 3, 2))
+        t153 = (t152.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t42).reshape((n_batch, L, L, d_ff))
+        t154 = ((t15 @ t153.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
+        t155 = (N_2.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
+        t149[...] = ((t154.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_K, 1)) * t155.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t156 = t11[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t157 = t156.view((n_batch, L, d_K, d_ff, d_V))
+        t158 = (t40 * torch.heaviside(t40, torch.full_like(t40, 0.0)))
+        t159 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t15.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t160 = (t159.permute(0, 1, 3, 2) @ t151.permute(0, 1, 3, 2))
+        t157[...] = ((t158.reshape((n_batch, L, d_ff, 1)) * t160.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t161 = t10.permute(1, 0, 2)
+        t162 = t161.reshape((d_V, L*n_batch))
+        t163 = (1/n_batch) * t162
+        t164 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t165 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t163, t164, out=t165)
         del R
-        R149 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t150 = R149.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t151 = t150[..., 0:d_K*d_V]
-        t152 = t151.view((n_batch, L, d_K, d_V, d_K))
-        t153 = t71.transpose(-1, -2)
-        t154 = ((t62.permute(0, 2, 1) @ t66.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t155 = ((N_1.reshape((n_batch, L, d_V, 1)) * t153.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t152[...] = ((t155.reshape((n_batch, d_K*d_V, L)) @ t154.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t156 = t150[..., d_K*d_V:2*d_K*d_V]
-        t157 = t156.view((n_batch, L, d_K, d_V, d_K))
-        t158 = ((N_1.permute(0, 2, 1) @ t66.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t159 = ((t71.reshape((n_batch, L, d_K, 1)) * t153.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t157[...] = ((t158.reshape((n_batch, L*d_V, L)) @ t159.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
-        t160 = t150[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t161 = t160.view((n_batch, L, d_K, d_V, d_V))
-        t162 = (2/(L*math.sqrt(d_K)*d_V)) * t153
-        t163 = ((t75.reshape((n_batch, L, d_V, 1)) * t162.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t164 = ((t21.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t165 = (4/(L*math.sqrt(d_K)*d_V**2)) * t153
-        t166 = ((t75.reshape((n_batch, L, d_V, 1)) * t165.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t167 = (t21.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t168 = (t167.reshape((n_batch, d_V, L, L, 1)) * M_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L))
-        t169 = (t168.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ t31).reshape((n_batch, L, L, d_V))
-        t170 = (t169.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-        t171 = (t170.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
-        t172 = (t171.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t173 = ((W_2.permute(1, 0) @ t172.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t174 = (t172.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t90.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t175 = (t174.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t176 = (t175.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
-        t177 = (t176 @ S)
-        t178 = (t177.reshape((L**2*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-        t179 = ((t178.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t75.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
-        t180 = (t167.reshape((n_batch, d_V, L, L, 1)) * P_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L))
-        t181 = (t180.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
-        t182 = (t181.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t183 = ((W_2.permute(1, 0) @ t182.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t184 = (t182.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t90.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t185 = (t184.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t186 = (t185.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
-        t187 = (t186 @ S)
-        t188 = (t187.reshape((L**2*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-        t189 = ((t188.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t75.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
-        t190 = (-2/(L*math.sqrt(d_K)*d_V**2)) * t153
-        t191 = ((W_2.permute(1, 0) @ t113.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t192 = ((t75.reshape((n_batch, L, d_V, 1)) * t190.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t193 = ((S89.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t119.permute(3, 0, 2, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
-        t194 = ((S89.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t126.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
-        t195 = t163.reshape((n_batch, d_K*d_V, L))
-        t196 = t166.reshape((n_batch, d_K*d_V, L))
-        t197 = t192.reshape((n_batch, d_K*d_V, L))
-        t198 = t164.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
-        t199 = t173.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
-        t200 = t183.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
-        t201 = t191.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
-        t202 = torch.cat([t195, t196, t195, t197], dim=-1)
-        t203 = torch.cat([t198, t199, t200, t201], dim=-2)
-        t161[...] = ((t202 @ t203).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
-        t161 += ((t165 @ t179.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
-        t161 += ((t162 @ t189.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
-        t161 += ((t192.permute(0, 2, 1, 3) @ t193.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
-        t161 += ((t163.permute(0, 2, 1, 3) @ t194.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
-        t204 = t150[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t205 = t204.view((n_batch, L, d_K, d_V, d_ff))
-        t206 = ((t136.permute(0, 3, 1, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
-        t207 = ((N_2.reshape((n_batch, L, d_V, 1)) * t153.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t205[...] = ((t207.reshape((n_batch, d_K*d_V, L)) @ t206.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
-        t208 = t150[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t209 = t208.view((n_batch, L, d_K, d_ff, d_V))
-        t210 = ((t167.permute(0, 2, 3, 1) @ S133)).permute(0, 2, 3, 1)
-        t211 = ((t141.reshape((n_batch, L, d_ff, 1)) * t153.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t209[...] = ((t211.reshape((n_batch, d_K*d_ff, L)) @ t210.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
-        t212 = R149.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t213 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t146, t212, out=t213)
-        del R149
-        t214 = t75.transpose(-1, -2)
-        R215 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t216 = R215.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t217 = t216[..., 0:d_K*d_V]
-        t218 = t217.view((n_batch, L, d_V, d_V, d_K))
+        R166 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t167 = R166.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t168 = t167[..., 0:d_K*d_V]
+        t169 = t168.view((n_batch, L, d_K, d_V, d_K))
+        t170 = t71.transpose(-1, -2)
+        t171 = ((t62.permute(0, 2, 1) @ t66.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t172 = ((N_1.reshape((n_batch, L, d_V, 1)) * t170.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t169[...] = ((t172.reshape((n_batch, d_K*d_V, L)) @ t171.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t173 = t167[..., d_K*d_V:2*d_K*d_V]
+        t174 = t173.view((n_batch, L, d_K, d_V, d_K))
+        t175 = ((N_1.permute(0, 2, 1) @ t66.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t176 = ((t71.reshape((n_batch, L, d_K, 1)) * t170.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t174[...] = ((t175.reshape((n_batch, L*d_V, L)) @ t176.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t177 = t167[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t178 = t177.view((n_batch, L, d_K, d_V, d_V))
+        t179 = (2/(L*math.sqrt(d_K)*d_V)) * t170
+        t180 = ((t75.reshape((n_batch, L, d_V, 1)) * t179.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t181 = ((t21.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t182 = (4/(L*math.sqrt(d_K)*d_V**2)) * t170
+        t183 = ((t75.reshape((n_batch, L, d_V, 1)) * t182.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t184 = (t21.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t185 = (t184.reshape((n_batch, d_V, L, L, 1)) * M_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L))
+        t186 = (t185.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ t31).reshape((n_batch, L, L, d_V))
+        t187 = (t186.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t188 = (t187.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t189 = (t188.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t190 = ((W_2.permute(1, 0) @ t189.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t191 = (t189.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t90.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t192 = (t191.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t193 = (t192.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t194 = (t193 @ S)
+        t195 = (t194.reshape((L**2*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t196 = ((t195.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t75.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
+        t197 = (t184.reshape((n_batch, d_V, L, L, 1)) * P_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L))
+        t198 = (t197.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t199 = (t198.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t200 = ((W_2.permute(1, 0) @ t199.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t201 = (t199.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t90.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t202 = (t201.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t203 = (t202.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t204 = (t203 @ S)
+        t205 = (t204.reshape((L**2*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t206 = ((t205.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t75.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
+        t207 = (-2/(L*math.sqrt(d_K)*d_V**2)) * t170
+        t208 = ((W_2.permute(1, 0) @ t113.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t209 = ((t75.reshape((n_batch, L, d_V, 1)) * t207.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t210 = ((S89.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t119.permute(3, 0, 2, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t211 = ((S89.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t126.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t212 = t180.reshape((n_batch, d_K*d_V, L))
+        t213 = t183.reshape((n_batch, d_K*d_V, L))
+        t214 = t209.reshape((n_batch, d_K*d_V, L))
+        t215 = t181.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t216 = t190.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t217 = t200.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t218 = t208.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t219 = torch.cat([t212, t213, t212, t214], dim=-1)
+        t220 = torch.cat([t215, t216, t217, t218], dim=-2)
+        t178[...] = ((t219 @ t220).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t178 += ((t182 @ t196.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t178 += ((t179 @ t206.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t178 += ((t209.permute(0, 2, 1, 3) @ t210.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t178 += ((t180.permute(0, 2, 1, 3) @ t211.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t221 = t167[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t222 = t221.view((n_batch, L, d_K, d_V, d_ff))
+        t223 = ((t153.permute(0, 3, 1, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
+        t224 = ((N_2.reshape((n_batch, L, d_V, 1)) * t170.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t222[...] = ((t224.reshape((n_batch, d_K*d_V, L)) @ t223.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
+        t225 = t167[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t226 = t225.view((n_batch, L, d_K, d_ff, d_V))
+        t227 = ((t184.permute(0, 2, 3, 1) @ S150)).permute(0, 2, 3, 1)
+        t228 = ((t158.reshape((n_batch, L, d_ff, 1)) * t170.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t226[...] = ((t228.reshape((n_batch, d_K*d_ff, L)) @ t227.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
+        t229 = R166.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t230 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t163, t229, out=t230)
+        del R166
+        t231 = t75.transpose(-1, -2)
+        R232 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t233 = R232.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t234 = t233[..., 0:d_K*d_V]
+        t235 = t234.view((n_batch, L, d_V, d_V, d_K))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S219 = (2/(L*math.sqrt(d_K)*d_V)) * (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t51.permute(1, 2, 3, 0) @ t54) + (2/(L*math.sqrt(d_K)*d_V)) * (t57.reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-2/(L*math.sqrt(d_K)*d_V**2)) * (t59.permute(0, 1, 3, 2) @ t54) + (2/(L*math.sqrt(d_K)*d_V)) * (t47 @ t48.permute(2, 0, 3, 1))
-        t220 = (t61.permute(0, 2, 1) @ S219.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t221 = (t62.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
-        t222 = (t220.permute(0, 2, 3, 1) @ t221.permute(0, 2, 3, 1))
-        t218[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t222.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
-        t223 = t216[..., d_K*d_V:2*d_K*d_V]
-        t224 = t223.view((n_batch, L, d_V, d_V, d_K))
-        t225 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t226 = (t220.permute(0, 2, 3, 1) @ t225.permute(0, 2, 3, 1))
-        t224[...] = (t226.reshape((n_batch, L, d_V**2, 1)) * t71.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
-        t227 = t216[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t228 = t227.view((n_batch, L, d_V, d_V, d_V))
-        t229 = (4/(L*d_V**2)) * M_N_2
-        t230 = (t229.reshape((n_batch, L, d_V, 1)) * t75.reshape((n_batch, L, 1, d_V)))
-        t231 = (t37.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.permute(1, 0).reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))
-        t232 = (t231.permute(1, 2, 3, 0) @ t53)
-        t233 = (t43.reshape((d_ff, d_V, 1)) * t41.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-        t234 = (t233.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t42.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
-        t235 = (t234.permute(1, 2, 0, 3) @ t56.permute(1, 2, 0, 3))
-        t236 = (t235.permute(0, 1, 3, 2) @ S)
-        t237 = (t236.reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-        t238 = (t237.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t239 = (t238.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t229.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-        t240 = ((t75.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S89.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
-        t241 = (2/(L*d_V)) * P_N_2
-        t242 = (t241.reshape((n_batch, L, d_V, 1)) * t75.reshape((n_batch, L, 1, d_V)))
-        t243 = (t236.reshape((L*d_V*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t244 = (-2/(L*d_V**2)) * t75
-        t245 = (t59.permute(0, 1, 3, 2) @ t53)
-        t246 = (t236.permute(0, 1, 3, 2) @ S58.permute(0, 1, 3, 2))
-        t247 = (t246.reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t248 = (t247.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t249 = (2/(L*d_V)) * t75
-        t250 = (t47 @ S)
-        t251 = ((t249.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S89.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
-        t252 = t228.diagonal(0, 2, 4)
-        t253 = (2/(L*d_V)) * t88
-        t228[...] = (t230.reshape((n_batch, L, d_V, d_V, 1)) * t232.reshape((n_batch, L, d_V, 1, d_V)))
-        t228 += (t239 @ t240.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t228 += (t242.reshape((n_batch, L, d_V, d_V, 1)) * t53.reshape((n_batch, L, d_V, 1, d_V)))
-        t228 += (t242.reshape((n_batch, L, d_V, d_V, 1, 1)) * t243.reshape((n_batch, L, d_V, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))
-        t228 += ((t244.reshape((n_batch, L, d_V, 1)) * t245.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
-        t228 += ((t244.reshape((n_batch, L, d_V, 1, 1)) * t248.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
-        t228 += (t250 @ t251.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t252 += (t75.reshape((L*d_V*n_batch, 1)) * t253.reshape((1, d_V))).reshape((n_batch, L, d_V, d_V))
-        t254 = t216[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t255 = t254.view((n_batch, L, d_V, d_V, d_ff))
+        S236 = (2/(L*math.sqrt(d_K)*d_V)) * (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (4/(L*math.sqrt(d_K)*d_V**2)) * (t51.permute(1, 2, 3, 0) @ t54) + (2/(L*math.sqrt(d_K)*d_V)) * (t57.reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-2/(L*math.sqrt(d_K)*d_V**2)) * (t59.permute(0, 1, 3, 2) @ t54) + (2/(L*math.sqrt(d_K)*d_V)) * (t47 @ t48.permute(2, 0, 3, 1))
+        t237 = (t61.permute(0, 2, 1) @ S236.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t238 = (t62.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
+        t239 = (t237.permute(0, 2, 3, 1) @ t238.permute(0, 2, 3, 1))
+        t235[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t239.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t240 = t233[..., d_K*d_V:2*d_K*d_V]
+        t241 = t240.view((n_batch, L, d_V, d_V, d_K))
+        t242 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t243 = (t237.permute(0, 2, 3, 1) @ t242.permute(0, 2, 3, 1))
+        t241[...] = (t243.reshape((n_batch, L, d_V**2, 1)) * t71.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+        t244 = t233[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t245 = t244.view((n_batch, L, d_V, d_V, d_V))
+        t246 = (4/(L*d_V**2)) * M_N_2
+        t247 = (t246.reshape((n_batch, L, d_V, 1)) * t75.reshape((n_batch, L, 1, d_V)))
+        t248 = (t37.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.permute(1, 0).reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))
+        t249 = (t248.permute(1, 2, 3, 0) @ t53)
+        t250 = (t43.reshape((d_ff, d_V, 1)) * t41.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+        t251 = (t250.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t42.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+        t252 = (t251.permute(1, 2, 0, 3) @ t56.permute(1, 2, 0, 3))
+        t253 = (t252.permute(0, 1, 3, 2) @ S)
+        t254 = (t253.reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t255 = (t254.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t256 = (t255.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t246.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t257 = ((t75.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S89.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t258 = (2/(L*d_V)) * P_N_2
+        t259 = (t258.reshape((n_batch, L, d_V, 1)) * t75.reshape((n_batch, L, 1, d_V)))
+        t260 = (t253.reshape((L*d_V*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t261 = (-2/(L*d_V**2)) * t75
+        t262 = (t59.permute(0, 1, 3, 2) @ t53)
+        t263 = (t253.permute(0, 1, 3, 2) @ S58.permute(0, 1, 3, 2))
+        t264 = (t263.reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t265 = (t264.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S89.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t266 = (2/(L*d_V)) * t75
+        t267 = (t47 @ S)
+        t268 = ((t266.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S89.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t269 = t245.diagonal(0, 2, 4)
+        t270 = (2/(L*d_V)) * t88
+        t245[...] = (t247.reshape((n_batch, L, d_V, d_V, 1)) * t249.reshape((n_batch, L, d_V, 1, d_V)))
+        t245 += (t256 @ t257.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t245 += (t259.reshape((n_batch, L, d_V, d_V, 1)) * t53.reshape((n_batch, L, d_V, 1, d_V)))
+        t245 += (t259.reshape((n_batch, L, d_V, d_V, 1, 1)) * t260.reshape((n_batch, L, d_V, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))
+        t245 += ((t261.reshape((n_batch, L, d_V, 1)) * t262.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t245 += ((t261.reshape((n_batch, L, d_V, 1, 1)) * t265.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t245 += (t267 @ t268.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t269 += (t75.reshape((L*d_V*n_batch, 1)) * t270.reshape((1, d_V))).reshape((n_batch, L, d_V, d_V))
+        t271 = t233[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t272 = t271.view((n_batch, L, d_V, d_V, d_ff))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S256 = (2/(L*d_V)) * (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (4/(L*d_V**2)) * (t51.permute(1, 2, 3, 0) @ t53) + (2/(L*d_V)) * (t56.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-2/(L*d_V**2)) * (t59.permute(0, 1, 3, 2) @ t53)
-        t257 = (S256.reshape((L*d_V*n_batch, d_V)) @ t42).reshape((n_batch, L, d_V, d_ff))
-        t255[...] = ((t257.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t138.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
-        t258 = t216[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t259 = t258.view((n_batch, L, d_V, d_ff, d_V))
-        t259[...] = ((t141.reshape((n_batch, L, d_ff, 1)) * S256.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
-        t260 = t214.permute(1, 0, 2)
-        t261 = t260.reshape((d_V, L*n_batch))
-        t262 = (1/n_batch) * t261
-        t263 = R215.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t264 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t262, t263, out=t264)
-        del R215
-        t265 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-        t266 = t265.view((d_V, d_ff, d_V, d_K))
-        t267 = N_2.transpose(-1, -2)
+        S273 = (2/(L*d_V)) * (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (4/(L*d_V**2)) * (t51.permute(1, 2, 3, 0) @ t53) + (2/(L*d_V)) * (t56.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-2/(L*d_V**2)) * (t59.permute(0, 1, 3, 2) @ t53)
+        t274 = (S273.reshape((L*d_V*n_batch, d_V)) @ t42).reshape((n_batch, L, d_V, d_ff))
+        t272[...] = ((t274.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t155.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t275 = t233[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t276 = t275.view((n_batch, L, d_V, d_ff, d_V))
+        t276[...] = ((t158.reshape((n_batch, L, d_ff, 1)) * S273.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t277 = t231.permute(1, 0, 2)
+        t278 = t277.reshape((d_V, L*n_batch))
+        t279 = (1/n_batch) * t278
+        t280 = R232.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t281 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t279, t280, out=t281)
+        del R232
+        t282 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        t283 = t282.view((d_V, d_ff, d_V, d_K))
+        t284 = N_2.transpose(-1, -2)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S268 = (2/(L*math.sqrt(d_K)*d_V)) * (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/(L*math.sqrt(d_K)*d_V)) * (t47 @ t48.permute(2, 0, 3, 1))
-        t269 = (1/n_batch) * t267
-        t270 = ((N_1.reshape((n_batch, L, d_V, 1)) * t269.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t271 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t61.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t272 = (t271 @ S268.permute(0, 1, 3, 2))
-        t273 = (t272.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t274 = (t273.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t275 = ((t62.permute(0, 2, 1) @ t274.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
-        t266[...] = ((t270.reshape((d_V**2, L*n_batch)) @ t275.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
-        t276 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t277 = t276.view((d_V, d_ff, d_V, d_K))
-        t278 = ((t71.reshape((n_batch, L, d_K, 1)) * t269.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t279 = ((N_1.permute(0, 2, 1) @ t274.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
-        t277[...] = ((t279.reshape((d_V*d_ff, L*n_batch)) @ t278.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        t280 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t281 = t280.view((d_V, d_ff, d_V, d_V))
-        t282 = (2/(L*d_V*n_batch)) * t267
-        t283 = (t75.reshape((n_batch, L, d_V, 1)) * t282.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-        t284 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch)) @ t283.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_V, d_V))).permute(1, 0, 2)
-        t285 = ((t75.reshape((n_batch, L, d_V, 1)) * t282.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t286 = (t250.permute(0, 1, 3, 2) @ t55.permute(2, 3, 1, 0))
-        t287 = ((S89.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t286.permute(2, 3, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
-        t281[...] = ((t284.permute(1, 0, 2).reshape((d_ff, d_V**2, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_V, d_V))).permute(1, 0, 2, 3)
-        t281 += ((t285.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t287.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
-        t288 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t289 = t288.view((d_V, d_ff, d_V, d_ff))
-        t290 = W_2 @ t42
-        t291 = ((N_2.reshape((n_batch, L, d_V, 1)) * t282.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t292 = (t290.reshape((d_ff, d_ff, 1)) * t41.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
-        t293 = ((t292.permute(1, 2, 3, 0).reshape((d_ff, n_batch, L, d_ff, 1)) * t41.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_ff))).permute(3, 0, 1, 2)
-        t289[...] = ((t291.reshape((d_V**2, L*n_batch)) @ t293.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
-        t294 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t295 = t294.view((d_V, d_ff, d_ff, d_V))
-        t296 = (t41.reshape((n_batch, L, d_ff, 1)) * t282.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-        t297 = (t296.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t141.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
-        t295[...] = ((t297.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
-        t298 = t40.transpose(-1, -2)
-        t299 = t141.transpose(-1, -2)
-        R300 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t301 = R300.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t302 = t301[..., 0:d_K*d_V]
-        t303 = t302.view((n_batch, L, d_V, d_V, d_K))
-        t304 = (t61.permute(0, 2, 1) @ S268.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t305 = (t304.permute(0, 2, 3, 1) @ t221.permute(0, 2, 3, 1))
-        t303[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t305.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
-        t306 = t301[..., d_K*d_V:2*d_K*d_V]
-        t307 = t306.view((n_batch, L, d_V, d_V, d_K))
-        t308 = (t304.permute(0, 2, 3, 1) @ t225.permute(0, 2, 3, 1))
-        t307[...] = (t308.reshape((n_batch, L, d_V**2, 1)) * t71.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
-        t309 = t301[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t310 = t309.view((n_batch, L, d_V, d_V, d_V))
-        t311 = t310.diagonal(0, 2, 4)
-        t310[...] = (t250 @ t251.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t311 += (t75.reshape((L*d_V*n_batch, 1)) * t253.reshape((1, d_V))).reshape((n_batch, L, d_V, d_V))
-        t312 = t301[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t313 = t312.view((n_batch, L, d_V, d_V, d_ff))
-        t314 = (2/(L*d_V)) * N_2
-        t315 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t42.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 3, 0)
-        t313[...] = ((t314.reshape((n_batch, L, d_V, 1)) * t315.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))).permute(0, 1, 3, 2, 4)
-        t316 = t301[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t316[...] = 0
-        t317 = t299.permute(1, 0, 2)
-        t318 = t317.reshape((d_ff, L*n_batch))
-        t319 = (1/n_batch) * t318
-        t320 = R300.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t321 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t319, t320, out=t321)
-        del R300
-        t322 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t323 = t322.view((d_ff, d_V, d_ff, d_V))
-        t324 = t323.diagonal(0, 1, 3)
-        t325 = t299 @ t141
-        t326 = (2/(L*d_V*n_batch)) * t88
-        t324 += (t325.sum((0,)).reshape((d_ff**2, 1)) * t326.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
+        S285 = (2/(L*math.sqrt(d_K)*d_V)) * (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/(L*math.sqrt(d_K)*d_V)) * (t47 @ t48.permute(2, 0, 3, 1))
+        t286 = (1/n_batch) * t284
+        t287 = ((N_1.reshape((n_batch, L, d_V, 1)) * t286.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t288 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t61.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t289 = (t288 @ S285.permute(0, 1, 3, 2))
+        t290 = (t289.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t291 = (t290.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t292 = ((t62.permute(0, 2, 1) @ t291.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
+        t283[...] = ((t287.reshape((d_V**2, L*n_batch)) @ t292.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
+        t293 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t294 = t293.view((d_V, d_ff, d_V, d_K))
+        t295 = ((t71.reshape((n_batch, L, d_K, 1)) * t286.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t296 = ((N_1.permute(0, 2, 1) @ t291.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
+        t294[...] = ((t296.reshape((d_V*d_ff, L*n_batch)) @ t295.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t297 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t298 = t297.view((d_V, d_ff, d_V, d_V))
+        t299 = (2/(L*d_V*n_batch)) * t284
+        t300 = (t75.reshape((n_batch, L, d_V, 1)) * t299.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+        t301 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch)) @ t300.permute(0, 1, 3, 2).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_V, d_V))).permute(1, 0, 2)
+        t302 = ((t75.reshape((n_batch, L, d_V, 1)) * t299.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t303 = (t267.permute(0, 1, 3, 2) @ t55.permute(2, 3, 1, 0))
+        t304 = ((S89.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t303.permute(2, 3, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
+        t298[...] = ((t301.permute(1, 0, 2).reshape((d_ff, d_V**2, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+        t298 += ((t302.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t304.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(1, 2, 0, 3)
+        t305 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t306 = t305.view((d_V, d_ff, d_V, d_ff))
+        t307 = W_2 @ t42
+        t308 = ((N_2.reshape((n_batch, L, d_V, 1)) * t299.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t309 = (t307.reshape((d_ff, d_ff, 1)) * t41.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
+        t310 = ((t309.permute(1, 2, 3, 0).reshape((d_ff, n_batch, L, d_ff, 1)) * t41.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_ff))).permute(3, 0, 1, 2)
+        t306[...] = ((t308.reshape((d_V**2, L*n_batch)) @ t310.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
+        t311 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t312 = t311.view((d_V, d_ff, d_ff, d_V))
+        t313 = (t41.reshape((n_batch, L, d_ff, 1)) * t299.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+        t314 = (t313.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t158.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+        t312[...] = ((t314.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+        t316 = t158.transpose(-1, -2)
+        R317 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t318 = R317.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t319 = t318[..., 0:d_K*d_V]
+        t320 = t319.view((n_batch, L, d_V, d_V, d_K))
+        t321 = (t61.permute(0, 2, 1) @ S285.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t322 = (t321.permute(0, 2, 3, 1) @ t238.permute(0, 2, 3, 1))
+        t320[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t322.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t323 = t318[..., d_K*d_V:2*d_K*d_V]
+        t324 = t323.view((n_batch, L, d_V, d_V, d_K))
+        t325 = (t321.permute(0, 2, 3, 1) @ t242.permute(0, 2, 3, 1))
+        t324[...] = (t325.reshape((n_batch, L, d_V**2, 1)) * t71.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+        t326 = t318[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t327 = t326.view((n_batch, L, d_V, d_V, d_V))
+        t328 = t327.diagonal(0, 2, 4)
+        t327[...] = (t267 @ t268.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t328 += (t75.reshape((L*d_V*n_batch, 1)) * t270.reshape((1, d_V))).reshape((n_batch, L, d_V, d_V))
+        t329 = t318[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t330 = t329.view((n_batch, L, d_V, d_V, d_ff))
+        t331 = (2/(L*d_V)) * N_2
+        t332 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t42.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 3, 0)
+        t330[...] = ((t331.reshape((n_batch, L, d_V, 1)) * t332.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))).permute(0, 1, 3, 2, 4)
+        t333 = t318[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t333[...] = 0
+        t334 = t316.permute(1, 0, 2)
+        t335 = t334.reshape((d_ff, L*n_batch))
+        t336 = (1/n_batch) * t335
+        t337 = R317.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t338 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t336, t337, out=t338)
+        del R317
+        t339 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t340 = t339.view((d_ff, d_V, d_ff, d_V))
+        t341 = t340.diagonal(0, 1, 3)
+        t342 = t316 @ t158
+        t343 = (2/(L*d_V*n_batch)) * t88
+        t341 += (t342.sum((0,)).reshape((d_ff**2, 1)) * t343.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
         return H
     H = torch.empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -959,7 +959,6 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t304[...] = ((t306.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
     t307 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
     t308 = t307.view((d_ff, d_V, d_V, d_K))
-    t309 = t39.transpose(-1, -2)
     t310 = t157.transpose(-1, -2)
     t311 = (1/n_batch) * t60
     t312 = (t311.permute(0, 2, 1) @ S277.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -1128,7 +1127,6 @@ def mse_bias0_causal0__hvp__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V
     t115 = t107 + t114
     t116 = N_2.transpose(-1, -2)
     t117 = t116 @ t69
-    t118 = t32.transpose(-1, -2)
     t119 = t34.transpose(-1, -2)
     t120 = t119 @ t66
     return ((t97[0] if n_batch == 1 else t97.mean(0)), (t100[0] if n_batch == 1 else t100.mean(0)), (t115[0] if n_batch == 1 else t115.mean(0)), (t117[0] if n_batch == 1 else t117.mean(0)), (t120[0] if n_batch == 1 else t120.mean(0)),)
@@ -1698,7 +1696,6 @@ def mse_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t532 = t515 * t229.permute(2, 3, 0, 1)
     t533 = (4/(L**2*d_V**2*n_batch**2)) * (t498 * t532.permute(2, 3, 0, 1)).sum()
     t534 = torch.sqrt(torch.clamp(t533, min=0.0))
-    t535 = t37.transpose(-1, -2)
     t536 = t228.transpose(-1, -2)
     t537 = (t536.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t536.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t538 = t66 * t537
@@ -6513,7 +6510,6 @@ def mse_bias0_causal0__diag__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t33 = N_2.transpose(-1, -2)
     t34 = t1 @ t33
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
-    t36 = t34.transpose(-1, -2)
     t37 = t35.transpose(-1, -2)
     t38 = t35 @ t37
     t39 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
@@ -6573,7 +6569,6 @@ def mse_bias0_causal0__trace__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t32 = N_2.transpose(-1, -2)
     t33 = t0 @ t32
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
-    t35 = t33.transpose(-1, -2)
     t36 = t34.transpose(-1, -2)
     t37 = t34 @ t36
     return (2/(L*n_batch)) * oe.contract('abb->', t37)
@@ -6635,7 +6630,6 @@ def mse_bias0_causal0__block__W_2__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t36 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     t37 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t38 = W_2.transpose(-1, -2)
-    t39 = t34.transpose(-1, -2)
     t40 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t41 = t40.transpose(-1, -2)
     t42 = (-0.5 * (sigma2_N_2 ** -1.5))
@@ -6719,7 +6713,6 @@ def mse_bias0_causal0__frobenius__W_2__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     t36 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t37 = W_2.transpose(-1, -2)
-    t38 = t33.transpose(-1, -2)
     t39 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t40 = t39.transpose(-1, -2)
     t41 = (-0.5 * (sigma2_N_2 ** -1.5))
@@ -6809,7 +6802,6 @@ def mse_bias0_causal0__block__W_2__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t36 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     t37 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t38 = W_2.transpose(-1, -2)
-    t39 = t34.transpose(-1, -2)
     t40 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t41 = t40.transpose(-1, -2)
     t42 = (-0.5 * (sigma2_N_2 ** -1.5))
@@ -6893,7 +6885,6 @@ def mse_bias0_causal0__frobenius__W_2__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     t36 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t37 = W_2.transpose(-1, -2)
-    t38 = t33.transpose(-1, -2)
     t39 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t40 = t39.transpose(-1, -2)
     t41 = (-0.5 * (sigma2_N_2 ** -1.5))
@@ -6981,7 +6972,6 @@ def mse_bias0_causal0__block__W_2__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = t1 @ t33
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = W_2.transpose(-1, -2)
-    t37 = t34.transpose(-1, -2)
     t38 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t39 = t38.transpose(-1, -2)
     t40 = torch.eye(d_V, dtype=X.dtype, device=X.device)
@@ -7064,7 +7054,6 @@ def mse_bias0_causal0__frobenius__W_2__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t36 = (t34.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t34.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t37 = (t35.reshape((L*n_batch, d_V)) @ t35.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t38 = W_2.transpose(-1, -2)
-    t39 = t33.transpose(-1, -2)
     t40 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t41 = t40.transpose(-1, -2)
     t42 = torch.eye(d_V, dtype=X.dtype, device=X.device)
@@ -7151,7 +7140,6 @@ def mse_bias0_causal0__block__W_2__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = t1 @ t33
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = W_2.transpose(-1, -2)
-    t37 = t34.transpose(-1, -2)
     t38 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t39 = t38.transpose(-1, -2)
     t40 = (2/(L*d_V*n_batch)) * N_2
@@ -7213,7 +7201,6 @@ def mse_bias0_causal0__frobenius__W_2__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t33 = t0 @ t32
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = W_2.transpose(-1, -2)
-    t36 = t33.transpose(-1, -2)
     t37 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t38 = t37.transpose(-1, -2)
     t39 = (t35.permute(1, 0).reshape((d_ff, 1, d_V)) @ t35.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
@@ -7282,7 +7269,6 @@ def mse_bias0_causal0__block__W_2__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = N_2.transpose(-1, -2)
     t35 = t2 @ t34
     t36 = (t35 * torch.heaviside(t35, torch.full_like(t35, 0.0)))
-    t37 = t35.transpose(-1, -2)
     t38 = t36.transpose(-1, -2)
     t39 = t36 @ t38
     t40 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
@@ -7342,7 +7328,6 @@ def mse_bias0_causal0__frobenius__W_2__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t32 = N_2.transpose(-1, -2)
     t33 = t0 @ t32
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
-    t35 = t33.transpose(-1, -2)
     t36 = t34.transpose(-1, -2)
     t37 = t34 @ t36
     t38 = (4/(L**2*d_V*n_batch**2)) * (t37.sum((0,)) * t37.sum((0,))).sum()
@@ -7504,15 +7489,9 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t118 = (t112.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t119 = (t118.permute(1, 2, 0) @ S60.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t120 = (t119.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t121 = (t113.reshape((n_batch, L, d_V, 1)) * t116.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t122 = (t120.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S115.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t123 = ((t121.permute(2, 0, 3, 1) @ t122.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t124 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t125 = (t124.permute(1, 2, 0) @ S60.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t126 = (t125.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t127 = (t113.reshape((n_batch, L, d_V, 1)) * t107.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t128 = (t126.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S115.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t129 = ((t127.permute(2, 0, 3, 1) @ t128.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t130 = t67 + t104
     t131 = t130.sum(-1, keepdim=True)
     t132 = t131.expand(*t131.shape[:-1], d_V)
@@ -7523,184 +7502,184 @@ def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t137 = torch.cat([t134, t134], dim=-1)
     t138 = torch.cat([t135, t136], dim=-2)
     t103[...] = ((t137 @ t138).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t139 = t123 + t129
-    t103 += ((t117.reshape((d_K, L*n_batch)) @ t139.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
-    t140 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t141 = t140.view((d_V, d_K, d_V, d_ff))
+    t139 = ((t113.reshape((n_batch, L, d_V, 1)) * t116.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t140 = (S115.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t120.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t141 = ((t113.reshape((n_batch, L, d_V, 1)) * t107.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t142 = (S115.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t126.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t143 = ((t139.permute(1, 2, 0, 3) @ t140.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4) + ((t141.permute(1, 2, 0, 3) @ t142.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
+    t103 += ((t117.reshape((d_K, L*n_batch)) @ t143.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+    t144 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t145 = t144.view((d_V, d_K, d_V, d_ff))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S142 = (1/math.sqrt(d_K)) * (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/(math.sqrt(d_K)*d_V)) * (t22.reshape((L, 1)) * t23.reshape((1, d_V**2))).reshape((L, d_V, d_V))
-    t143 = t35 * M_N_2
+    S146 = (1/math.sqrt(d_K)) * (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/(math.sqrt(d_K)*d_V)) * (t22.reshape((L, 1)) * t23.reshape((1, d_V**2))).reshape((L, d_V, d_V))
+    t147 = t35 * M_N_2
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S144 = ((P_N_2.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t59.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t143.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
-    t145 = (S142.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t20.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((L, d_V, n_batch, L))
-    t146 = (t145.permute(0, 2, 3, 1) @ S144.permute(1, 0, 2, 3))
-    t147 = (t146.permute(0, 1, 3, 2) @ dA.permute(1, 0, 3, 2))
-    t148 = ((t14 @ t147.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
-    t149 = ((t47.reshape((n_batch, L, d_ff, 1)) * t85.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t141[...] = ((t148.reshape((d_K*d_V, L*n_batch)) @ t149.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
-    t150 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t151 = t150.view((d_V, d_K, d_ff, d_V))
-    t152 = ((G.reshape((n_batch, L, d_V, 1)) * t85.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t153 = (t147.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((L, n_batch, L, d_ff))
-    t154 = (t153.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t39.permute(1, 0, 2).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
-    t155 = ((t14 @ t154.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
-    t151[...] = ((t155.reshape((d_K*d_ff, L*n_batch)) @ t152.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
-    t156 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t157 = t156.view((d_V, d_K, d_V, d_K))
-    t158 = t92.transpose(-1, -2)
-    t159 = (S91.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t93.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t160 = ((t84.permute(0, 2, 1) @ t159.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t161 = ((N_1.reshape((n_batch, L, d_V, 1)) * t158.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t162 = t157.diagonal(0, 1, 3)
-    t163 = t82.transpose(-1, -2)
-    t164 = (t163.permute(0, 2, 1) @ t12.permute(0, 2, 1))
-    t165 = (t164.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-    t157[...] = ((t161.reshape((d_K*d_V, L*n_batch)) @ t160.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t162 += (t165.reshape((d_V**2, 1)) * t100.reshape((1, d_K))).reshape((d_V, d_V, d_K))
-    t166 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t167 = t166.view((d_V, d_K, d_V, d_K))
-    t168 = (S83.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t85.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t169 = ((N_1.permute(0, 2, 1) @ t168.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t170 = ((t92.reshape((n_batch, L, d_K, 1)) * t158.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t167[...] = ((t169.reshape((d_V**2, L*n_batch)) @ t170.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    t171 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t172 = t171.view((d_V, d_K, d_V, d_V))
-    t173 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t158
-    t174 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t175 = ((N_1.permute(0, 2, 1) @ t174.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t176 = ((t106.reshape((n_batch, L, d_V, 1)) * t173.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t177 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t158
-    t178 = t12.permute(1, 0, 2)
-    t179 = (t113.reshape((n_batch, L, d_V, 1)) * t177.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t180 = ((t179.permute(2, 0, 3, 1) @ t122.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
-    t181 = (t113.reshape((n_batch, L, d_V, 1)) * t173.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t182 = ((t181.permute(2, 0, 3, 1) @ t128.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
-    t183 = ((t132.reshape((n_batch, L, d_V, 1)) * t177.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t184 = t175.reshape((d_V**2, L*n_batch))
-    t185 = t176.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t186 = t183.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t187 = torch.cat([t184, t184], dim=-1)
-    t188 = torch.cat([t185, t186], dim=-2)
-    t172[...] = ((t187 @ t188).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t189 = t180 + t182
-    t172 += (t178.reshape((d_V, L*n_batch)) @ t189.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
-    t190 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t191 = t190.view((d_V, d_K, d_V, d_ff))
-    t192 = (1/n_batch) * t158
-    t193 = ((t12 @ t147.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
-    t194 = ((t47.reshape((n_batch, L, d_ff, 1)) * t192.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t191[...] = ((t193.reshape((d_V**2, L*n_batch)) @ t194.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
-    t195 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t196 = t195.view((d_V, d_K, d_ff, d_V))
-    t197 = ((G.reshape((n_batch, L, d_V, 1)) * t192.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t198 = ((t12 @ t154.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
-    t196[...] = ((t198.reshape((d_V*d_ff, L*n_batch)) @ t197.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
-    t199 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t200 = t199.view((d_V, d_V, d_V, d_V))
-    t201 = t113.transpose(-1, -2)
+    S148 = ((P_N_2.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t59.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t147.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t149 = (S146.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t20.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((L, d_V, n_batch, L))
+    t150 = (t149.permute(0, 2, 3, 1) @ S148.permute(1, 0, 2, 3))
+    t151 = (t150.permute(0, 1, 3, 2) @ dA.permute(1, 0, 3, 2))
+    t152 = ((t14 @ t151.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
+    t153 = ((t47.reshape((n_batch, L, d_ff, 1)) * t85.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t145[...] = ((t152.reshape((d_K*d_V, L*n_batch)) @ t153.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+    t154 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t155 = t154.view((d_V, d_K, d_ff, d_V))
+    t156 = ((G.reshape((n_batch, L, d_V, 1)) * t85.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t157 = (t151.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((L, n_batch, L, d_ff))
+    t158 = (t157.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t39.permute(1, 0, 2).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
+    t159 = ((t14 @ t158.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
+    t155[...] = ((t159.reshape((d_K*d_ff, L*n_batch)) @ t156.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+    t160 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t161 = t160.view((d_V, d_K, d_V, d_K))
+    t162 = t92.transpose(-1, -2)
+    t163 = (S91.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t93.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t164 = ((t84.permute(0, 2, 1) @ t163.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+    t165 = ((N_1.reshape((n_batch, L, d_V, 1)) * t162.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t166 = t161.diagonal(0, 1, 3)
+    t167 = t82.transpose(-1, -2)
+    t168 = (t167.permute(0, 2, 1) @ t12.permute(0, 2, 1))
+    t169 = (t168.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
+    t161[...] = ((t165.reshape((d_K*d_V, L*n_batch)) @ t164.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t166 += (t169.reshape((d_V**2, 1)) * t100.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t170 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t171 = t170.view((d_V, d_K, d_V, d_K))
+    t172 = (S83.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t85.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t173 = ((N_1.permute(0, 2, 1) @ t172.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t174 = ((t92.reshape((n_batch, L, d_K, 1)) * t162.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t171[...] = ((t173.reshape((d_V**2, L*n_batch)) @ t174.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t175 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t176 = t175.view((d_V, d_K, d_V, d_V))
+    t177 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t162
+    t178 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t179 = ((N_1.permute(0, 2, 1) @ t178.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t180 = ((t106.reshape((n_batch, L, d_V, 1)) * t177.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t181 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t162
+    t182 = t12.permute(1, 0, 2)
+    t187 = ((t132.reshape((n_batch, L, d_V, 1)) * t181.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t188 = t179.reshape((d_V**2, L*n_batch))
+    t189 = t180.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t190 = t187.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t191 = torch.cat([t188, t188], dim=-1)
+    t192 = torch.cat([t189, t190], dim=-2)
+    t176[...] = ((t191 @ t192).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t193 = ((t113.reshape((n_batch, L, d_V, 1)) * t181.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t194 = ((t113.reshape((n_batch, L, d_V, 1)) * t177.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t195 = ((t193.permute(1, 2, 0, 3) @ t140.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4) + ((t194.permute(1, 2, 0, 3) @ t142.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
+    t176 += (t182.reshape((d_V, L*n_batch)) @ t195.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
+    t196 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t197 = t196.view((d_V, d_K, d_V, d_ff))
+    t198 = (1/n_batch) * t162
+    t199 = ((t12 @ t151.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t200 = ((t47.reshape((n_batch, L, d_ff, 1)) * t198.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t197[...] = ((t199.reshape((d_V**2, L*n_batch)) @ t200.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
+    t201 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t202 = t201.view((d_V, d_K, d_ff, d_V))
+    t203 = ((G.reshape((n_batch, L, d_V, 1)) * t198.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t204 = ((t12 @ t158.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
+    t202[...] = ((t204.reshape((d_V*d_ff, L*n_batch)) @ t203.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
+    t205 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t206 = t205.view((d_V, d_V, d_V, d_V))
+    t207 = t113.transpose(-1, -2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S202 = (2/d_V) * (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-2/d_V**2) * (t22.reshape((L, 1)) * t23.reshape((1, d_V**2))).reshape((L, d_V, d_V))
-    t203 = (1/n_batch) * t201
-    t204 = ((t113.reshape((n_batch, L, d_V, 1)) * t203.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t205 = (S60.permute(1, 0, 3, 2).reshape((L, d_V*n_batch, d_V)) @ S202.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))
-    t206 = ((S115.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t205.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, L, n_batch))).permute(2, 0, 1, 3, 4)
-    t200[...] = ((t204.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t206.permute(1, 4, 3, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
-    t207 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t208 = t207.view((d_V, d_V, d_V, d_ff))
-    t209 = ((t47.reshape((n_batch, L, d_ff, 1)) * t203.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t210 = ((S @ S144.permute(1, 2, 3, 0).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, d_V, n_batch))).permute(1, 2, 0, 3)
-    t208[...] = ((t210.permute(0, 1, 3, 2).reshape((d_V**2, L*n_batch)) @ t209.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
-    t211 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t212 = t211.view((d_V, d_V, d_ff, d_V))
-    t213 = ((G.reshape((n_batch, L, d_V, 1)) * t203.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t214 = (S144.permute(1, 0, 3, 2).reshape((L, d_V*n_batch, d_V)) @ S.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))
-    t215 = (t39.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
-    t216 = ((t215.permute(2, 1, 0, 3) @ t214)).permute(3, 2, 0, 1)
-    t212[...] = ((t216.permute(0, 1, 3, 2).reshape((d_V*d_ff, L*n_batch)) @ t213.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
-    t217 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-    t218 = t217.view((d_V, d_ff, d_V, d_K))
-    t219 = t38.transpose(-1, -2)
-    t220 = t39.transpose(-1, -2)
-    t221 = t46.transpose(-1, -2)
-    t222 = t220 * t221
-    t223 = P_N_2.transpose(-1, -2)
-    t224 = sigma2_N_2.transpose(-1, -2)
-    t225 = t35.transpose(-1, -2)
-    t226 = M_N_2.transpose(-1, -2)
-    t227 = t225 * t226
-    t228 = (t23.reshape((d_V, d_V, 1)) * t227.permute(1, 0, 2).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+    S208 = (2/d_V) * (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-2/d_V**2) * (t22.reshape((L, 1)) * t23.reshape((1, d_V**2))).reshape((L, d_V, d_V))
+    t209 = (1/n_batch) * t207
+    t210 = ((t113.reshape((n_batch, L, d_V, 1)) * t209.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t211 = (S60.permute(1, 0, 3, 2).reshape((L, d_V*n_batch, d_V)) @ S208.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))
+    t212 = ((S115.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t211.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, L, n_batch))).permute(2, 0, 1, 3, 4)
+    t206[...] = ((t210.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t212.permute(1, 4, 3, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
+    t213 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t214 = t213.view((d_V, d_V, d_V, d_ff))
+    t215 = ((t47.reshape((n_batch, L, d_ff, 1)) * t209.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t216 = ((S @ S148.permute(1, 2, 3, 0).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, d_V, n_batch))).permute(1, 2, 0, 3)
+    t214[...] = ((t216.permute(0, 1, 3, 2).reshape((d_V**2, L*n_batch)) @ t215.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+    t217 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t218 = t217.view((d_V, d_V, d_ff, d_V))
+    t219 = ((G.reshape((n_batch, L, d_V, 1)) * t209.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t220 = (S148.permute(1, 0, 3, 2).reshape((L, d_V*n_batch, d_V)) @ S.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))
+    t221 = (t39.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t222 = ((t221.permute(2, 1, 0, 3) @ t220)).permute(3, 2, 0, 1)
+    t218[...] = ((t222.permute(0, 1, 3, 2).reshape((d_V*d_ff, L*n_batch)) @ t219.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+    t223 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+    t224 = t223.view((d_V, d_ff, d_V, d_K))
+    t226 = t39.transpose(-1, -2)
+    t227 = t46.transpose(-1, -2)
+    t228 = t226 * t227
+    t229 = P_N_2.transpose(-1, -2)
+    t231 = t35.transpose(-1, -2)
+    t232 = M_N_2.transpose(-1, -2)
+    t233 = t231 * t232
+    t234 = (t23.reshape((d_V, d_V, 1)) * t233.permute(1, 0, 2).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
     # S: compact tensor ('d_V', 'L', 'd_V')
-    S229 = (1/math.sqrt(d_K)) * ((t223.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/(math.sqrt(d_K)*d_V)) * ((t228.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t226.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
-    t230 = (1/n_batch) * t61
-    t231 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t230.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t232 = (t231.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
-    t233 = (t232 @ S229.permute(2, 0, 3, 1))
-    t234 = ((t84.permute(0, 2, 1) @ t233.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t235 = ((N_1.reshape((n_batch, L, d_V, 1)) * t222.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t218[...] = ((t235.reshape((d_V*d_ff, L*n_batch)) @ t234.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t236 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t237 = t236.view((d_V, d_ff, d_V, d_K))
-    t238 = ((N_1.permute(0, 2, 1) @ t233.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t239 = ((t92.reshape((n_batch, L, d_K, 1)) * t222.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t237[...] = ((t238.reshape((d_V**2, L*n_batch)) @ t239.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
-    t240 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t241 = t240.view((d_V, d_ff, d_V, d_V))
+    S235 = (1/math.sqrt(d_K)) * ((t229.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/(math.sqrt(d_K)*d_V)) * ((t234.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t232.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
+    t236 = (1/n_batch) * t61
+    t237 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t236.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t238 = (t237.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+    t239 = (t238 @ S235.permute(2, 0, 3, 1))
+    t240 = ((t84.permute(0, 2, 1) @ t239.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+    t241 = ((N_1.reshape((n_batch, L, d_V, 1)) * t228.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t224[...] = ((t241.reshape((d_V*d_ff, L*n_batch)) @ t240.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t242 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    t243 = t242.view((d_V, d_ff, d_V, d_K))
+    t244 = ((N_1.permute(0, 2, 1) @ t239.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t245 = ((t92.reshape((n_batch, L, d_K, 1)) * t228.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t243[...] = ((t244.reshape((d_V**2, L*n_batch)) @ t245.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
+    t246 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t247 = t246.view((d_V, d_ff, d_V, d_V))
     # S: compact tensor ('d_V', 'L', 'd_V')
-    S242 = ((t223.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t228.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t226.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
+    S248 = ((t229.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t234.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t232.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
     # S: compact tensor ('d_V', 'd_V', 'd_V')
-    S243 = ((t114.reshape((d_V, 1)) * t21.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2) + (-1/d_V) * ((t114.reshape((d_V, 1)) * t23.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2)
-    t244 = (1/n_batch) * t113
-    t245 = ((t244.reshape((n_batch, L, d_V, 1)) * t222.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t246 = ((S243.permute(1, 2, 0).reshape((d_V**2, d_V)) @ S242.permute(3, 1, 0, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t241[...] = ((t245.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t246.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 1, 0, 3)
-    t247 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t247[...] = 0
-    t248 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t248[...] = 0
-    t249 = t248.view((d_V, d_ff, d_ff, d_V))
-    t250 = t249.diagonal(0, 1, 2)
-    t251 = N_2.transpose(-1, -2)
-    t252 = (1/n_batch) * t251
-    t253 = t39.permute(2, 0, 1)
-    t254 = ((G.reshape((n_batch, L, d_V, 1)) * t252.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t250 += (t254.reshape((d_V**2, L*n_batch)) @ t253.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    t255 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-    t256 = t255.view((d_ff, d_V, d_V, d_K))
-    t257 = G.transpose(-1, -2)
+    S249 = ((t114.reshape((d_V, 1)) * t21.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2) + (-1/d_V) * ((t114.reshape((d_V, 1)) * t23.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2)
+    t250 = (1/n_batch) * t113
+    t251 = ((t250.reshape((n_batch, L, d_V, 1)) * t228.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t252 = ((S249.permute(1, 2, 0).reshape((d_V**2, d_V)) @ S248.permute(3, 1, 0, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t247[...] = ((t251.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t252.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 1, 0, 3)
+    t253 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t253[...] = 0
+    t254 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t254[...] = 0
+    t255 = t254.view((d_V, d_ff, d_ff, d_V))
+    t256 = t255.diagonal(0, 1, 2)
+    t257 = N_2.transpose(-1, -2)
     t258 = (1/n_batch) * t257
-    t259 = ((N_1.reshape((n_batch, L, d_V, 1)) * t258.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t260 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t61.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t261 = (t260.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
-    t262 = (t261 @ S229.permute(2, 0, 3, 1))
-    t263 = (t262.reshape((L**2*n_batch, d_V)) @ t48.permute(1, 0)).reshape((L, n_batch, L, d_ff))
-    t264 = (t263.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t220.permute(2, 0, 1).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
-    t265 = ((t84.permute(0, 2, 1) @ t264.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
-    t256[...] = ((t259.reshape((d_V**2, L*n_batch)) @ t265.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-    t266 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t267 = t266.view((d_ff, d_V, d_V, d_K))
-    t268 = ((t92.reshape((n_batch, L, d_K, 1)) * t258.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t269 = ((N_1.permute(0, 2, 1) @ t264.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
-    t267[...] = ((t269.reshape((d_V*d_ff, L*n_batch)) @ t268.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t270 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t271 = t270.view((d_ff, d_V, d_V, d_V))
-    t272 = ((t113.reshape((n_batch, L, d_V, 1)) * t258.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t273 = (t48.reshape((d_ff, d_V, 1)) * t220.permute(1, 0, 2).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-    t274 = (t273.permute(2, 3, 0, 1) @ S242.permute(0, 2, 1, 3))
-    t275 = ((S243.permute(1, 2, 0).reshape((d_V**2, d_V)) @ t274.permute(3, 2, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t271[...] = ((t272.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t275.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 1, 0, 3)
-    t276 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t276[...] = 0
-    t277 = t276.view((d_ff, d_V, d_V, d_ff))
-    t278 = t277.diagonal(0, 0, 3)
-    t279 = t220.permute(1, 0, 2)
-    t280 = ((N_2.reshape((n_batch, L, d_V, 1)) * t258.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t278 += (t280.reshape((d_V**2, L*n_batch)) @ t279.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    t281 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t281[...] = 0
-    t282 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t282[...] = t102.transpose(-1, -2)
-    t283 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t283[...] = t171.transpose(-1, -2)
+    t259 = t39.permute(2, 0, 1)
+    t260 = ((G.reshape((n_batch, L, d_V, 1)) * t258.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t256 += (t260.reshape((d_V**2, L*n_batch)) @ t259.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    t261 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+    t262 = t261.view((d_ff, d_V, d_V, d_K))
+    t263 = G.transpose(-1, -2)
+    t264 = (1/n_batch) * t263
+    t265 = ((N_1.reshape((n_batch, L, d_V, 1)) * t264.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t266 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t61.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t267 = (t266.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+    t268 = (t267 @ S235.permute(2, 0, 3, 1))
+    t269 = (t268.reshape((L**2*n_batch, d_V)) @ t48.permute(1, 0)).reshape((L, n_batch, L, d_ff))
+    t270 = (t269.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t226.permute(2, 0, 1).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
+    t271 = ((t84.permute(0, 2, 1) @ t270.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
+    t262[...] = ((t265.reshape((d_V**2, L*n_batch)) @ t271.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+    t272 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    t273 = t272.view((d_ff, d_V, d_V, d_K))
+    t274 = ((t92.reshape((n_batch, L, d_K, 1)) * t264.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t275 = ((N_1.permute(0, 2, 1) @ t270.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
+    t273[...] = ((t275.reshape((d_V*d_ff, L*n_batch)) @ t274.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t276 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t277 = t276.view((d_ff, d_V, d_V, d_V))
+    t278 = ((t113.reshape((n_batch, L, d_V, 1)) * t264.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t279 = (t48.reshape((d_ff, d_V, 1)) * t226.permute(1, 0, 2).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t280 = (t279.permute(2, 3, 0, 1) @ S248.permute(0, 2, 1, 3))
+    t281 = ((S249.permute(1, 2, 0).reshape((d_V**2, d_V)) @ t280.permute(3, 2, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t277[...] = ((t278.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t281.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 1, 0, 3)
+    t282 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t282[...] = 0
+    t283 = t282.view((d_ff, d_V, d_V, d_ff))
+    t284 = t283.diagonal(0, 0, 3)
+    t285 = t226.permute(1, 0, 2)
+    t286 = ((N_2.reshape((n_batch, L, d_V, 1)) * t264.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t284 += (t286.reshape((d_V**2, L*n_batch)) @ t285.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    t287 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t287[...] = 0
+    t288 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t288[...] = t102.transpose(-1, -2)
+    t289 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t289[...] = t175.transpose(-1, -2)
     return H
 
 
@@ -7898,7 +7877,6 @@ def mse_bias0_causal0__hvp__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W
     t173 = t167 + t168 - t172
     t174 = P_N_2.transpose(-1, -2)
     t175 = t173 * t174
-    t176 = sigma2_N_2.transpose(-1, -2)
     t177 = t29.transpose(-1, -2)
     t178 = M_N_2.transpose(-1, -2)
     t179 = t173 * t178
@@ -7914,7 +7892,6 @@ def mse_bias0_causal0__hvp__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W
     t189 = t74 @ t186
     t190 = t42 @ t184
     t191 = t189 + t190
-    t192 = t32.transpose(-1, -2)
     t193 = t33.transpose(-1, -2)
     t194 = t191 * t193
     t195 = t194 @ G
@@ -8185,7 +8162,6 @@ def mse_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t230 = (t229.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_ff)) @ t176.permute(0, 2, 3, 1).reshape((n_batch, L*d_ff, L))).reshape((n_batch, n_batch, L, L))
     t231 = (n_batch**(-2)) * (t230 * t228.permute(0, 2, 3, 1)).sum()
     t232 = torch.sqrt(torch.clamp(t231, min=0.0))
-    t233 = sigma2_N_2.transpose(-1, -2)
     t234 = t33.transpose(-1, -2)
     t235 = t47.transpose(-1, -2)
     t236 = M_N_2.transpose(-1, -2)
@@ -8305,7 +8281,6 @@ def mse_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t349 = (t348.permute(1, 2, 3, 4, 0).reshape((L, n_batch, L*n_batch, d_ff)) @ t37.permute(1, 0, 2).reshape((L, n_batch, d_ff, 1))).reshape((L, n_batch, L, n_batch))
     t350 = (n_batch**(-2)) * (t349 * t345.permute(1, 0, 3, 2)).sum()
     t351 = torch.sqrt(torch.clamp(t350, min=0.0))
-    t352 = t36.transpose(-1, -2)
     t353 = t37.transpose(-1, -2)
     t354 = t44.transpose(-1, -2)
     t355 = t353 * t354
@@ -9214,15 +9189,9 @@ def mse_bias0_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t74 = (t59.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t75 = (t74.permute(1, 2, 0) @ S68.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t76 = (t75.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t77 = (t69.reshape((n_batch, L, d_V, 1)) * t72.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t78 = (t76.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S71.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t79 = ((t77.permute(2, 0, 3, 1) @ t78.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t80 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t81 = (t80.permute(1, 2, 0) @ S68.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t82 = (t81.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t83 = (t69.reshape((n_batch, L, d_V, 1)) * t54.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t84 = (t82.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S71.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t85 = ((t83.permute(2, 0, 3, 1) @ t84.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t86 = t49 + t51
     t87 = t86.sum(-1, keepdim=True)
     t88 = t87.expand(*t87.shape[:-1], d_V)
@@ -9233,8 +9202,12 @@ def mse_bias0_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t93 = torch.cat([t90, t90], dim=-1)
     t94 = torch.cat([t91, t92], dim=-2)
     t0[...] = ((t93 @ t94).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t95 = t79 + t85
-    t0 += ((t73.reshape((d_K, L*n_batch)) @ t95.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+    t95 = ((t69.reshape((n_batch, L, d_V, 1)) * t72.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t96 = (S71.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t76.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t97 = ((t69.reshape((n_batch, L, d_V, 1)) * t54.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t98 = (S71.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t82.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t99 = ((t95.permute(1, 2, 0, 3) @ t96.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4) + ((t97.permute(1, 2, 0, 3) @ t98.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
+    t0 += ((t73.reshape((d_K, L*n_batch)) @ t99.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
     return out
 
 
@@ -10567,15 +10540,9 @@ def mse_bias0_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t76 = (t61.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t77 = (t76.permute(1, 2, 0) @ S70.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t78 = (t77.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t79 = (t71.reshape((n_batch, L, d_V, 1)) * t74.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t80 = (t78.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S73.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t81 = ((t79.permute(2, 0, 3, 1) @ t80.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
     t82 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t83 = (t82.permute(1, 2, 0) @ S70.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t84 = (t83.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t85 = (t71.reshape((n_batch, L, d_V, 1)) * t56.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t86 = (t84.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S73.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t87 = ((t85.permute(2, 0, 3, 1) @ t86.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
     t88 = t51 + t53
     t89 = t88.sum(-1, keepdim=True)
     t90 = t89.expand(*t89.shape[:-1], d_V)
@@ -10586,8 +10553,12 @@ def mse_bias0_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t95 = torch.cat([t92, t92], dim=-1)
     t96 = torch.cat([t93, t94], dim=-2)
     t0[...] = ((t95 @ t96).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t97 = t81 + t87
-    t0 += (t75.reshape((d_V, L*n_batch)) @ t97.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
+    t97 = ((t71.reshape((n_batch, L, d_V, 1)) * t74.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t98 = (S73.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t78.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t99 = ((t71.reshape((n_batch, L, d_V, 1)) * t56.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t100 = (S73.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t84.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t101 = ((t97.permute(1, 2, 0, 3) @ t98.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4) + ((t99.permute(1, 2, 0, 3) @ t100.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
+    t0 += (t75.reshape((d_V, L*n_batch)) @ t101.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
     return out
 
 
@@ -11315,7 +11286,6 @@ def mse_bias0_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t28 = t27.expand(*t27.shape[:-1], d_V)
     t29 = (1/d_V) * t28
     sigma2_N_2 = t29
-    t30 = sigma2_N_2.transpose(-1, -2)
     t31 = (-0.5 * (sigma2_N_2 ** -1.5))
     t32 = t31.transpose(-1, -2)
     t33 = W_1.transpose(-1, -2)
@@ -11326,7 +11296,6 @@ def mse_bias0_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t36 = N_2.transpose(-1, -2)
     t37 = t33 @ t36
     t38 = torch.heaviside(t37, torch.full_like(t37, 0.0))
-    t39 = t37.transpose(-1, -2)
     t40 = (t37 * torch.heaviside(t37, torch.full_like(t37, 0.0)))
     t41 = t40.transpose(-1, -2)
     t42 = t41 @ W_2
@@ -11454,7 +11423,6 @@ def mse_bias0_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_
     t27 = t26.expand(*t26.shape[:-1], d_V)
     t28 = (1/d_V) * t27
     sigma2_N_2 = t28
-    t29 = sigma2_N_2.transpose(-1, -2)
     t30 = (-0.5 * (sigma2_N_2 ** -1.5))
     t31 = t30.transpose(-1, -2)
     t32 = W_1.transpose(-1, -2)
@@ -11465,7 +11433,6 @@ def mse_bias0_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_
     t35 = N_2.transpose(-1, -2)
     t36 = t32 @ t35
     t37 = torch.heaviside(t36, torch.full_like(t36, 0.0))
-    t38 = t36.transpose(-1, -2)
     t39 = (t36 * torch.heaviside(t36, torch.full_like(t36, 0.0)))
     t40 = t39.transpose(-1, -2)
     t41 = t40 @ W_2
@@ -11619,7 +11586,6 @@ def mse_bias0_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t28 = t27.expand(*t27.shape[:-1], d_V)
     t29 = (1/d_V) * t28
     sigma2_N_2 = t29
-    t30 = sigma2_N_2.transpose(-1, -2)
     t31 = (-0.5 * (sigma2_N_2 ** -1.5))
     t32 = t31.transpose(-1, -2)
     t33 = W_1.transpose(-1, -2)
@@ -11630,7 +11596,6 @@ def mse_bias0_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t36 = N_2.transpose(-1, -2)
     t37 = t33 @ t36
     t38 = torch.heaviside(t37, torch.full_like(t37, 0.0))
-    t39 = t37.transpose(-1, -2)
     t40 = (t37 * torch.heaviside(t37, torch.full_like(t37, 0.0)))
     t41 = t40.transpose(-1, -2)
     t42 = t41 @ W_2
@@ -11758,7 +11723,6 @@ def mse_bias0_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_
     t27 = t26.expand(*t26.shape[:-1], d_V)
     t28 = (1/d_V) * t27
     sigma2_N_2 = t28
-    t29 = sigma2_N_2.transpose(-1, -2)
     t30 = (-0.5 * (sigma2_N_2 ** -1.5))
     t31 = t30.transpose(-1, -2)
     t32 = W_1.transpose(-1, -2)
@@ -11769,7 +11733,6 @@ def mse_bias0_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_
     t35 = N_2.transpose(-1, -2)
     t36 = t32 @ t35
     t37 = torch.heaviside(t36, torch.full_like(t36, 0.0))
-    t38 = t36.transpose(-1, -2)
     t39 = (t36 * torch.heaviside(t36, torch.full_like(t36, 0.0)))
     t40 = t39.transpose(-1, -2)
     t41 = t40 @ W_2
@@ -12467,7 +12430,6 @@ def mse_bias0_causal0__block__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t33 = N_2.transpose(-1, -2)
     t34 = t1 @ t33
     t35 = torch.heaviside(t34, torch.full_like(t34, 0.0))
-    t36 = t34.transpose(-1, -2)
     t37 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t38 = t37.transpose(-1, -2)
     t39 = t38 @ W_2
@@ -12481,7 +12443,6 @@ def mse_bias0_causal0__block__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t45 = t35 * t44
     t46 = P_N_2.transpose(-1, -2)
     t47 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t48 = sigma2_N_2.transpose(-1, -2)
     t49 = (-0.5 * (sigma2_N_2 ** -1.5))
     t50 = t49.transpose(-1, -2)
     t51 = M_N_2.transpose(-1, -2)
@@ -12559,7 +12520,6 @@ def mse_bias0_causal0__frobenius__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_
     t32 = N_2.transpose(-1, -2)
     t33 = t0 @ t32
     t34 = torch.heaviside(t33, torch.full_like(t33, 0.0))
-    t35 = t33.transpose(-1, -2)
     t36 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t37 = t36.transpose(-1, -2)
     t38 = t37 @ W_2
@@ -12573,7 +12533,6 @@ def mse_bias0_causal0__frobenius__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_
     t44 = t34 * t43
     t45 = P_N_2.transpose(-1, -2)
     t46 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t47 = sigma2_N_2.transpose(-1, -2)
     t48 = (-0.5 * (sigma2_N_2 ** -1.5))
     t49 = t48.transpose(-1, -2)
     t50 = M_N_2.transpose(-1, -2)
@@ -12657,7 +12616,6 @@ def mse_bias0_causal0__block__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t33 = N_2.transpose(-1, -2)
     t34 = t1 @ t33
     t35 = torch.heaviside(t34, torch.full_like(t34, 0.0))
-    t36 = t34.transpose(-1, -2)
     t37 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t38 = t37.transpose(-1, -2)
     t39 = t38 @ W_2
@@ -12671,7 +12629,6 @@ def mse_bias0_causal0__block__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t45 = t35 * t44
     t46 = P_N_2.transpose(-1, -2)
     t47 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t48 = sigma2_N_2.transpose(-1, -2)
     t49 = (-0.5 * (sigma2_N_2 ** -1.5))
     t50 = t49.transpose(-1, -2)
     t51 = M_N_2.transpose(-1, -2)
@@ -12749,7 +12706,6 @@ def mse_bias0_causal0__frobenius__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_
     t32 = N_2.transpose(-1, -2)
     t33 = t0 @ t32
     t34 = torch.heaviside(t33, torch.full_like(t33, 0.0))
-    t35 = t33.transpose(-1, -2)
     t36 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t37 = t36.transpose(-1, -2)
     t38 = t37 @ W_2
@@ -12763,7 +12719,6 @@ def mse_bias0_causal0__frobenius__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_
     t44 = t34 * t43
     t45 = P_N_2.transpose(-1, -2)
     t46 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t47 = sigma2_N_2.transpose(-1, -2)
     t48 = (-0.5 * (sigma2_N_2 ** -1.5))
     t49 = t48.transpose(-1, -2)
     t50 = M_N_2.transpose(-1, -2)
@@ -12847,7 +12802,6 @@ def mse_bias0_causal0__block__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t33 = N_2.transpose(-1, -2)
     t34 = t1 @ t33
     t35 = torch.heaviside(t34, torch.full_like(t34, 0.0))
-    t36 = t34.transpose(-1, -2)
     t37 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t38 = t37.transpose(-1, -2)
     t39 = t38 @ W_2
@@ -12861,7 +12815,6 @@ def mse_bias0_causal0__block__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t45 = t35 * t44
     t46 = P_N_2.transpose(-1, -2)
     t47 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t48 = sigma2_N_2.transpose(-1, -2)
     t49 = (-0.5 * (sigma2_N_2 ** -1.5))
     t50 = t49.transpose(-1, -2)
     t51 = M_N_2.transpose(-1, -2)
@@ -12932,7 +12885,6 @@ def mse_bias0_causal0__frobenius__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_
     t32 = N_2.transpose(-1, -2)
     t33 = t0 @ t32
     t34 = torch.heaviside(t33, torch.full_like(t33, 0.0))
-    t35 = t33.transpose(-1, -2)
     t36 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t37 = t36.transpose(-1, -2)
     t38 = t37 @ W_2
@@ -12946,7 +12898,6 @@ def mse_bias0_causal0__frobenius__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_
     t44 = t34 * t43
     t45 = P_N_2.transpose(-1, -2)
     t46 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t47 = sigma2_N_2.transpose(-1, -2)
     t48 = (-0.5 * (sigma2_N_2 ** -1.5))
     t49 = t48.transpose(-1, -2)
     t50 = M_N_2.transpose(-1, -2)
@@ -13208,13 +13159,11 @@ def mse_bias0_causal0__block__W_2__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t37 = (2/(L*d_V)) * t36
     G = t37
     t38 = G.transpose(-1, -2)
-    t39 = t32.transpose(-1, -2)
     t40 = torch.heaviside(t32, torch.full_like(t32, 0.0))
     t41 = t40.transpose(-1, -2)
     t42 = W_1.transpose(-1, -2)
     t43 = P_N_2.transpose(-1, -2)
     t44 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t45 = sigma2_N_2.transpose(-1, -2)
     t46 = (-0.5 * (sigma2_N_2 ** -1.5))
     t47 = t46.transpose(-1, -2)
     t48 = M_N_2.transpose(-1, -2)
@@ -13299,13 +13248,11 @@ def mse_bias0_causal0__frobenius__W_2__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_
     t36 = (2/(L*d_V)) * t35
     G = t36
     t37 = G.transpose(-1, -2)
-    t38 = t31.transpose(-1, -2)
     t39 = torch.heaviside(t31, torch.full_like(t31, 0.0))
     t40 = t39.transpose(-1, -2)
     t41 = W_1.transpose(-1, -2)
     t42 = P_N_2.transpose(-1, -2)
     t43 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t44 = sigma2_N_2.transpose(-1, -2)
     t45 = (-0.5 * (sigma2_N_2 ** -1.5))
     t46 = t45.transpose(-1, -2)
     t47 = M_N_2.transpose(-1, -2)
@@ -13401,13 +13348,11 @@ def mse_bias0_causal0__block__W_2__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t37 = (2/(L*d_V)) * t36
     G = t37
     t38 = G.transpose(-1, -2)
-    t39 = t32.transpose(-1, -2)
     t40 = torch.heaviside(t32, torch.full_like(t32, 0.0))
     t41 = t40.transpose(-1, -2)
     t42 = W_1.transpose(-1, -2)
     t43 = P_N_2.transpose(-1, -2)
     t44 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t45 = sigma2_N_2.transpose(-1, -2)
     t46 = (-0.5 * (sigma2_N_2 ** -1.5))
     t47 = t46.transpose(-1, -2)
     t48 = M_N_2.transpose(-1, -2)
@@ -13492,13 +13437,11 @@ def mse_bias0_causal0__frobenius__W_2__W_K__functional(X, W_Q, W_K, W_V, W_1, W_
     t36 = (2/(L*d_V)) * t35
     G = t36
     t37 = G.transpose(-1, -2)
-    t38 = t31.transpose(-1, -2)
     t39 = torch.heaviside(t31, torch.full_like(t31, 0.0))
     t40 = t39.transpose(-1, -2)
     t41 = W_1.transpose(-1, -2)
     t42 = P_N_2.transpose(-1, -2)
     t43 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t44 = sigma2_N_2.transpose(-1, -2)
     t45 = (-0.5 * (sigma2_N_2 ** -1.5))
     t46 = t45.transpose(-1, -2)
     t47 = M_N_2.transpose(-1, -2)
@@ -13594,13 +13537,11 @@ def mse_bias0_causal0__block__W_2__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t37 = (2/(L*d_V)) * t36
     G = t37
     t38 = G.transpose(-1, -2)
-    t39 = t32.transpose(-1, -2)
     t40 = torch.heaviside(t32, torch.full_like(t32, 0.0))
     t41 = t40.transpose(-1, -2)
     t42 = W_1.transpose(-1, -2)
     t43 = P_N_2.transpose(-1, -2)
     t44 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t45 = sigma2_N_2.transpose(-1, -2)
     t46 = (-0.5 * (sigma2_N_2 ** -1.5))
     t47 = t46.transpose(-1, -2)
     t48 = M_N_2.transpose(-1, -2)
@@ -13678,13 +13619,11 @@ def mse_bias0_causal0__frobenius__W_2__W_V__functional(X, W_Q, W_K, W_V, W_1, W_
     t36 = (2/(L*d_V)) * t35
     G = t36
     t37 = G.transpose(-1, -2)
-    t38 = t31.transpose(-1, -2)
     t39 = torch.heaviside(t31, torch.full_like(t31, 0.0))
     t40 = t39.transpose(-1, -2)
     t41 = W_1.transpose(-1, -2)
     t42 = P_N_2.transpose(-1, -2)
     t43 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t44 = sigma2_N_2.transpose(-1, -2)
     t45 = (-0.5 * (sigma2_N_2 ** -1.5))
     t46 = t45.transpose(-1, -2)
     t47 = M_N_2.transpose(-1, -2)
@@ -13770,7 +13709,6 @@ def mse_bias0_causal0__block__W_2__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y
     t38 = (2/(L*d_V)) * t37
     G = t38
     t39 = G.transpose(-1, -2)
-    t40 = t33.transpose(-1, -2)
     t41 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t42 = t41.transpose(-1, -2)
     t43 = (1/n_batch) * t39
@@ -13836,7 +13774,6 @@ def mse_bias0_causal0__frobenius__W_2__W_1__functional(X, W_Q, W_K, W_V, W_1, W_
     t36 = (2/(L*d_V)) * t35
     G = t36
     t37 = G.transpose(-1, -2)
-    t38 = t31.transpose(-1, -2)
     t39 = torch.heaviside(t31, torch.full_like(t31, 0.0))
     t40 = t39.transpose(-1, -2)
     t41 = (t40.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t40.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14020,581 +13957,555 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
         S110 = (t87.permute(0, 1, 3, 2) @ dA) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
         t111 = N_1 @ W_Q
         t112 = (2/(d_K*d_V)) * t15
-        t113 = (S110.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t112.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t114 = (t113.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
         t115 = (2/(L*d_K*d_V)) * t15
         t116 = (t64.permute(0, 1, 3, 2) @ dA)
-        t117 = (t116.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t115.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t118 = (t117.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
         t119 = t109.diagonal(0, 2, 4)
         t120 = t103 @ N_1
         t121 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-        t122 = t114 + t118
-        t109[...] = (t122.reshape((n_batch, L, d_K*d_V, 1)) * t111.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_K, d_V, d_K))
+        t122 = N_1.permute(0, 2, 1)
+        t125 = S110.permute(0, 1, 3, 2)
+        t126 = (dA.permute(0, 1, 3, 2) @ t64)
+        t127 = ((t112 @ t125.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3) + ((t115 @ t126.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t128 = (t127.reshape((n_batch, L*d_K, L)) @ t122.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
+        t109[...] = (t128.reshape((n_batch, L, d_K*d_V, 1)) * t111.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_K, d_V, d_K))
         t119 += (t120.reshape((L*d_V*n_batch, 1)) * t121.reshape((1, d_K))).reshape((n_batch, L, d_V, d_K))
-        t123 = t11[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t124 = t123.view((n_batch, L, d_K, d_V, d_V))
-        t125 = ((1/2)*d_V) * t90
-        t126 = ((1/2)*d_V) * G
-        t127 = t88 + t125 + t126
-        t128 = (2/(math.sqrt(d_K)*d_V)) * t15
-        t129 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t128.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t130 = (t129.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
-        t131 = W_V.sum(-1, keepdim=True)
-        t132 = t131.expand(*t131.shape[:-1], d_V)
-        t133 = A @ N_1
-        t134 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t129 = t11[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t130 = t129.view((n_batch, L, d_K, d_V, d_V))
+        t131 = ((1/2)*d_V) * t90
+        t132 = ((1/2)*d_V) * G
+        t133 = t88 + t131 + t132
+        t134 = (2/(math.sqrt(d_K)*d_V)) * t15
+        t135 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t134.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t136 = (t135.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        t137 = W_V.sum(-1, keepdim=True)
+        t138 = t137.expand(*t137.shape[:-1], d_V)
+        t139 = A @ N_1
+        t140 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
         # S: compact tensor ('d_V', 'd_V', 'd_V')
-        S135 = (t134.reshape((d_V, 1)) * t22.reshape((1, d_V**2))).reshape((d_V, d_V, d_V)) + (-1/d_V) * (t134.reshape((d_V, 1)) * t31.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))
-        t136 = (-2/(math.sqrt(d_K)*d_V**2)) * t15
-        t137 = (t132.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-        t138 = (t137.permute(1, 2, 0) @ S82.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t139 = (t138.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-        t140 = (t139.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-        t141 = ((t136 @ t140.permute(0, 2, 1, 3, 4).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
-        t142 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-        t143 = (t142.permute(1, 2, 0) @ S82.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t144 = (t143.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-        t145 = (t144.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-        t146 = ((t128 @ t145.permute(0, 2, 1, 3, 4).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
-        t147 = (2/(L*math.sqrt(d_K)*d_V)) * t15
-        t148 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t147.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t149 = (t148.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t142.permute(1, 2, 0)).reshape((n_batch, L, d_K, d_V))
-        t150 = (4/(L*math.sqrt(d_K)*d_V**2)) * t15
-        t151 = (t142.reshape((d_V, n_batch, L, 1)) * M_N_2.permute(2, 0, 1).reshape((d_V, n_batch, 1, L)))
-        t152 = (t151.permute(1, 2, 3, 0).reshape((L**2*n_batch, d_V)) @ t31).reshape((n_batch, L, L, d_V))
-        t153 = (t152.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-        t154 = (t153.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
-        t155 = (t154.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t156 = (t155.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_2).reshape((n_batch, L, L, d_V))
-        t157 = (t156.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t158 = ((t150 @ t157.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
-        t159 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t150.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t160 = (t42.permute(1, 0) @ W_2.permute(1, 0))
-        t161 = (t159.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t142.permute(1, 2, 0)).reshape((n_batch, L, d_K, d_V))
-        t162 = (t161.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_K, 1)) * M_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
-        t163 = (t162.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t31).reshape((n_batch, L, d_K, d_V))
-        t164 = (t163.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_K, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
-        t165 = (S.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t43.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-        t166 = (t165.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
-        t167 = (t166.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t160).reshape((n_batch, L, d_V, d_ff))
-        t168 = (t167.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
-        t169 = (t168.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t170 = (t169 @ t164)
-        t171 = (t170.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
-        t172 = (t142.reshape((d_V, n_batch, L, 1)) * P_N_2.permute(2, 0, 1).reshape((d_V, n_batch, 1, L)))
-        t173 = (t172.permute(1, 2, 3, 0).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
-        t174 = (t173.permute(0, 2, 3, 1).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t175 = (t174.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_2).reshape((n_batch, L, L, d_V))
-        t176 = (t175.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t177 = ((t147 @ t176.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
-        t178 = (t149.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_K, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
-        t179 = (t169 @ t178)
-        t180 = (t179.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
-        t181 = (-2/(L*math.sqrt(d_K)*d_V**2)) * t15
-        t182 = (t142.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t31).reshape((n_batch, L, d_V))
-        t183 = (t182 @ S58.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t184 = (t183.reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
-        t185 = (t184.permute(0, 2, 3, 1).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t186 = (t185.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_2).reshape((n_batch, L, L, d_V))
-        t187 = (t186.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t188 = ((t181 @ t187.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
-        t189 = (t59.reshape((n_batch, L*d_V, d_V)) @ t142.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-        t190 = (t189 @ dA.permute(0, 1, 3, 2))
-        t191 = (t190.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
-        t192 = (t191.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t193 = (t192.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t160.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t194 = (t193.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t195 = (t194.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
-        t196 = (t195 @ S)
-        t197 = (t196.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t181.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-        t198 = (t197.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
-        t199 = (t142.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t42).reshape((n_batch, L, d_ff))
-        t200 = (t199.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, 1, L)))
-        t201 = (t200.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
-        t202 = (t201.permute(0, 2, 1, 3) @ S)
-        t203 = (t202.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t204 = (t203.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-        t205 = ((t147 @ t204.permute(0, 2, 1, 3, 4).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
-        t206 = t88 + t125
-        t207 = t206.sum(-1, keepdim=True)
-        t208 = t207.expand(*t207.shape[:-1], d_V)
-        t209 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t136.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t210 = (t209.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
-        t124[...] = (t130.reshape((n_batch, L, d_K*d_V, 1)) * t127.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
-        t211 = t141 + t146 + t171 + t180 + t198 + t205
-        t124 += ((t133.reshape((n_batch, L, d_V, 1, 1)) * t211.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t212 = t149 + t158 + t177 + t188
-        t124 += ((t133.reshape((n_batch, L, d_V, 1)) * t212.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t124 += (t210.reshape((n_batch, L, d_K*d_V, 1)) * t208.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
-        t213 = t11[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t214 = t213.view((n_batch, L, d_K, d_V, d_ff))
-        t215 = (1/math.sqrt(d_K)) * t15
-        t216 = (t83.permute(0, 2, 3, 1) @ S58.permute(1, 0, 2, 3))
-        t217 = (t216.permute(0, 1, 3, 2) @ dA.permute(1, 0, 3, 2))
-        t218 = ((t215 @ t217.permute(1, 3, 0, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        S141 = (t140.reshape((d_V, 1)) * t22.reshape((1, d_V**2))).reshape((d_V, d_V, d_V)) + (-1/d_V) * (t140.reshape((d_V, 1)) * t31.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))
+        t142 = (-2/(math.sqrt(d_K)*d_V**2)) * t15
+        t143 = (t138.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t144 = (t143.permute(1, 2, 0) @ S82.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t145 = (t144.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t148 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t149 = (t148.permute(1, 2, 0) @ S82.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t150 = (t149.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t153 = (2/(L*math.sqrt(d_K)*d_V)) * t15
+        t154 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t153.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t155 = (t154.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t148.permute(1, 2, 0)).reshape((n_batch, L, d_K, d_V))
+        t156 = (4/(L*math.sqrt(d_K)*d_V**2)) * t15
+        t165 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t156.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t166 = (t42.permute(1, 0) @ W_2.permute(1, 0))
+        t167 = (t165.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t148.permute(1, 2, 0)).reshape((n_batch, L, d_K, d_V))
+        t168 = (t167.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_K, 1)) * M_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+        t169 = (t168.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t31).reshape((n_batch, L, d_K, d_V))
+        t170 = (t169.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_K, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+        t171 = (S.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t43.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+        t172 = (t171.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+        t173 = (t172.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t166).reshape((n_batch, L, d_V, d_ff))
+        t174 = (t173.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+        t175 = (t174.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t184 = (t155.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_K, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+        t187 = (-2/(L*math.sqrt(d_K)*d_V**2)) * t15
+        t188 = (t148.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t31).reshape((n_batch, L, d_V))
+        t189 = (t188 @ S58.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t195 = (t59.reshape((n_batch, L*d_V, d_V)) @ t148.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+        t196 = (t195 @ dA.permute(0, 1, 3, 2))
+        t197 = (t196.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t198 = (t197.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t199 = (t198.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t166.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t200 = (t199.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t201 = (t200.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t202 = (t201 @ S)
+        t205 = (t148.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t42).reshape((n_batch, L, d_ff))
+        t206 = (t205.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, 1, L)))
+        t207 = (t206.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t208 = (t207.permute(0, 2, 1, 3) @ S)
+        t209 = (t208.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t212 = t88 + t131
+        t213 = t212.sum(-1, keepdim=True)
+        t214 = t213.expand(*t213.shape[:-1], d_V)
+        t215 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t142.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t216 = (t215.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        t130[...] = (t136.reshape((n_batch, L, d_K*d_V, 1)) * t133.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
+        t217 = ((S141.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t145.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t218 = ((S141.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t150.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t219 = S141.permute(0, 2, 1)
+        t220 = (t170.permute(0, 1, 3, 2) @ t175.permute(0, 1, 3, 2))
+        t221 = (t184.permute(0, 1, 3, 2) @ t175.permute(0, 1, 3, 2))
+        t222 = ((t187 @ t202.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t223 = ((S141.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t209.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t224 = t220.reshape((L*d_K*n_batch, d_V))
+        t225 = t221.reshape((L*d_K*n_batch, d_V))
+        t226 = t222.reshape((L*d_K*n_batch, d_V))
+        t227 = t219.permute(2, 0, 1).reshape((d_V, d_V**2))
+        t228 = torch.cat([t224, t225, t226], dim=-1)
+        t229 = torch.cat([t227, t227, t227], dim=-2)
+        t230 = ((t142 @ t217.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4) + ((t134 @ t218.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4) + (t228 @ t229).reshape((n_batch, L, d_K, d_V, d_V)) + ((t153 @ t223.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t130 += ((t139.reshape((n_batch, L, d_V, 1, 1)) * t230.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t231 = ((t153 @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t232 = ((W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))).permute(1, 0, 2)
+        t233 = (t148.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t234 = (t233.reshape((n_batch, d_V, L, L, 1)) * M_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L))
+        t235 = (t234.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ t31).reshape((n_batch, L, L, d_V))
+        t236 = (t235.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t237 = (t236.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t238 = (t237.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t239 = ((W_2.permute(1, 0) @ t238.permute(2, 0, 1, 3).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t240 = (t233.reshape((n_batch, d_V, L, L, 1)) * P_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L))
+        t241 = (t240.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t242 = (t241.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t243 = ((W_2.permute(1, 0) @ t242.permute(2, 0, 1, 3).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t244 = (t189.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t245 = (t244.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
+        t246 = (t245.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t247 = ((W_2.permute(1, 0) @ t246.permute(2, 0, 1, 3).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t248 = (t231.reshape((n_batch, L*d_K, L)) @ t232.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V)) + ((t156 @ t239.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3) + ((t153 @ t243.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3) + ((t187 @ t247.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t130 += ((t139.reshape((n_batch, L, d_V, 1)) * t248.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t130 += (t216.reshape((n_batch, L, d_K*d_V, 1)) * t214.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
+        t249 = t11[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t250 = t249.view((n_batch, L, d_K, d_V, d_ff))
+        t251 = (1/math.sqrt(d_K)) * t15
+        t252 = (t83.permute(0, 2, 3, 1) @ S58.permute(1, 0, 2, 3))
+        t253 = (t252.permute(0, 1, 3, 2) @ dA.permute(1, 0, 3, 2))
+        t254 = ((t251 @ t253.permute(1, 3, 0, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S219 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t51.permute(1, 2, 3, 0) @ t53) + (t56.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-1/d_V) * (t59.permute(0, 1, 3, 2) @ t53)
-        t220 = (S219.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-        t221 = (t220 @ dA.permute(0, 1, 3, 2))
-        t222 = (t221.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t42).reshape((n_batch, L, L, d_ff))
-        t223 = ((t147 @ t222.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
-        t224 = (N_2.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
-        t214[...] = (t218.reshape((n_batch, L, d_K*d_V, 1)) * t71.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_K, d_V, d_ff))
-        t214 += ((t223.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_K, 1)) * t224.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
-        t225 = t11[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t226 = t225.view((n_batch, L, d_K, d_ff, d_V))
-        t227 = (t41.reshape((n_batch, L, d_ff, 1)) * G.reshape((n_batch, L, 1, d_V)))
-        t228 = (t217.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((L, n_batch, L, d_ff))
-        t229 = ((t215 @ t228.permute(1, 2, 0, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
-        t230 = (t148.permute(0, 1, 3, 2) @ t220.permute(0, 1, 3, 2))
-        t226[...] = ((t229.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_K, 1)) * t227.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
-        t226 += ((t65.reshape((n_batch, L, d_ff, 1)) * t230.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t231 = t10.permute(1, 0, 2)
-        t232 = t231.reshape((d_V, L*n_batch))
-        t233 = (1/n_batch) * t232
-        t234 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t235 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t233, t234, out=t235)
+        S255 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t51.permute(1, 2, 3, 0) @ t53) + (t56.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-1/d_V) * (t59.permute(0, 1, 3, 2) @ t53)
+        t256 = (S255.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t257 = (t256 @ dA.permute(0, 1, 3, 2))
+        t258 = (t257.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t42).reshape((n_batch, L, L, d_ff))
+        t259 = ((t153 @ t258.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
+        t260 = (N_2.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
+        t250[...] = (t254.reshape((n_batch, L, d_K*d_V, 1)) * t71.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_K, d_V, d_ff))
+        t250 += ((t259.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_K, 1)) * t260.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t261 = t11[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t262 = t261.view((n_batch, L, d_K, d_ff, d_V))
+        t263 = (t41.reshape((n_batch, L, d_ff, 1)) * G.reshape((n_batch, L, 1, d_V)))
+        t264 = (t253.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((L, n_batch, L, d_ff))
+        t265 = ((t251 @ t264.permute(1, 2, 0, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
+        t266 = (t154.permute(0, 1, 3, 2) @ t256.permute(0, 1, 3, 2))
+        t262[...] = ((t265.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_K, 1)) * t263.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
+        t262 += ((t65.reshape((n_batch, L, d_ff, 1)) * t266.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t267 = t10.permute(1, 0, 2)
+        t268 = t267.reshape((d_V, L*n_batch))
+        t269 = (1/n_batch) * t268
+        t270 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t271 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t269, t270, out=t271)
         del R
-        R236 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t237 = R236.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t238 = t237[..., 0:d_K*d_V]
-        t239 = t238.view((n_batch, L, d_K, d_V, d_K))
-        t240 = t111.transpose(-1, -2)
-        t241 = (2/(L*d_K*d_V)) * t240
-        t242 = ((t105.permute(0, 2, 1) @ t116.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t243 = ((N_1.reshape((n_batch, L, d_V, 1)) * t241.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t244 = (2/(d_K*d_V)) * t240
-        t245 = ((N_1.reshape((n_batch, L, d_V, 1)) * t244.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t246 = ((t105.permute(0, 2, 1) @ S110.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t247 = t243.reshape((n_batch, d_K*d_V, L))
-        t248 = t245.reshape((n_batch, d_K*d_V, L))
-        t249 = t242.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
-        t250 = t246.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
-        t251 = torch.cat([t247, t248], dim=-1)
-        t252 = torch.cat([t249, t250], dim=-2)
-        t239[...] = ((t251 @ t252).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t253 = t237[..., d_K*d_V:2*d_K*d_V]
-        t254 = t253.view((n_batch, L, d_K, d_V, d_K))
-        t255 = ((N_1.permute(0, 2, 1) @ t116.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t256 = ((t111.reshape((n_batch, L, d_K, 1)) * t241.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t257 = ((t111.reshape((n_batch, L, d_K, 1)) * t244.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t258 = ((N_1.permute(0, 2, 1) @ S110.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t259 = t255.reshape((n_batch, L*d_V, L))
-        t260 = t258.reshape((n_batch, L*d_V, L))
-        t261 = t256.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        t262 = t257.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        t263 = torch.cat([t259, t260], dim=-1)
-        t264 = torch.cat([t261, t262], dim=-2)
-        t254[...] = ((t263 @ t264).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
-        t265 = t237[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t266 = t265.view((n_batch, L, d_K, d_V, d_V))
-        t267 = (2/(math.sqrt(d_K)*d_V)) * t240
-        t268 = ((t127.reshape((n_batch, L, d_V, 1)) * t267.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t269 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t270 = (-2/(math.sqrt(d_K)*d_V**2)) * t240
-        t271 = ((t133.reshape((n_batch, L, d_V, 1)) * t270.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t272 = ((S135.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t139.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
-        t273 = ((t133.reshape((n_batch, L, d_V, 1)) * t267.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t274 = ((S135.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t144.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
-        t275 = (2/(L*math.sqrt(d_K)*d_V)) * t240
-        t276 = ((t142.permute(1, 0, 2) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t277 = ((t133.reshape((n_batch, L, d_V, 1)) * t275.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t278 = (4/(L*math.sqrt(d_K)*d_V**2)) * t240
-        t279 = ((t133.reshape((n_batch, L, d_V, 1)) * t278.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t280 = (t142.permute(1, 0, 2) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t281 = (t280.reshape((n_batch, d_V, L, L, 1)) * M_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L))
-        t282 = (t281.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ t31).reshape((n_batch, L, L, d_V))
-        t283 = (t282.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-        t284 = (t283.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
-        t285 = (t284.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t286 = ((W_2.permute(1, 0) @ t285.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t287 = (t285.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t160.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t288 = (t287.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t289 = (t288.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
-        t290 = (t289 @ S)
-        t291 = (t290.reshape((L**2*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-        t292 = ((t291.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t133.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
-        t293 = (t280.reshape((n_batch, d_V, L, L, 1)) * P_N_2.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L))
-        t294 = (t293.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
-        t295 = (t294.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t296 = ((W_2.permute(1, 0) @ t295.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t297 = (t295.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t160.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t298 = (t297.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t299 = (t298.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
-        t300 = (t299 @ S)
-        t301 = (t300.reshape((L**2*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-        t302 = ((t301.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t133.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
-        t303 = (-2/(L*math.sqrt(d_K)*d_V**2)) * t240
+        R272 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t273 = R272.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t274 = t273[..., 0:d_K*d_V]
+        t275 = t274.view((n_batch, L, d_K, d_V, d_K))
+        t276 = t111.transpose(-1, -2)
+        t277 = (2/(L*d_K*d_V)) * t276
+        t278 = ((t105.permute(0, 2, 1) @ t116.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t279 = ((N_1.reshape((n_batch, L, d_V, 1)) * t277.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t280 = (2/(d_K*d_V)) * t276
+        t281 = ((N_1.reshape((n_batch, L, d_V, 1)) * t280.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t282 = ((t105.permute(0, 2, 1) @ S110.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t283 = t279.reshape((n_batch, d_K*d_V, L))
+        t284 = t281.reshape((n_batch, d_K*d_V, L))
+        t285 = t278.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t286 = t282.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t287 = torch.cat([t283, t284], dim=-1)
+        t288 = torch.cat([t285, t286], dim=-2)
+        t275[...] = ((t287 @ t288).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t289 = t273[..., d_K*d_V:2*d_K*d_V]
+        t290 = t289.view((n_batch, L, d_K, d_V, d_K))
+        t291 = ((N_1.permute(0, 2, 1) @ t116.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t292 = ((t111.reshape((n_batch, L, d_K, 1)) * t277.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t293 = ((t111.reshape((n_batch, L, d_K, 1)) * t280.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t294 = ((N_1.permute(0, 2, 1) @ S110.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t295 = t291.reshape((n_batch, L*d_V, L))
+        t296 = t294.reshape((n_batch, L*d_V, L))
+        t297 = t292.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t298 = t293.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t299 = torch.cat([t295, t296], dim=-1)
+        t300 = torch.cat([t297, t298], dim=-2)
+        t290[...] = ((t299 @ t300).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t301 = t273[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t302 = t301.view((n_batch, L, d_K, d_V, d_V))
+        t303 = (2/(math.sqrt(d_K)*d_V)) * t276
         t304 = ((t133.reshape((n_batch, L, d_V, 1)) * t303.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t305 = (t183.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-        t306 = (t305.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((n_batch, L, L, d_ff))
-        t307 = (t306.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t308 = ((W_2.permute(1, 0) @ t307.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
-        t309 = ((S135.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t196.permute(3, 0, 2, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
-        t310 = ((S135.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t203.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
-        t311 = ((t208.reshape((n_batch, L, d_V, 1)) * t270.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t312 = t269.reshape((n_batch, L*d_V, L))
-        t313 = t268.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))
-        t314 = t311.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))
-        t315 = torch.cat([t312, t312], dim=-1)
-        t316 = torch.cat([t313, t314], dim=-2)
-        t266[...] = ((t315 @ t316).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t266 += ((t271.permute(0, 2, 1, 3) @ t272.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
-        t266 += ((t273.permute(0, 2, 1, 3) @ t274.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
-        t317 = t277.reshape((n_batch, d_K*d_V, L))
-        t318 = t279.reshape((n_batch, d_K*d_V, L))
-        t319 = t304.reshape((n_batch, d_K*d_V, L))
-        t320 = t276.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
-        t321 = t286.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
-        t322 = t296.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
-        t323 = t308.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
-        t324 = torch.cat([t317, t318, t317, t319], dim=-1)
-        t325 = torch.cat([t320, t321, t322, t323], dim=-2)
-        t266 += ((t324 @ t325).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
-        t266 += ((t278 @ t292.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
-        t266 += ((t275 @ t302.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
-        t266 += ((t304.permute(0, 2, 1, 3) @ t309.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
-        t266 += ((t277.permute(0, 2, 1, 3) @ t310.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
-        t326 = t237[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t327 = t326.view((n_batch, L, d_K, d_V, d_ff))
-        t328 = (1/math.sqrt(d_K)) * t240
-        t329 = (t21.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t330 = (t329.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S45).reshape((L, n_batch, L, d_V))
-        t331 = ((t330.permute(1, 0, 2, 3) @ S58)).permute(0, 2, 3, 1)
-        t332 = ((t71.reshape((n_batch, L, d_ff, 1)) * t328.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t333 = ((t222.permute(0, 3, 1, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
-        t334 = ((N_2.reshape((n_batch, L, d_V, 1)) * t275.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t327[...] = ((t331.reshape((n_batch, L*d_V, L)) @ t332.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
-        t327 += ((t334.reshape((n_batch, d_K*d_V, L)) @ t333.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
-        t335 = t237[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t336 = t335.view((n_batch, L, d_K, d_ff, d_V))
-        t337 = ((G.reshape((n_batch, L, d_V, 1)) * t328.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t338 = ((t228.permute(1, 3, 0, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
-        t339 = ((t329.permute(0, 2, 3, 1) @ S219)).permute(0, 2, 3, 1)
-        t340 = ((t65.reshape((n_batch, L, d_ff, 1)) * t275.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t336[...] = ((t338.reshape((n_batch, L*d_ff, L)) @ t337.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t336 += ((t340.reshape((n_batch, d_K*d_ff, L)) @ t339.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
-        t341 = R236.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t342 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t233, t341, out=t342)
-        del R236
-        t343 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-        t344 = t343.view((d_V, d_K, d_V, d_K))
-        t345 = t344.diagonal(0, 1, 3)
-        t346 = t120.transpose(-1, -2)
-        t347 = (1/n_batch) * t121
-        t348 = (t346.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-        t345 += (t348.reshape((d_V**2, 1)) * t347.reshape((1, d_K))).reshape((d_V, d_V, d_K))
-        t349 = t133.transpose(-1, -2)
-        R350 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t351 = R350.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t352 = t351[..., 0:d_K*d_V]
-        t353 = t352.view((n_batch, L, d_V, d_V, d_K))
-        t354 = W_V.transpose(-1, -2)
-        t355 = (-2/(L*math.sqrt(d_K)*d_V**2)) * t10
-        t356 = (t355.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t354.permute(1, 0)).reshape((n_batch, L, d_V))
-        t357 = (t356.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t358 = (t357.permute(0, 2, 3, 1) @ S49.permute(0, 1, 3, 2))
-        t359 = (t358.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t360 = (t359.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t361 = (t360.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((n_batch, L, L, d_V))
-        t362 = (t361 @ S58.permute(0, 1, 3, 2))
-        t363 = (t362.reshape((L**2*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, L, d_V))
-        t364 = (t363.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
+        t305 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t306 = (-2/(math.sqrt(d_K)*d_V**2)) * t276
+        t307 = ((t139.reshape((n_batch, L, d_V, 1)) * t306.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t308 = ((S141.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t145.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t309 = ((t139.reshape((n_batch, L, d_V, 1)) * t303.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t310 = ((S141.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t150.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t311 = (2/(L*math.sqrt(d_K)*d_V)) * t276
+        t312 = ((t148.permute(1, 0, 2) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t313 = ((t139.reshape((n_batch, L, d_V, 1)) * t311.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t314 = (4/(L*math.sqrt(d_K)*d_V**2)) * t276
+        t315 = ((t139.reshape((n_batch, L, d_V, 1)) * t314.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t316 = ((W_2.permute(1, 0) @ t238.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t317 = (t238.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t166.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t318 = (t317.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t319 = (t318.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t320 = (t319 @ S)
+        t321 = (t320.reshape((L**2*n_batch, d_V)) @ S141.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t322 = ((t321.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t139.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
+        t323 = ((W_2.permute(1, 0) @ t242.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t324 = (t242.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t166.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t325 = (t324.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t326 = (t325.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t43).reshape((n_batch, L, L, d_V))
+        t327 = (t326 @ S)
+        t328 = (t327.reshape((L**2*n_batch, d_V)) @ S141.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t329 = ((t328.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t139.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
+        t330 = (-2/(L*math.sqrt(d_K)*d_V**2)) * t276
+        t331 = ((t139.reshape((n_batch, L, d_V, 1)) * t330.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t332 = ((W_2.permute(1, 0) @ t246.permute(2, 0, 3, 1).reshape((d_ff, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3)
+        t333 = ((S141.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t202.permute(3, 0, 2, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t334 = ((S141.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t209.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t335 = ((t214.reshape((n_batch, L, d_V, 1)) * t306.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t336 = t305.reshape((n_batch, L*d_V, L))
+        t337 = t304.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))
+        t338 = t335.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))
+        t339 = torch.cat([t336, t336], dim=-1)
+        t340 = torch.cat([t337, t338], dim=-2)
+        t302[...] = ((t339 @ t340).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t302 += ((t307.permute(0, 2, 1, 3) @ t308.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t302 += ((t309.permute(0, 2, 1, 3) @ t310.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t341 = t313.reshape((n_batch, d_K*d_V, L))
+        t342 = t315.reshape((n_batch, d_K*d_V, L))
+        t343 = t331.reshape((n_batch, d_K*d_V, L))
+        t344 = t312.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t345 = t316.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t346 = t323.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t347 = t332.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))
+        t348 = torch.cat([t341, t342, t341, t343], dim=-1)
+        t349 = torch.cat([t344, t345, t346, t347], dim=-2)
+        t302 += ((t348 @ t349).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t302 += ((t314 @ t322.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t302 += ((t311 @ t329.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t302 += ((t331.permute(0, 2, 1, 3) @ t333.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t302 += ((t313.permute(0, 2, 1, 3) @ t334.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t350 = t273[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t351 = t350.view((n_batch, L, d_K, d_V, d_ff))
+        t352 = (1/math.sqrt(d_K)) * t276
+        t353 = (t21.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t354 = (t353.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S45).reshape((L, n_batch, L, d_V))
+        t355 = ((t354.permute(1, 0, 2, 3) @ S58)).permute(0, 2, 3, 1)
+        t356 = ((t71.reshape((n_batch, L, d_ff, 1)) * t352.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t357 = ((t258.permute(0, 3, 1, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
+        t358 = ((N_2.reshape((n_batch, L, d_V, 1)) * t311.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t351[...] = ((t355.reshape((n_batch, L*d_V, L)) @ t356.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
+        t351 += ((t358.reshape((n_batch, d_K*d_V, L)) @ t357.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
+        t359 = t273[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t360 = t359.view((n_batch, L, d_K, d_ff, d_V))
+        t361 = ((G.reshape((n_batch, L, d_V, 1)) * t352.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t362 = ((t264.permute(1, 3, 0, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
+        t363 = ((t353.permute(0, 2, 3, 1) @ S255)).permute(0, 2, 3, 1)
+        t364 = ((t65.reshape((n_batch, L, d_ff, 1)) * t311.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t360[...] = ((t362.reshape((n_batch, L*d_ff, L)) @ t361.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t360 += ((t364.reshape((n_batch, d_K*d_ff, L)) @ t363.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
+        t365 = R272.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t366 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t269, t365, out=t366)
+        del R272
+        t367 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t368 = t367.view((d_V, d_K, d_V, d_K))
+        t369 = t368.diagonal(0, 1, 3)
+        t370 = t120.transpose(-1, -2)
+        t371 = (1/n_batch) * t121
+        t372 = (t370.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
+        t369 += (t372.reshape((d_V**2, 1)) * t371.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+        t373 = t139.transpose(-1, -2)
+        R374 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t375 = R374.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t376 = t375[..., 0:d_K*d_V]
+        t377 = t376.view((n_batch, L, d_V, d_V, d_K))
+        t378 = W_V.transpose(-1, -2)
+        t379 = (-2/(L*math.sqrt(d_K)*d_V**2)) * t10
+        t380 = (t379.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t378.permute(1, 0)).reshape((n_batch, L, d_V))
+        t381 = (t380.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t382 = (t381.permute(0, 2, 3, 1) @ S49.permute(0, 1, 3, 2))
+        t383 = (t382.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t384 = (t383.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t385 = (t384.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((n_batch, L, L, d_V))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S365 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t51.permute(1, 2, 3, 0) @ t54) + (t57.reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (t47 @ t48.permute(2, 0, 3, 1))
-        t366 = (2/(L*math.sqrt(d_K)*d_V)) * t10
-        t367 = (t366.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t354.permute(1, 0)).reshape((n_batch, L, d_V))
-        t368 = (t367 @ S365.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t369 = (t368.permute(0, 2, 3, 1) @ dA)
-        t370 = (t369.reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
-        t371 = (-2/(math.sqrt(d_K)*d_V**2)) * t10
-        t372 = (t371.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t354.permute(1, 0)).reshape((n_batch, L, d_V))
-        t373 = (t372.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t374 = (t373.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S45.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
-        t375 = (t374 @ S82.permute(1, 0, 3, 2))
-        t376 = (t375.reshape((L**2*n_batch, d_V)) @ t31.permute(1, 0)).reshape((L, n_batch, L, d_V))
-        t377 = (t376.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
-        t378 = (2/(math.sqrt(d_K)*d_V)) * t10
-        t379 = (t378.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t354.permute(1, 0)).reshape((n_batch, L, d_V))
-        t380 = (t379.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t381 = (t380.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S45.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
-        t382 = (t381 @ S82.permute(1, 0, 3, 2))
-        t383 = (t382.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ t105).reshape((n_batch, L, d_V, d_K))
-        t384 = t364 + t370 + t377 + t383
-        t353[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t384.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
-        t385 = t351[..., d_K*d_V:2*d_K*d_V]
-        t386 = t385.view((n_batch, L, d_V, d_V, d_K))
-        t387 = (t363.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t388 = (t369.reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t389 = (t376.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t390 = (t382.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t391 = t387 + t388 + t389 + t390
-        t386[...] = (t391.reshape((n_batch, L, d_V**2, 1)) * t111.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
-        t392 = t351[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t393 = t392.view((n_batch, L, d_V, d_V, d_V))
-        t394 = (2/d_V) * t133
-        t395 = S135.permute(0, 2, 1)
-        t396 = ((t394.reshape((n_batch, L, d_V, 1)) * S82.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
-        t397 = (4/(L*d_V**2)) * M_N_2
-        t398 = (t397.reshape((n_batch, L, d_V, 1)) * t133.reshape((n_batch, L, 1, d_V)))
-        t399 = (t37.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.permute(1, 0).reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))
-        t400 = (t399.permute(1, 2, 3, 0) @ t53)
-        t401 = (t43.reshape((d_ff, d_V, 1)) * t41.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-        t402 = (t401.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t42.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
-        t403 = (t402.permute(1, 2, 0, 3) @ t56.permute(1, 2, 0, 3))
-        t404 = (t403.permute(0, 1, 3, 2) @ S)
-        t405 = (t404.reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-        t406 = (t405.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t407 = (t406.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t397.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-        t408 = ((t133.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S135.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
-        t409 = (2/(L*d_V)) * P_N_2
-        t410 = (t409.reshape((n_batch, L, d_V, 1)) * t133.reshape((n_batch, L, 1, d_V)))
-        t411 = (t404.reshape((L*d_V*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t412 = (-2/d_V**2) * t133
-        t413 = ((t31 @ S82.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t414 = ((t412.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S135.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
-        t415 = (-2/(L*d_V**2)) * t133
-        t416 = (t59.permute(0, 1, 3, 2) @ t53)
-        t417 = (t404.permute(0, 1, 3, 2) @ S58.permute(0, 1, 3, 2))
-        t418 = (t417.reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t419 = (t418.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S135.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t420 = (2/(L*d_V)) * t133
-        t421 = (t47 @ S)
-        t422 = ((t420.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S135.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
-        t423 = t393.diagonal(0, 2, 4)
-        t424 = (2/(L*d_V)) * t134
-        t393[...] = ((t396.permute(3, 0, 1, 2, 4).reshape((d_V, L*d_V*n_batch, d_V)) @ t395.permute(0, 2, 1)).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 3, 0, 4)
-        t393 += (t398.reshape((n_batch, L, d_V, d_V, 1)) * t400.reshape((n_batch, L, d_V, 1, d_V)))
-        t393 += (t407 @ t408.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t393 += (t410.reshape((n_batch, L, d_V, d_V, 1)) * t53.reshape((n_batch, L, d_V, 1, d_V)))
-        t393 += (t410.reshape((n_batch, L, d_V, d_V, 1, 1)) * t411.reshape((n_batch, L, d_V, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))
-        t393 += (t413 @ t414.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t393 += ((t415.reshape((n_batch, L, d_V, 1)) * t416.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
-        t393 += ((t415.reshape((n_batch, L, d_V, 1, 1)) * t419.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
-        t393 += (t421 @ t422.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t423 += (t133.reshape((L*d_V*n_batch, 1)) * t424.reshape((1, d_V))).reshape((n_batch, L, d_V, d_V))
-        t425 = t351[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t426 = t425.view((n_batch, L, d_V, d_V, d_ff))
+        S389 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t51.permute(1, 2, 3, 0) @ t54) + (t57.reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (t47 @ t48.permute(2, 0, 3, 1))
+        t390 = (2/(L*math.sqrt(d_K)*d_V)) * t10
+        t391 = (t390.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t378.permute(1, 0)).reshape((n_batch, L, d_V))
+        t395 = (-2/(math.sqrt(d_K)*d_V**2)) * t10
+        t396 = (t395.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t378.permute(1, 0)).reshape((n_batch, L, d_V))
+        t402 = (2/(math.sqrt(d_K)*d_V)) * t10
+        t403 = (t402.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t378.permute(1, 0)).reshape((n_batch, L, d_V))
+        t408 = t105.permute(0, 2, 1)
+        t412 = dA.permute(0, 1, 3, 2)
+        t413 = (S389.reshape((n_batch, L*d_V, d_V)) @ t391.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t415 = (t403.reshape((L*n_batch, d_V)) @ S45.permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t416 = (dA.permute(0, 1, 3, 2) @ t415.permute(0, 2, 1, 3))
+        t417 = (t396.reshape((L*n_batch, d_V)) @ S45.permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t418 = (dA.permute(0, 1, 3, 2) @ t417.permute(0, 2, 1, 3))
+        t419 = (t385 @ S58.permute(0, 1, 3, 2)) + (t418 @ S82.permute(0, 1, 3, 2))
+        t420 = ((t31 @ t419.permute(3, 0, 1, 2).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3) + (t413 @ t412.permute(0, 1, 3, 2)) + (S82 @ t416.permute(0, 1, 3, 2))
+        t421 = (t420.reshape((n_batch, L*d_V, L)) @ t408.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+        t377[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t421.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t422 = t375[..., d_K*d_V:2*d_K*d_V]
+        t423 = t422.view((n_batch, L, d_V, d_V, d_K))
+        t428 = (t420.reshape((n_batch, L*d_V, L)) @ t122.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+        t423[...] = (t428.reshape((n_batch, L, d_V**2, 1)) * t111.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+        t429 = t375[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t430 = t429.view((n_batch, L, d_V, d_V, d_V))
+        t431 = (2/d_V) * t139
+        t432 = ((t431.reshape((n_batch, L, d_V, 1)) * S82.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t433 = (4/(L*d_V**2)) * M_N_2
+        t434 = (t433.reshape((n_batch, L, d_V, 1)) * t139.reshape((n_batch, L, 1, d_V)))
+        t435 = (t37.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.permute(1, 0).reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))
+        t436 = (t435.permute(1, 2, 3, 0) @ t53)
+        t437 = (t43.reshape((d_ff, d_V, 1)) * t41.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+        t438 = (t437.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t42.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+        t439 = (t438.permute(1, 2, 0, 3) @ t56.permute(1, 2, 0, 3))
+        t440 = (t439.permute(0, 1, 3, 2) @ S)
+        t441 = (t440.reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t442 = (t441.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t443 = (t442.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t433.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t444 = ((t139.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S141.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t445 = (2/(L*d_V)) * P_N_2
+        t446 = (t445.reshape((n_batch, L, d_V, 1)) * t139.reshape((n_batch, L, 1, d_V)))
+        t447 = (t440.reshape((L*d_V*n_batch, d_V)) @ S141.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t448 = (-2/d_V**2) * t139
+        t449 = ((t31 @ S82.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t450 = ((t448.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S141.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t451 = (-2/(L*d_V**2)) * t139
+        t452 = (t59.permute(0, 1, 3, 2) @ t53)
+        t453 = (t440.permute(0, 1, 3, 2) @ S58.permute(0, 1, 3, 2))
+        t454 = (t453.reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t455 = (t454.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S141.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t456 = (2/(L*d_V)) * t139
+        t457 = (t47 @ S)
+        t458 = ((t456.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S141.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t459 = t430.diagonal(0, 2, 4)
+        t460 = (2/(L*d_V)) * t140
+        t430[...] = ((t432.permute(3, 0, 1, 2, 4).reshape((d_V, L*d_V*n_batch, d_V)) @ t219.permute(0, 2, 1)).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 3, 0, 4)
+        t430 += (t434.reshape((n_batch, L, d_V, d_V, 1)) * t436.reshape((n_batch, L, d_V, 1, d_V)))
+        t430 += (t443 @ t444.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t430 += (t446.reshape((n_batch, L, d_V, d_V, 1)) * t53.reshape((n_batch, L, d_V, 1, d_V)))
+        t430 += (t446.reshape((n_batch, L, d_V, d_V, 1, 1)) * t447.reshape((n_batch, L, d_V, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V, d_V))
+        t430 += (t449 @ t450.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t430 += ((t451.reshape((n_batch, L, d_V, 1)) * t452.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t430 += ((t451.reshape((n_batch, L, d_V, 1, 1)) * t455.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t430 += (t457 @ t458.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t459 += (t139.reshape((L*d_V*n_batch, 1)) * t460.reshape((1, d_V))).reshape((n_batch, L, d_V, d_V))
+        t461 = t375[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t462 = t461.view((n_batch, L, d_V, d_V, d_ff))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S427 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t51.permute(1, 2, 3, 0) @ t53) + (t56.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-        t428 = (2/(L*d_V)) * N_2
-        t429 = (S427.reshape((L*d_V*n_batch, d_V)) @ t42).reshape((n_batch, L, d_V, d_ff))
-        t430 = (t428.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
-        t431 = W_2 @ t42
-        t432 = (-2/(L*d_V**2)) * N_2
-        t433 = (t59.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
-        t434 = (t433.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
-        t435 = (t434.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t431).reshape((n_batch, L, d_V, d_ff))
-        t436 = (t432.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
-        t437 = (-1/d_V) * t31
-        t438 = ((t437 @ S58.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t426[...] = (S58.reshape((n_batch, L, d_V**2, 1)) * t71.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
-        t426 += ((t429.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t430.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
-        t426 += ((t435.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t436.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
-        t426 += (t438.reshape((n_batch, L, d_V**2, 1)) * t71.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
-        t439 = t351[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t440 = t439.view((n_batch, L, d_V, d_ff, d_V))
-        t441 = (S58.reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
-        t442 = (2/(L*d_V)) * t65
-        t443 = (-1/d_V) * G
-        t444 = (t41.reshape((n_batch, L, d_ff, 1)) * t443.reshape((n_batch, L, 1, d_V)))
-        t445 = (-2/(L*d_V**2)) * t31
-        t446 = (S58.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t445.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-        t447 = (t446.permute(0, 1, 3, 2) @ t53)
-        t440[...] = ((t441.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t227.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
-        t440 += ((t442.reshape((n_batch, L, d_ff, 1)) * S427.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
-        t440 += ((t433.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t444.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
-        t440 += ((t65.reshape((n_batch, L, d_ff, 1)) * t447.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
-        t448 = t349.permute(1, 0, 2)
-        t449 = t448.reshape((d_V, L*n_batch))
-        t450 = (1/n_batch) * t449
-        t451 = R350.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t452 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t450, t451, out=t452)
-        del R350
-        t453 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t454 = t453.view((d_V, d_V, d_V, d_K))
-        t455 = sigma2_N_2.transpose(-1, -2)
-        t456 = t36.transpose(-1, -2)
-        t457 = t72.transpose(-1, -2)
-        t458 = M_N_2.transpose(-1, -2)
-        t459 = t456 * t457 * t458
-        t460 = t459.sum(-2, keepdim=True)
-        t461 = t460.expand(*t460.shape[:-2], d_V, t460.shape[-1])
-        t462 = t461 * t458
-        t463 = P_N_2.transpose(-1, -2)
-        t464 = t457 * t463
-        t465 = ((1/2)*d_V) * t464
-        t466 = G.transpose(-1, -2)
-        t467 = ((1/2)*d_V) * t466
-        t468 = t462 + t465 + t467
-        t469 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t468
-        t470 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t471 = ((t105.permute(0, 2, 1) @ t470.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-        t472 = ((N_1.reshape((n_batch, L, d_V, 1)) * t469.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t473 = t462 + t465
-        t474 = t473.sum(-2, keepdim=True)
-        t475 = t474.expand(*t474.shape[:-2], d_V, t474.shape[-1])
-        t476 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t475
-        t477 = ((N_1.reshape((n_batch, L, d_V, 1)) * t476.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t478 = t472.reshape((d_V**2, L*n_batch))
-        t479 = t477.reshape((d_V**2, L*n_batch))
-        t480 = t471.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-        t481 = torch.cat([t478, t479], dim=-1)
-        t482 = torch.cat([t480, t480], dim=-2)
-        t454 += ((t481 @ t482).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        t483 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-        t484 = t483.view((d_V, d_V, d_V, d_K))
-        t485 = ((N_1.permute(0, 2, 1) @ t470.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-        t486 = ((t111.reshape((n_batch, L, d_K, 1)) * t469.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t487 = ((t111.reshape((n_batch, L, d_K, 1)) * t476.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t488 = t485.reshape((d_V**2, L*n_batch))
-        t489 = t486.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-        t490 = t487.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-        t491 = torch.cat([t488, t488], dim=-1)
-        t492 = torch.cat([t489, t490], dim=-2)
-        t484 += ((t491 @ t492).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        t493 = N_2.transpose(-1, -2)
-        R494 = torch.empty((n_batch, L, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t495 = R494.view((n_batch, L*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t496 = t495[..., 0:d_K*d_V]
-        t497 = t496.view((n_batch, L, d_ff, d_V, d_K))
-        t498 = (2/(L*math.sqrt(d_K)*d_V)) * t61
-        t499 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t498.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t500 = (t499 @ S49.permute(0, 1, 3, 2))
-        t501 = (t500.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t502 = (t501.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t503 = (t502.reshape((n_batch, L*d_ff, L)) @ t105).reshape((n_batch, L, d_ff, d_K))
-        t497[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t503.reshape((n_batch, L, 1, d_K*d_ff))).reshape((n_batch, L, d_V, d_ff, d_K))).permute(0, 1, 3, 2, 4)
-        t504 = t495[..., d_K*d_V:2*d_K*d_V]
-        t505 = t504.view((n_batch, L, d_ff, d_V, d_K))
-        t506 = (t502.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        t505[...] = (t506.reshape((n_batch, L, d_V*d_ff, 1)) * t111.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_ff, d_V, d_K))
-        t507 = t495[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t508 = t507.view((n_batch, L, d_ff, d_V, d_V))
-        t509 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t510 = (t55.permute(2, 3, 0, 1) @ t421)
-        t508[...] = ((t420.reshape((n_batch, L, d_V, 1)) * t509.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_V, d_ff, d_V))).permute(0, 1, 3, 2, 4)
-        t508 += (t510 @ t422.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))
-        t511 = t495[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t512 = t511.view((n_batch, L, d_ff, d_V, d_ff))
-        t513 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t431.reshape((d_ff, 1, d_ff))).reshape((d_ff, n_batch, L, d_ff))).permute(1, 2, 0, 3)
-        t512[...] = ((t513.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t430.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
-        t514 = t495[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t515 = t514.view((n_batch, L, d_ff, d_ff, d_V))
-        t516 = (2/(L*d_V)) * t41
-        t517 = ((t516.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t518 = t515.diagonal(0, 2, 3)
-        t515[...] = ((t65.reshape((n_batch, L, d_ff, 1)) * t517.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_ff, d_ff, d_V))).permute(0, 1, 3, 2, 4)
-        t518 += (G.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
-        t519 = t493.permute(1, 0, 2)
-        t520 = t519.reshape((d_V, L*n_batch))
-        t521 = (1/n_batch) * t520
-        t522 = R494.view((L*n_batch, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t523 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t521, t522, out=t523)
-        del R494
-        t524 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-        t525 = t524.view((d_V, d_ff, d_V, d_K))
-        t526 = t40.transpose(-1, -2)
-        t527 = t41.transpose(-1, -2)
-        t528 = t70.transpose(-1, -2)
-        t529 = t527 * t528
-        t530 = t456 * t458
-        t531 = (t31.reshape((d_V, d_V, 1)) * t530.permute(1, 0, 2).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        S463 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t51.permute(1, 2, 3, 0) @ t53) + (t56.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t464 = (2/(L*d_V)) * N_2
+        t465 = (S463.reshape((L*d_V*n_batch, d_V)) @ t42).reshape((n_batch, L, d_V, d_ff))
+        t466 = (t464.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
+        t467 = W_2 @ t42
+        t468 = (-2/(L*d_V**2)) * N_2
+        t469 = (t59.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        t470 = (t469.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+        t471 = (t470.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t467).reshape((n_batch, L, d_V, d_ff))
+        t472 = (t468.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
+        t473 = (-1/d_V) * t31
+        t474 = ((t473 @ S58.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t462[...] = (S58.reshape((n_batch, L, d_V**2, 1)) * t71.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
+        t462 += ((t465.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t466.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t462 += ((t471.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t472.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t462 += (t474.reshape((n_batch, L, d_V**2, 1)) * t71.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
+        t475 = t375[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t476 = t475.view((n_batch, L, d_V, d_ff, d_V))
+        t477 = (S58.reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        t478 = (2/(L*d_V)) * t65
+        t479 = (-1/d_V) * G
+        t480 = (t41.reshape((n_batch, L, d_ff, 1)) * t479.reshape((n_batch, L, 1, d_V)))
+        t481 = (-2/(L*d_V**2)) * t31
+        t482 = (S58.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t481.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+        t483 = (t482.permute(0, 1, 3, 2) @ t53)
+        t476[...] = ((t477.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t263.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
+        t476 += ((t478.reshape((n_batch, L, d_ff, 1)) * S463.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t476 += ((t469.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t480.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
+        t476 += ((t65.reshape((n_batch, L, d_ff, 1)) * t483.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t484 = t373.permute(1, 0, 2)
+        t485 = t484.reshape((d_V, L*n_batch))
+        t486 = (1/n_batch) * t485
+        t487 = R374.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t488 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t486, t487, out=t488)
+        del R374
+        t489 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+        t490 = t489.view((d_V, d_V, d_V, d_K))
+        t492 = t36.transpose(-1, -2)
+        t493 = t72.transpose(-1, -2)
+        t494 = M_N_2.transpose(-1, -2)
+        t495 = t492 * t493 * t494
+        t496 = t495.sum(-2, keepdim=True)
+        t497 = t496.expand(*t496.shape[:-2], d_V, t496.shape[-1])
+        t498 = t497 * t494
+        t499 = P_N_2.transpose(-1, -2)
+        t500 = t493 * t499
+        t501 = ((1/2)*d_V) * t500
+        t502 = G.transpose(-1, -2)
+        t503 = ((1/2)*d_V) * t502
+        t504 = t498 + t501 + t503
+        t505 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t504
+        t506 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t507 = ((t105.permute(0, 2, 1) @ t506.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+        t508 = ((N_1.reshape((n_batch, L, d_V, 1)) * t505.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t509 = t498 + t501
+        t510 = t509.sum(-2, keepdim=True)
+        t511 = t510.expand(*t510.shape[:-2], d_V, t510.shape[-1])
+        t512 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t511
+        t513 = ((N_1.reshape((n_batch, L, d_V, 1)) * t512.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t514 = t508.reshape((d_V**2, L*n_batch))
+        t515 = t513.reshape((d_V**2, L*n_batch))
+        t516 = t507.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        t517 = torch.cat([t514, t515], dim=-1)
+        t518 = torch.cat([t516, t516], dim=-2)
+        t490 += ((t517 @ t518).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t519 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t520 = t519.view((d_V, d_V, d_V, d_K))
+        t521 = ((N_1.permute(0, 2, 1) @ t506.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+        t522 = ((t111.reshape((n_batch, L, d_K, 1)) * t505.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t523 = ((t111.reshape((n_batch, L, d_K, 1)) * t512.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t524 = t521.reshape((d_V**2, L*n_batch))
+        t525 = t522.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        t526 = t523.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        t527 = torch.cat([t524, t524], dim=-1)
+        t528 = torch.cat([t525, t526], dim=-2)
+        t520 += ((t527 @ t528).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t529 = N_2.transpose(-1, -2)
+        R530 = torch.empty((n_batch, L, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t531 = R530.view((n_batch, L*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t532 = t531[..., 0:d_K*d_V]
+        t533 = t532.view((n_batch, L, d_ff, d_V, d_K))
+        t534 = (2/(L*math.sqrt(d_K)*d_V)) * t61
+        t535 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t534.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t536 = (t535 @ S49.permute(0, 1, 3, 2))
+        t537 = (t536.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t538 = (t537.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t539 = (t538.reshape((n_batch, L*d_ff, L)) @ t105).reshape((n_batch, L, d_ff, d_K))
+        t533[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t539.reshape((n_batch, L, 1, d_K*d_ff))).reshape((n_batch, L, d_V, d_ff, d_K))).permute(0, 1, 3, 2, 4)
+        t540 = t531[..., d_K*d_V:2*d_K*d_V]
+        t541 = t540.view((n_batch, L, d_ff, d_V, d_K))
+        t542 = (t538.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+        t541[...] = (t542.reshape((n_batch, L, d_V*d_ff, 1)) * t111.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_ff, d_V, d_K))
+        t543 = t531[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t544 = t543.view((n_batch, L, d_ff, d_V, d_V))
+        t545 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t546 = (t55.permute(2, 3, 0, 1) @ t457)
+        t544[...] = ((t456.reshape((n_batch, L, d_V, 1)) * t545.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_V, d_ff, d_V))).permute(0, 1, 3, 2, 4)
+        t544 += (t546 @ t458.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))
+        t547 = t531[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t548 = t547.view((n_batch, L, d_ff, d_V, d_ff))
+        t549 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t467.reshape((d_ff, 1, d_ff))).reshape((d_ff, n_batch, L, d_ff))).permute(1, 2, 0, 3)
+        t548[...] = ((t549.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t466.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t550 = t531[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t551 = t550.view((n_batch, L, d_ff, d_ff, d_V))
+        t552 = (2/(L*d_V)) * t41
+        t553 = ((t552.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t554 = t551.diagonal(0, 2, 3)
+        t551[...] = ((t65.reshape((n_batch, L, d_ff, 1)) * t553.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_ff, d_ff, d_V))).permute(0, 1, 3, 2, 4)
+        t554 += (G.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
+        t555 = t529.permute(1, 0, 2)
+        t556 = t555.reshape((d_V, L*n_batch))
+        t557 = (1/n_batch) * t556
+        t558 = R530.view((L*n_batch, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t559 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t557, t558, out=t559)
+        del R530
+        t560 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        t561 = t560.view((d_V, d_ff, d_V, d_K))
+        t563 = t41.transpose(-1, -2)
+        t564 = t70.transpose(-1, -2)
+        t565 = t563 * t564
+        t566 = t492 * t494
+        t567 = (t31.reshape((d_V, d_V, 1)) * t566.permute(1, 0, 2).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
         # S: compact tensor ('d_V', 'L', 'd_V')
-        S532 = ((t463.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t531.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t458.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
-        t533 = (1/(math.sqrt(d_K)*n_batch)) * t61
-        t534 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t533.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t535 = (t534.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S45.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
-        t536 = (t535 @ S532.permute(2, 0, 3, 1))
-        t537 = ((t105.permute(0, 2, 1) @ t536.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-        t538 = ((N_1.reshape((n_batch, L, d_V, 1)) * t529.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-        t525 += ((t538.reshape((d_V*d_ff, L*n_batch)) @ t537.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        t539 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t540 = t539.view((d_V, d_ff, d_V, d_K))
-        t541 = ((N_1.permute(0, 2, 1) @ t536.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-        t542 = ((t111.reshape((n_batch, L, d_K, 1)) * t529.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-        t540 += ((t541.reshape((d_V**2, L*n_batch)) @ t542.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
-        t543 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t544 = t543.view((d_V, d_ff, d_V, d_V))
+        S568 = ((t499.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t567.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t494.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
+        t569 = (1/(math.sqrt(d_K)*n_batch)) * t61
+        t570 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t569.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t571 = (t570.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S45.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+        t572 = (t571 @ S568.permute(2, 0, 3, 1))
+        t573 = ((t105.permute(0, 2, 1) @ t572.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+        t574 = ((N_1.reshape((n_batch, L, d_V, 1)) * t565.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t561 += ((t574.reshape((d_V*d_ff, L*n_batch)) @ t573.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t575 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t576 = t575.view((d_V, d_ff, d_V, d_K))
+        t577 = ((N_1.permute(0, 2, 1) @ t572.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+        t578 = ((t111.reshape((n_batch, L, d_K, 1)) * t565.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t576 += ((t577.reshape((d_V**2, L*n_batch)) @ t578.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
+        t579 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t580 = t579.view((d_V, d_ff, d_V, d_V))
         # S: compact tensor ('d_V', 'd_V', 'd_V')
-        S545 = ((t134.reshape((d_V, 1)) * t22.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2) + (-1/d_V) * ((t134.reshape((d_V, 1)) * t31.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2)
-        t546 = (1/n_batch) * t133
-        t547 = ((t546.reshape((n_batch, L, d_V, 1)) * t529.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-        t548 = ((S545.permute(1, 2, 0).reshape((d_V**2, d_V)) @ S532.permute(3, 1, 0, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
-        t544 += ((t547.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t548.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 1, 0, 3)
-        t549 = t65.transpose(-1, -2)
-        R550 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t551 = R550.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t552 = t551[..., 0:d_K*d_V]
-        t553 = t552.view((n_batch, L, d_V, d_V, d_K))
-        t554 = (t498.permute(0, 2, 1) @ S49.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t555 = (t105.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
-        t556 = (t554.permute(0, 2, 3, 1) @ t555.permute(0, 2, 3, 1))
-        t553[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t556.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
-        t557 = t551[..., d_K*d_V:2*d_K*d_V]
-        t558 = t557.view((n_batch, L, d_V, d_V, d_K))
-        t559 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t560 = (t554.permute(0, 2, 3, 1) @ t559.permute(0, 2, 3, 1))
-        t558[...] = (t560.reshape((n_batch, L, d_V**2, 1)) * t111.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
-        t561 = t551[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t562 = t561.view((n_batch, L, d_V, d_V, d_V))
-        t563 = t562.diagonal(0, 2, 4)
-        t562[...] = (t421 @ t422.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t563 += (t133.reshape((L*d_V*n_batch, 1)) * t424.reshape((1, d_V))).reshape((n_batch, L, d_V, d_V))
-        t564 = t551[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t565 = t564.view((n_batch, L, d_V, d_V, d_ff))
-        t566 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t42.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 3, 0)
-        t565[...] = ((t428.reshape((n_batch, L, d_V, 1)) * t566.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))).permute(0, 1, 3, 2, 4)
-        t567 = t551[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t567[...] = 0
-        t568 = t549.permute(1, 0, 2)
-        t569 = t568.reshape((d_ff, L*n_batch))
-        t570 = (1/n_batch) * t569
-        t571 = R550.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t572 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t570, t571, out=t572)
-        del R550
-        t573 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-        t574 = t573.view((d_ff, d_V, d_V, d_K))
-        t575 = (1/(math.sqrt(d_K)*n_batch)) * t466
-        t576 = ((N_1.reshape((n_batch, L, d_V, 1)) * t575.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t577 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t61.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t578 = (t577.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S45.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
-        t579 = (t578 @ S532.permute(2, 0, 3, 1))
-        t580 = (t579.reshape((L**2*n_batch, d_V)) @ t43.permute(1, 0)).reshape((L, n_batch, L, d_ff))
-        t581 = (t580.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t527.permute(2, 0, 1).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
-        t582 = ((t105.permute(0, 2, 1) @ t581.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
-        t574 += ((t576.reshape((d_V**2, L*n_batch)) @ t582.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-        t583 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t584 = t583.view((d_ff, d_V, d_V, d_K))
-        t585 = ((t111.reshape((n_batch, L, d_K, 1)) * t575.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t586 = ((N_1.permute(0, 2, 1) @ t581.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
-        t584 += ((t586.reshape((d_V*d_ff, L*n_batch)) @ t585.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        t587 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t588 = t587.view((d_ff, d_V, d_V, d_V))
-        t589 = (1/n_batch) * t466
-        t590 = ((t133.reshape((n_batch, L, d_V, 1)) * t589.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t591 = (t43.reshape((d_ff, d_V, 1)) * t527.permute(1, 0, 2).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-        t592 = (t591.permute(2, 3, 0, 1) @ S532.permute(0, 2, 1, 3))
-        t593 = ((S545.permute(1, 2, 0).reshape((d_V**2, d_V)) @ t592.permute(3, 2, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
-        t588 += ((t590.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t593.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 1, 0, 3)
-        t594 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t595 = t594.view((d_ff, d_V, d_V, d_ff))
-        t596 = t595.diagonal(0, 0, 3)
-        t597 = t527.permute(1, 0, 2)
-        t598 = ((N_2.reshape((n_batch, L, d_V, 1)) * t589.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t596 += (t598.reshape((d_V**2, L*n_batch)) @ t597.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-        t599 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t600 = t599.view((d_ff, d_V, d_ff, d_V))
-        t601 = t600.diagonal(0, 1, 3)
-        t602 = t549 @ t65
-        t603 = (2/(L*d_V*n_batch)) * t134
-        t601 += (t602.sum((0,)).reshape((d_ff**2, 1)) * t603.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
+        S581 = ((t140.reshape((d_V, 1)) * t22.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2) + (-1/d_V) * ((t140.reshape((d_V, 1)) * t31.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2)
+        t582 = (1/n_batch) * t139
+        t583 = ((t582.reshape((n_batch, L, d_V, 1)) * t565.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t584 = ((S581.permute(1, 2, 0).reshape((d_V**2, d_V)) @ S568.permute(3, 1, 0, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+        t580 += ((t583.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t584.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 1, 0, 3)
+        t585 = t65.transpose(-1, -2)
+        R586 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t587 = R586.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t588 = t587[..., 0:d_K*d_V]
+        t589 = t588.view((n_batch, L, d_V, d_V, d_K))
+        t590 = (t534.permute(0, 2, 1) @ S49.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t591 = (t105.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
+        t592 = (t590.permute(0, 2, 3, 1) @ t591.permute(0, 2, 3, 1))
+        t589[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t592.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t593 = t587[..., d_K*d_V:2*d_K*d_V]
+        t594 = t593.view((n_batch, L, d_V, d_V, d_K))
+        t595 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t596 = (t590.permute(0, 2, 3, 1) @ t595.permute(0, 2, 3, 1))
+        t594[...] = (t596.reshape((n_batch, L, d_V**2, 1)) * t111.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+        t597 = t587[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t598 = t597.view((n_batch, L, d_V, d_V, d_V))
+        t599 = t598.diagonal(0, 2, 4)
+        t598[...] = (t457 @ t458.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t599 += (t139.reshape((L*d_V*n_batch, 1)) * t460.reshape((1, d_V))).reshape((n_batch, L, d_V, d_V))
+        t600 = t587[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t601 = t600.view((n_batch, L, d_V, d_V, d_ff))
+        t602 = ((t41.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t42.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 3, 0)
+        t601[...] = ((t464.reshape((n_batch, L, d_V, 1)) * t602.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))).permute(0, 1, 3, 2, 4)
+        t603 = t587[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t603[...] = 0
+        t604 = t585.permute(1, 0, 2)
+        t605 = t604.reshape((d_ff, L*n_batch))
+        t606 = (1/n_batch) * t605
+        t607 = R586.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t608 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t606, t607, out=t608)
+        del R586
+        t609 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        t610 = t609.view((d_ff, d_V, d_V, d_K))
+        t611 = (1/(math.sqrt(d_K)*n_batch)) * t502
+        t612 = ((N_1.reshape((n_batch, L, d_V, 1)) * t611.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t613 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t61.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t614 = (t613.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S45.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+        t615 = (t614 @ S568.permute(2, 0, 3, 1))
+        t616 = (t615.reshape((L**2*n_batch, d_V)) @ t43.permute(1, 0)).reshape((L, n_batch, L, d_ff))
+        t617 = (t616.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t563.permute(2, 0, 1).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
+        t618 = ((t105.permute(0, 2, 1) @ t617.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
+        t610 += ((t612.reshape((d_V**2, L*n_batch)) @ t618.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+        t619 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t620 = t619.view((d_ff, d_V, d_V, d_K))
+        t621 = ((t111.reshape((n_batch, L, d_K, 1)) * t611.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t622 = ((N_1.permute(0, 2, 1) @ t617.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
+        t620 += ((t622.reshape((d_V*d_ff, L*n_batch)) @ t621.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t623 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t624 = t623.view((d_ff, d_V, d_V, d_V))
+        t625 = (1/n_batch) * t502
+        t626 = ((t139.reshape((n_batch, L, d_V, 1)) * t625.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t627 = (t43.reshape((d_ff, d_V, 1)) * t563.permute(1, 0, 2).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+        t628 = (t627.permute(2, 3, 0, 1) @ S568.permute(0, 2, 1, 3))
+        t629 = ((S581.permute(1, 2, 0).reshape((d_V**2, d_V)) @ t628.permute(3, 2, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
+        t624 += ((t626.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t629.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 1, 0, 3)
+        t630 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t631 = t630.view((d_ff, d_V, d_V, d_ff))
+        t632 = t631.diagonal(0, 0, 3)
+        t633 = t563.permute(1, 0, 2)
+        t634 = ((N_2.reshape((n_batch, L, d_V, 1)) * t625.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t632 += (t634.reshape((d_V**2, L*n_batch)) @ t633.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        t635 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t636 = t635.view((d_ff, d_V, d_ff, d_V))
+        t637 = t636.diagonal(0, 1, 3)
+        t638 = t585 @ t65
+        t639 = (2/(L*d_V*n_batch)) * t140
+        t637 += (t638.sum((0,)).reshape((d_ff**2, 1)) * t639.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
         return H
     H = torch.empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -14778,15 +14689,9 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t149 = (t143.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t150 = (t149.permute(1, 2, 0) @ S81.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t151 = (t150.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t152 = (t144.reshape((n_batch, L, d_V, 1)) * t147.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t153 = (t151.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S146.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t154 = ((t152.permute(2, 0, 3, 1) @ t153.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t155 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t156 = (t155.permute(1, 2, 0) @ S81.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t157 = (t156.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t158 = (t144.reshape((n_batch, L, d_V, 1)) * t138.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t159 = (t157.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S146.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t160 = ((t158.permute(2, 0, 3, 1) @ t159.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t161 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t12
     t162 = ((t155.permute(1, 0, 2) @ t139.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     t163 = ((t144.reshape((n_batch, L, d_V, 1)) * t161.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
@@ -14819,8 +14724,6 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t190 = (t189.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
     t191 = ((t14 @ t190.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     t192 = (t175.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_K, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
-    t193 = (t183 @ t192)
-    t194 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t193.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_V, d_K, n_batch, L))).permute(2, 0, 1, 3, 4)
     t195 = (-2/(L*math.sqrt(d_K)*d_V**2*n_batch)) * t12
     t196 = (t30.permute(1, 0) @ W_V.permute(1, 0))
     t197 = (t196 @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -14846,8 +14749,6 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t217 = (t216.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_ff)) @ t42).reshape((n_batch, L, L, d_V))
     t218 = (t217.permute(0, 2, 1, 3) @ S)
     t219 = (t218.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-    t220 = (t219.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S146.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t221 = ((t14 @ t220.permute(0, 2, 3, 4, 1).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, d_V, d_V, L))).permute(1, 2, 3, 0, 4)
     t222 = t87 + t135
     t223 = t222.sum(-1, keepdim=True)
     t224 = t223.expand(*t223.shape[:-1], d_V)
@@ -14858,387 +14759,388 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t229 = torch.cat([t226, t226], dim=-1)
     t230 = torch.cat([t227, t228], dim=-2)
     t134[...] = ((t229 @ t230).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t231 = t154 + t160
-    t134 += ((t148.reshape((d_K, L*n_batch)) @ t231.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
-    t232 = t163.reshape((d_V**2, L*n_batch))
-    t233 = t165.reshape((d_V**2, L*n_batch))
-    t234 = t204.reshape((d_V**2, L*n_batch))
-    t235 = t162.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t236 = t173.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t237 = t191.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t238 = t203.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t239 = torch.cat([t232, t233, t232, t234], dim=-1)
-    t240 = torch.cat([t235, t236, t237, t238], dim=-2)
-    t134 += ((t239 @ t240).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t231 = ((t144.reshape((n_batch, L, d_V, 1)) * t147.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t232 = (S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t151.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t233 = ((t144.reshape((n_batch, L, d_V, 1)) * t138.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t234 = (S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t157.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t235 = ((t231.permute(1, 2, 0, 3) @ t232.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4) + ((t233.permute(1, 2, 0, 3) @ t234.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
+    t134 += ((t148.reshape((d_K, L*n_batch)) @ t235.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+    t236 = t163.reshape((d_V**2, L*n_batch))
+    t237 = t165.reshape((d_V**2, L*n_batch))
+    t238 = t204.reshape((d_V**2, L*n_batch))
+    t239 = t162.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t240 = t173.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t241 = t191.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t242 = t203.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t243 = torch.cat([t236, t237, t236, t238], dim=-1)
+    t244 = torch.cat([t239, t240, t241, t242], dim=-2)
+    t134 += ((t243 @ t244).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t134 += ((t165.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t185.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
-    t241 = t194 + t221
-    t134 += ((t163.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t241.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
+    t245 = S146.permute(0, 2, 1)
+    t246 = ((t192.permute(0, 1, 3, 2) @ t183.permute(0, 1, 3, 2))).permute(2, 0, 1, 3)
+    t247 = (S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t219.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t248 = ((t245.reshape((d_V**2, d_V)) @ t246.permute(3, 0, 1, 2).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_V, d_K, n_batch, L))).permute(2, 0, 1, 3, 4) + ((t148.permute(1, 0, 2) @ t247.permute(2, 4, 0, 1, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, d_V, d_V, L))).permute(1, 2, 3, 0, 4)
+    t134 += ((t163.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t248.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
     t134 += ((t204.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t214.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
-    t242 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t243 = t242.view((d_V, d_K, d_V, d_ff))
-    t244 = (1/(math.sqrt(d_K)*n_batch)) * t12
-    t245 = (t82.permute(0, 2, 3, 1) @ S57.permute(1, 0, 2, 3))
-    t246 = (t245.permute(0, 1, 3, 2) @ dA.permute(1, 0, 3, 2))
-    t247 = ((t14 @ t246.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
-    t248 = ((t70.reshape((n_batch, L, d_ff, 1)) * t244.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t249 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t250 = t249.view((d_V, d_K, d_V, d_ff))
+    t251 = (1/(math.sqrt(d_K)*n_batch)) * t12
+    t252 = (t82.permute(0, 2, 3, 1) @ S57.permute(1, 0, 2, 3))
+    t253 = (t252.permute(0, 1, 3, 2) @ dA.permute(1, 0, 3, 2))
+    t254 = ((t14 @ t253.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
+    t255 = ((t70.reshape((n_batch, L, d_ff, 1)) * t251.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S249 = (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t50.permute(1, 2, 3, 0) @ t52) + (t55.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-1/d_V) * (t58.permute(0, 1, 3, 2) @ t52)
-    t250 = ((N_2.reshape((n_batch, L, d_V, 1)) * t161.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t251 = (S249.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-    t252 = (t251 @ dA.permute(0, 1, 3, 2))
-    t253 = (t252.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t41).reshape((n_batch, L, L, d_ff))
-    t254 = (t253.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-    t255 = ((t14 @ t254.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
-    t243[...] = ((t247.reshape((d_K*d_V, L*n_batch)) @ t248.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
-    t243 += ((t250.reshape((d_V**2, L*n_batch)) @ t255.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
-    t256 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t257 = t256.view((d_V, d_K, d_ff, d_V))
-    t258 = ((G.reshape((n_batch, L, d_V, 1)) * t244.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t259 = (t246.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((L, n_batch, L, d_ff))
-    t260 = (t259.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t40.permute(1, 0, 2).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
-    t261 = ((t14 @ t260.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
-    t262 = ((t251 @ t139)).permute(3, 2, 0, 1)
-    t263 = ((t64.reshape((n_batch, L, d_ff, 1)) * t161.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t257[...] = ((t261.reshape((d_K*d_ff, L*n_batch)) @ t258.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
-    t257 += ((t263.reshape((d_V*d_ff, L*n_batch)) @ t262.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
-    t264 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t265 = t264.view((d_V, d_K, d_V, d_K))
-    t266 = t112.transpose(-1, -2)
-    t267 = (2/(L*d_K*d_V*n_batch)) * t266
-    t268 = (t118.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t269 = ((t104.permute(0, 2, 1) @ t268.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t270 = ((N_1.reshape((n_batch, L, d_V, 1)) * t267.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t271 = (S111.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t113.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t272 = ((t104.permute(0, 2, 1) @ t271.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t273 = ((N_1.reshape((n_batch, L, d_V, 1)) * t266.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t274 = t265.diagonal(0, 1, 3)
-    t275 = t123.transpose(-1, -2)
-    t276 = (t275.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-    t277 = t270.reshape((d_K*d_V, L*n_batch))
-    t278 = t273.reshape((d_K*d_V, L*n_batch))
-    t279 = t269.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t280 = t272.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t281 = torch.cat([t277, t278], dim=-1)
-    t282 = torch.cat([t279, t280], dim=-2)
-    t265[...] = ((t281 @ t282).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t274 += (t276.reshape((d_V**2, 1)) * t125.reshape((1, d_K))).reshape((d_V, d_V, d_K))
-    t283 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t284 = t283.view((d_V, d_K, d_V, d_K))
-    t285 = ((N_1.permute(0, 2, 1) @ t268.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t286 = ((t112.reshape((n_batch, L, d_K, 1)) * t267.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t287 = ((N_1.permute(0, 2, 1) @ t271.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t288 = ((t112.reshape((n_batch, L, d_K, 1)) * t266.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t289 = t285.reshape((d_V**2, L*n_batch))
-    t290 = t287.reshape((d_V**2, L*n_batch))
-    t291 = t286.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    t292 = t288.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    t293 = torch.cat([t289, t290], dim=-1)
-    t294 = torch.cat([t291, t292], dim=-2)
-    t284[...] = ((t293 @ t294).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    t295 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t296 = t295.view((d_V, d_K, d_V, d_V))
-    t297 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t266
-    t298 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t299 = ((N_1.permute(0, 2, 1) @ t298.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t300 = ((t137.reshape((n_batch, L, d_V, 1)) * t297.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t301 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t266
-    t302 = t12.permute(1, 0, 2)
-    t303 = (t144.reshape((n_batch, L, d_V, 1)) * t301.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t304 = ((t303.permute(2, 0, 3, 1) @ t153.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
-    t305 = (t144.reshape((n_batch, L, d_V, 1)) * t297.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t306 = ((t305.permute(2, 0, 3, 1) @ t159.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
-    t307 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t266
-    t308 = ((t155.permute(1, 0, 2) @ t298.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t309 = ((t144.reshape((n_batch, L, d_V, 1)) * t307.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t310 = (4/(L*math.sqrt(d_K)*d_V**2*n_batch)) * t266
-    t311 = ((t144.reshape((n_batch, L, d_V, 1)) * t310.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t312 = ((t12 @ t172.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
-    t313 = (t298.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t155.permute(1, 2, 0)).reshape((n_batch, L, d_V, d_V))
-    t314 = (t313.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * M_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t315 = (t314.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t30).reshape((n_batch, L, d_V, d_V))
-    t316 = (t315.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t36.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t317 = (t183 @ t316)
-    t318 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t317.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t319 = ((t12 @ t190.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
-    t320 = (t313.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t321 = (t183 @ t320)
-    t322 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t321.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t323 = (-2/(L*math.sqrt(d_K)*d_V**2*n_batch)) * t266
-    t324 = ((t12 @ t202.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
-    t325 = ((t144.reshape((n_batch, L, d_V, 1)) * t323.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t326 = (t212.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
-    t327 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t326.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t328 = ((t12 @ t220.permute(0, 2, 3, 4, 1).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_V, d_V, d_V, L))).permute(1, 2, 3, 0, 4)
-    t329 = ((t224.reshape((n_batch, L, d_V, 1)) * t301.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t330 = t299.reshape((d_V**2, L*n_batch))
-    t331 = t300.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t332 = t329.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t333 = torch.cat([t330, t330], dim=-1)
-    t334 = torch.cat([t331, t332], dim=-2)
-    t296[...] = ((t333 @ t334).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t335 = t304 + t306
-    t296 += (t302.reshape((d_V, L*n_batch)) @ t335.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
-    t336 = t309.reshape((d_K*d_V, L*n_batch))
-    t337 = t311.reshape((d_K*d_V, L*n_batch))
-    t338 = t325.reshape((d_K*d_V, L*n_batch))
-    t339 = t308.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t340 = t312.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t341 = t319.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t342 = t324.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t343 = torch.cat([t336, t337, t336, t338], dim=-1)
-    t344 = torch.cat([t339, t340, t341, t342], dim=-2)
-    t296 += ((t343 @ t344).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t296 += ((t311.permute(1, 0, 2, 3).reshape((d_V, d_K, L*n_batch)) @ t318.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 1, 0, 3)
-    t345 = t322 + t328
-    t296 += ((t309.permute(1, 0, 2, 3).reshape((d_V, d_K, L*n_batch)) @ t345.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 1, 0, 3)
-    t296 += ((t325.permute(1, 0, 2, 3).reshape((d_V, d_K, L*n_batch)) @ t327.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 1, 0, 3)
-    t346 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t347 = t346.view((d_V, d_K, d_V, d_ff))
-    t348 = (1/(math.sqrt(d_K)*n_batch)) * t266
-    t349 = ((t12 @ t246.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
-    t350 = ((t70.reshape((n_batch, L, d_ff, 1)) * t348.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t351 = ((N_2.reshape((n_batch, L, d_V, 1)) * t307.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t352 = ((t12 @ t254.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
-    t347[...] = ((t349.reshape((d_V**2, L*n_batch)) @ t350.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
-    t347 += ((t351.reshape((d_K*d_V, L*n_batch)) @ t352.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
-    t353 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t354 = t353.view((d_V, d_K, d_ff, d_V))
-    t355 = ((G.reshape((n_batch, L, d_V, 1)) * t348.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t356 = ((t12 @ t260.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
-    t357 = ((t251 @ t298)).permute(3, 2, 0, 1)
-    t358 = ((t64.reshape((n_batch, L, d_ff, 1)) * t307.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t354[...] = ((t356.reshape((d_V*d_ff, L*n_batch)) @ t355.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
-    t354 += ((t358.reshape((d_K*d_ff, L*n_batch)) @ t357.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
-    t359 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t360 = t359.view((d_V, d_V, d_V, d_V))
-    t361 = t144.transpose(-1, -2)
-    t362 = (2/(d_V*n_batch)) * t361
-    t363 = ((t144.reshape((n_batch, L, d_V, 1)) * t362.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t364 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ S81.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t365 = (4/(L*d_V**2*n_batch)) * t361
-    t366 = ((t144.reshape((n_batch, L, d_V, 1)) * t365.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t367 = ((t52.permute(0, 1, 3, 2) @ t50.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t368 = ((M_N_2.reshape((n_batch, L, d_V, 1)) * t365.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t369 = (t36.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t30.permute(1, 0).reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))
-    t370 = (t183 @ t369.permute(1, 2, 0, 3))
-    t371 = (t370.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S146.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-    t372 = ((t371.permute(3, 0, 1, 2, 4).reshape((d_V, n_batch, L, d_V**2, 1)) * t144.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V, d_V))).permute(3, 0, 4, 1, 2)
-    t373 = (2/(L*d_V*n_batch)) * t361
-    t374 = ((t144.reshape((n_batch, L, d_V, 1)) * t373.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t375 = ((t55.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, d_V, 1)) * P_N_2.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t376 = ((P_N_2.reshape((n_batch, L, d_V, 1)) * t373.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t377 = (t42.reshape((d_ff, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-    t378 = (t377.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t41.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
-    t379 = (t378.permute(1, 2, 0, 3) @ t55.permute(1, 2, 0, 3))
-    t380 = (t379.permute(0, 1, 3, 2) @ S)
-    t381 = (t380.reshape((L*d_V*n_batch, d_V)) @ S146.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+    S256 = (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t50.permute(1, 2, 3, 0) @ t52) + (t55.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V)) + (-1/d_V) * (t58.permute(0, 1, 3, 2) @ t52)
+    t257 = ((N_2.reshape((n_batch, L, d_V, 1)) * t161.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t258 = (S256.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t259 = (t258 @ dA.permute(0, 1, 3, 2))
+    t260 = (t259.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t41).reshape((n_batch, L, L, d_ff))
+    t261 = (t260.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+    t262 = ((t14 @ t261.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
+    t250[...] = ((t254.reshape((d_K*d_V, L*n_batch)) @ t255.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+    t250 += ((t257.reshape((d_V**2, L*n_batch)) @ t262.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
+    t263 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t264 = t263.view((d_V, d_K, d_ff, d_V))
+    t265 = ((G.reshape((n_batch, L, d_V, 1)) * t251.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t266 = (t253.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((L, n_batch, L, d_ff))
+    t267 = (t266.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t40.permute(1, 0, 2).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
+    t268 = ((t14 @ t267.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
+    t269 = ((t258 @ t139)).permute(3, 2, 0, 1)
+    t270 = ((t64.reshape((n_batch, L, d_ff, 1)) * t161.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t264[...] = ((t268.reshape((d_K*d_ff, L*n_batch)) @ t265.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+    t264 += ((t270.reshape((d_V*d_ff, L*n_batch)) @ t269.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
+    t271 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t272 = t271.view((d_V, d_K, d_V, d_K))
+    t273 = t112.transpose(-1, -2)
+    t274 = (2/(L*d_K*d_V*n_batch)) * t273
+    t275 = (t118.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t276 = ((t104.permute(0, 2, 1) @ t275.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+    t277 = ((N_1.reshape((n_batch, L, d_V, 1)) * t274.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t278 = (S111.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t113.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t279 = ((t104.permute(0, 2, 1) @ t278.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+    t280 = ((N_1.reshape((n_batch, L, d_V, 1)) * t273.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t281 = t272.diagonal(0, 1, 3)
+    t282 = t123.transpose(-1, -2)
+    t283 = (t282.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
+    t284 = t277.reshape((d_K*d_V, L*n_batch))
+    t285 = t280.reshape((d_K*d_V, L*n_batch))
+    t286 = t276.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t287 = t279.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t288 = torch.cat([t284, t285], dim=-1)
+    t289 = torch.cat([t286, t287], dim=-2)
+    t272[...] = ((t288 @ t289).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t281 += (t283.reshape((d_V**2, 1)) * t125.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t290 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t291 = t290.view((d_V, d_K, d_V, d_K))
+    t292 = ((N_1.permute(0, 2, 1) @ t275.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t293 = ((t112.reshape((n_batch, L, d_K, 1)) * t274.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t294 = ((N_1.permute(0, 2, 1) @ t278.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t295 = ((t112.reshape((n_batch, L, d_K, 1)) * t273.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t296 = t292.reshape((d_V**2, L*n_batch))
+    t297 = t294.reshape((d_V**2, L*n_batch))
+    t298 = t293.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t299 = t295.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t300 = torch.cat([t296, t297], dim=-1)
+    t301 = torch.cat([t298, t299], dim=-2)
+    t291[...] = ((t300 @ t301).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t302 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t303 = t302.view((d_V, d_K, d_V, d_V))
+    t304 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t273
+    t305 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t306 = ((N_1.permute(0, 2, 1) @ t305.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t307 = ((t137.reshape((n_batch, L, d_V, 1)) * t304.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t308 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t273
+    t309 = t12.permute(1, 0, 2)
+    t314 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t273
+    t315 = ((t155.permute(1, 0, 2) @ t305.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t316 = ((t144.reshape((n_batch, L, d_V, 1)) * t314.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t317 = (4/(L*math.sqrt(d_K)*d_V**2*n_batch)) * t273
+    t318 = ((t144.reshape((n_batch, L, d_V, 1)) * t317.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t319 = ((t12 @ t172.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t320 = (t305.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t155.permute(1, 2, 0)).reshape((n_batch, L, d_V, d_V))
+    t321 = (t320.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * M_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t322 = (t321.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t30).reshape((n_batch, L, d_V, d_V))
+    t323 = (t322.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * t36.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t324 = (t183 @ t323)
+    t325 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t324.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t326 = ((t12 @ t190.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t327 = (t320.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t330 = (-2/(L*math.sqrt(d_K)*d_V**2*n_batch)) * t273
+    t331 = ((t12 @ t202.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t332 = ((t144.reshape((n_batch, L, d_V, 1)) * t330.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t333 = (t212.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+    t334 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t333.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t336 = ((t224.reshape((n_batch, L, d_V, 1)) * t308.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t337 = t306.reshape((d_V**2, L*n_batch))
+    t338 = t307.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t339 = t336.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t340 = torch.cat([t337, t337], dim=-1)
+    t341 = torch.cat([t338, t339], dim=-2)
+    t303[...] = ((t340 @ t341).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t342 = ((t144.reshape((n_batch, L, d_V, 1)) * t308.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t343 = ((t144.reshape((n_batch, L, d_V, 1)) * t304.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t344 = ((t342.permute(1, 2, 0, 3) @ t232.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4) + ((t343.permute(1, 2, 0, 3) @ t234.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
+    t303 += (t309.reshape((d_V, L*n_batch)) @ t344.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
+    t345 = t316.reshape((d_K*d_V, L*n_batch))
+    t346 = t318.reshape((d_K*d_V, L*n_batch))
+    t347 = t332.reshape((d_K*d_V, L*n_batch))
+    t348 = t315.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t349 = t319.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t350 = t326.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t351 = t331.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t352 = torch.cat([t345, t346, t345, t347], dim=-1)
+    t353 = torch.cat([t348, t349, t350, t351], dim=-2)
+    t303 += ((t352 @ t353).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t303 += ((t318.permute(1, 0, 2, 3).reshape((d_V, d_K, L*n_batch)) @ t325.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 1, 0, 3)
+    t354 = ((t327.permute(0, 1, 3, 2) @ t183.permute(0, 1, 3, 2))).permute(2, 0, 1, 3)
+    t355 = ((t245.reshape((d_V**2, d_V)) @ t354.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4) + ((t309.permute(1, 0, 2) @ t247.permute(2, 4, 0, 1, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_V, d_V, d_V, L))).permute(1, 2, 3, 0, 4)
+    t303 += ((t316.permute(1, 0, 2, 3).reshape((d_V, d_K, L*n_batch)) @ t355.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 1, 0, 3)
+    t303 += ((t332.permute(1, 0, 2, 3).reshape((d_V, d_K, L*n_batch)) @ t334.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 1, 0, 3)
+    t356 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t357 = t356.view((d_V, d_K, d_V, d_ff))
+    t358 = (1/(math.sqrt(d_K)*n_batch)) * t273
+    t359 = ((t12 @ t253.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t360 = ((t70.reshape((n_batch, L, d_ff, 1)) * t358.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t361 = ((N_2.reshape((n_batch, L, d_V, 1)) * t314.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t362 = ((t12 @ t261.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
+    t357[...] = ((t359.reshape((d_V**2, L*n_batch)) @ t360.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
+    t357 += ((t361.reshape((d_K*d_V, L*n_batch)) @ t362.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+    t363 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t364 = t363.view((d_V, d_K, d_ff, d_V))
+    t365 = ((G.reshape((n_batch, L, d_V, 1)) * t358.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t366 = ((t12 @ t267.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
+    t367 = ((t258 @ t305)).permute(3, 2, 0, 1)
+    t368 = ((t64.reshape((n_batch, L, d_ff, 1)) * t314.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t364[...] = ((t366.reshape((d_V*d_ff, L*n_batch)) @ t365.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
+    t364 += ((t368.reshape((d_K*d_ff, L*n_batch)) @ t367.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+    t369 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t370 = t369.view((d_V, d_V, d_V, d_V))
+    t371 = t144.transpose(-1, -2)
+    t372 = (2/(d_V*n_batch)) * t371
+    t373 = ((t144.reshape((n_batch, L, d_V, 1)) * t372.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t374 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ S81.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t375 = (4/(L*d_V**2*n_batch)) * t371
+    t376 = ((t144.reshape((n_batch, L, d_V, 1)) * t375.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t377 = ((t52.permute(0, 1, 3, 2) @ t50.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t378 = ((M_N_2.reshape((n_batch, L, d_V, 1)) * t375.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t379 = (t36.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t30.permute(1, 0).reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))
+    t380 = (t183 @ t379.permute(1, 2, 0, 3))
+    t381 = (t380.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S146.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
     t382 = ((t381.permute(3, 0, 1, 2, 4).reshape((d_V, n_batch, L, d_V**2, 1)) * t144.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V, d_V))).permute(3, 0, 4, 1, 2)
-    t383 = (-2/(d_V**2*n_batch)) * t361
+    t383 = (2/(L*d_V*n_batch)) * t371
     t384 = ((t144.reshape((n_batch, L, d_V, 1)) * t383.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t385 = (S81.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t386 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t385.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t387 = (-2/(L*d_V**2*n_batch)) * t361
-    t388 = ((t144.reshape((n_batch, L, d_V, 1)) * t387.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t389 = ((t52.permute(0, 1, 3, 2) @ t58)).permute(3, 2, 0, 1)
-    t390 = (t380.permute(0, 1, 3, 2) @ S57.permute(0, 1, 3, 2))
-    t391 = (t390.reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t392 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t391.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t393 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t47.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t394 = t360.diagonal(0, 1, 3)
-    t395 = (2/(L*d_V*n_batch)) * t145
-    t396 = (t361.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t144.reshape((L*n_batch, d_V)))
-    t360[...] = ((t363.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t364.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
-    t397 = t366.reshape((d_V**2, L*n_batch))
-    t398 = t374.reshape((d_V**2, L*n_batch))
-    t399 = t388.reshape((d_V**2, L*n_batch))
-    t400 = t367.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t401 = t375.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t402 = t389.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t403 = torch.cat([t397, t398, t399], dim=-1)
-    t404 = torch.cat([t400, t401, t402], dim=-2)
-    t360 += ((t403 @ t404).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    t360 += ((t368.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t372.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 0, 2, 3)
-    t360 += ((t376.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t382.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 0, 2, 3)
-    t360 += ((t384.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t386.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
-    t360 += ((t388.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t392.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
-    t360 += ((t374.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t393.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
-    t394 += (t396.reshape((d_V**2, 1)) * t395.reshape((1, d_V))).reshape((d_V, d_V, d_V))
-    t405 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t406 = t405.view((d_V, d_V, d_V, d_ff))
-    t407 = (1/n_batch) * t361
-    t408 = S57.permute(2, 3, 0, 1)
-    t409 = ((t70.reshape((n_batch, L, d_ff, 1)) * t407.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t385 = ((t55.permute(3, 1, 2, 0).reshape((d_V, n_batch, L, d_V, 1)) * P_N_2.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t386 = ((P_N_2.reshape((n_batch, L, d_V, 1)) * t383.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t387 = (t42.reshape((d_ff, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t388 = (t387.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t41.permute(1, 0)).reshape((d_V, n_batch, L, d_V))
+    t389 = (t388.permute(1, 2, 0, 3) @ t55.permute(1, 2, 0, 3))
+    t390 = (t389.permute(0, 1, 3, 2) @ S)
+    t391 = (t390.reshape((L*d_V*n_batch, d_V)) @ S146.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+    t392 = ((t391.permute(3, 0, 1, 2, 4).reshape((d_V, n_batch, L, d_V**2, 1)) * t144.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V, d_V))).permute(3, 0, 4, 1, 2)
+    t393 = (-2/(d_V**2*n_batch)) * t371
+    t394 = ((t144.reshape((n_batch, L, d_V, 1)) * t393.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t395 = (S81.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t396 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t395.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t397 = (-2/(L*d_V**2*n_batch)) * t371
+    t398 = ((t144.reshape((n_batch, L, d_V, 1)) * t397.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t399 = ((t52.permute(0, 1, 3, 2) @ t58)).permute(3, 2, 0, 1)
+    t400 = (t390.permute(0, 1, 3, 2) @ S57.permute(0, 1, 3, 2))
+    t401 = (t400.reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t402 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t401.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t403 = ((S146.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t47.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t404 = t370.diagonal(0, 1, 3)
+    t405 = (2/(L*d_V*n_batch)) * t145
+    t406 = (t371.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t144.reshape((L*n_batch, d_V)))
+    t370[...] = ((t373.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t374.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
+    t407 = t376.reshape((d_V**2, L*n_batch))
+    t408 = t384.reshape((d_V**2, L*n_batch))
+    t409 = t398.reshape((d_V**2, L*n_batch))
+    t410 = t377.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t411 = t385.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t412 = t399.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t413 = torch.cat([t407, t408, t409], dim=-1)
+    t414 = torch.cat([t410, t411, t412], dim=-2)
+    t370 += ((t413 @ t414).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    t370 += ((t378.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t382.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+    t370 += ((t386.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t392.permute(0, 3, 4, 1, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+    t370 += ((t394.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t396.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
+    t370 += ((t398.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t402.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
+    t370 += ((t384.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t403.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
+    t404 += (t406.reshape((d_V**2, 1)) * t405.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t415 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t416 = t415.view((d_V, d_V, d_V, d_ff))
+    t417 = (1/n_batch) * t371
+    t418 = S57.permute(2, 3, 0, 1)
+    t419 = ((t70.reshape((n_batch, L, d_ff, 1)) * t417.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S410 = (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t50.permute(1, 2, 3, 0) @ t52) + (t55.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t411 = ((N_2.reshape((n_batch, L, d_V, 1)) * t373.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t412 = (t41.permute(1, 0) @ S410.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
-    t413 = ((t412.reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t414 = W_2 @ t41
-    t415 = ((N_2.reshape((n_batch, L, d_V, 1)) * t387.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t416 = (t58.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
-    t417 = (t416.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
-    t418 = (t417.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t414).reshape((n_batch, L, d_V, d_ff))
-    t419 = ((t418.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t420 = (-1/(d_V*n_batch)) * t361
-    t421 = ((t70.reshape((n_batch, L, d_ff, 1)) * t420.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t422 = (t30 @ S57.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    t423 = t408.reshape((d_V**2, L*n_batch))
-    t424 = t422.reshape((d_V**2, L*n_batch))
-    t425 = t409.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
-    t426 = t421.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
-    t427 = torch.cat([t423, t424], dim=-1)
-    t428 = torch.cat([t425, t426], dim=-2)
-    t406[...] = ((t427 @ t428).reshape((d_V, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
-    t429 = t411.reshape((d_V**2, L*n_batch))
-    t430 = t415.reshape((d_V**2, L*n_batch))
-    t431 = t413.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
-    t432 = t419.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
-    t433 = torch.cat([t429, t430], dim=-1)
-    t434 = torch.cat([t431, t432], dim=-2)
-    t406 += ((t433 @ t434).reshape((d_V, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
-    t435 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t436 = t435.view((d_V, d_V, d_ff, d_V))
-    t437 = ((G.reshape((n_batch, L, d_V, 1)) * t407.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t438 = (W_1.permute(1, 0) @ S57.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
-    t439 = ((t438.reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t440 = S410.permute(2, 3, 0, 1)
-    t441 = ((t64.reshape((n_batch, L, d_ff, 1)) * t373.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t442 = ((G.reshape((n_batch, L, d_V, 1)) * t420.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t443 = ((t51.permute(1, 2, 0, 3) @ t58)).permute(3, 2, 0, 1)
-    t444 = ((t64.reshape((n_batch, L, d_ff, 1)) * t387.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t445 = t439.reshape((d_V*d_ff, L*n_batch))
-    t446 = t443.reshape((d_V*d_ff, L*n_batch))
-    t447 = t437.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t448 = t442.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t449 = torch.cat([t445, t446], dim=-1)
-    t450 = torch.cat([t447, t448], dim=-2)
-    t436[...] = ((t449 @ t450).reshape((d_V, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
-    t451 = t441.reshape((d_V*d_ff, L*n_batch))
-    t452 = t444.reshape((d_V*d_ff, L*n_batch))
-    t453 = t440.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t454 = torch.cat([t451, t452], dim=-1)
-    t455 = torch.cat([t453, t402], dim=-2)
-    t436 += ((t454 @ t455).reshape((d_V, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
-    t456 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-    t457 = t456.view((d_V, d_ff, d_V, d_K))
-    t458 = t39.transpose(-1, -2)
-    t459 = t40.transpose(-1, -2)
-    t460 = t69.transpose(-1, -2)
-    t461 = t459 * t460
-    t462 = P_N_2.transpose(-1, -2)
-    t463 = sigma2_N_2.transpose(-1, -2)
-    t464 = t35.transpose(-1, -2)
-    t465 = M_N_2.transpose(-1, -2)
-    t466 = t464 * t465
-    t467 = (t30.reshape((d_V, d_V, 1)) * t466.permute(1, 0, 2).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+    S420 = (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t50.permute(1, 2, 3, 0) @ t52) + (t55.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t421 = ((N_2.reshape((n_batch, L, d_V, 1)) * t383.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t422 = (t41.permute(1, 0) @ S420.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
+    t423 = ((t422.reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t424 = W_2 @ t41
+    t425 = ((N_2.reshape((n_batch, L, d_V, 1)) * t397.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t426 = (t58.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+    t427 = (t426.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t428 = (t427.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t424).reshape((n_batch, L, d_V, d_ff))
+    t429 = ((t428.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t430 = (-1/(d_V*n_batch)) * t371
+    t431 = ((t70.reshape((n_batch, L, d_ff, 1)) * t430.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t432 = (t30 @ S57.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t433 = t418.reshape((d_V**2, L*n_batch))
+    t434 = t432.reshape((d_V**2, L*n_batch))
+    t435 = t419.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
+    t436 = t431.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
+    t437 = torch.cat([t433, t434], dim=-1)
+    t438 = torch.cat([t435, t436], dim=-2)
+    t416[...] = ((t437 @ t438).reshape((d_V, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+    t439 = t421.reshape((d_V**2, L*n_batch))
+    t440 = t425.reshape((d_V**2, L*n_batch))
+    t441 = t423.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
+    t442 = t429.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
+    t443 = torch.cat([t439, t440], dim=-1)
+    t444 = torch.cat([t441, t442], dim=-2)
+    t416 += ((t443 @ t444).reshape((d_V, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
+    t445 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t446 = t445.view((d_V, d_V, d_ff, d_V))
+    t447 = ((G.reshape((n_batch, L, d_V, 1)) * t417.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t448 = (W_1.permute(1, 0) @ S57.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
+    t449 = ((t448.reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t450 = S420.permute(2, 3, 0, 1)
+    t451 = ((t64.reshape((n_batch, L, d_ff, 1)) * t383.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t452 = ((G.reshape((n_batch, L, d_V, 1)) * t430.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t453 = ((t51.permute(1, 2, 0, 3) @ t58)).permute(3, 2, 0, 1)
+    t454 = ((t64.reshape((n_batch, L, d_ff, 1)) * t397.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t455 = t449.reshape((d_V*d_ff, L*n_batch))
+    t456 = t453.reshape((d_V*d_ff, L*n_batch))
+    t457 = t447.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t458 = t452.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t459 = torch.cat([t455, t456], dim=-1)
+    t460 = torch.cat([t457, t458], dim=-2)
+    t446[...] = ((t459 @ t460).reshape((d_V, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+    t461 = t451.reshape((d_V*d_ff, L*n_batch))
+    t462 = t454.reshape((d_V*d_ff, L*n_batch))
+    t463 = t450.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t464 = torch.cat([t461, t462], dim=-1)
+    t465 = torch.cat([t463, t412], dim=-2)
+    t446 += ((t464 @ t465).reshape((d_V, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+    t466 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+    t467 = t466.view((d_V, d_ff, d_V, d_K))
+    t469 = t40.transpose(-1, -2)
+    t470 = t69.transpose(-1, -2)
+    t471 = t469 * t470
+    t472 = P_N_2.transpose(-1, -2)
+    t474 = t35.transpose(-1, -2)
+    t475 = M_N_2.transpose(-1, -2)
+    t476 = t474 * t475
+    t477 = (t30.reshape((d_V, d_V, 1)) * t476.permute(1, 0, 2).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
     # S: compact tensor ('d_V', 'L', 'd_V')
-    S468 = ((t462.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t467.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t465.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
-    t469 = (1/(math.sqrt(d_K)*n_batch)) * t60
-    t470 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t469.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t471 = (t470.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S44.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
-    t472 = (t471 @ S468.permute(2, 0, 3, 1))
-    t473 = ((t104.permute(0, 2, 1) @ t472.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t474 = ((N_1.reshape((n_batch, L, d_V, 1)) * t461.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t475 = N_2.transpose(-1, -2)
-    t476 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t475
-    t477 = ((N_1.reshape((n_batch, L, d_V, 1)) * t476.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t478 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t60.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t479 = (t478 @ S48.permute(0, 1, 3, 2))
-    t480 = (t479.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-    t481 = (t480.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-    t482 = ((t104.permute(0, 2, 1) @ t481.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
-    t457[...] = ((t474.reshape((d_V*d_ff, L*n_batch)) @ t473.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t457 += ((t477.reshape((d_V**2, L*n_batch)) @ t482.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
-    t483 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t484 = t483.view((d_V, d_ff, d_V, d_K))
-    t485 = ((N_1.permute(0, 2, 1) @ t472.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t486 = ((t112.reshape((n_batch, L, d_K, 1)) * t461.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t487 = ((t112.reshape((n_batch, L, d_K, 1)) * t476.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t488 = ((N_1.permute(0, 2, 1) @ t481.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
-    t484[...] = ((t485.reshape((d_V**2, L*n_batch)) @ t486.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
-    t484 += ((t488.reshape((d_V*d_ff, L*n_batch)) @ t487.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t489 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t490 = t489.view((d_V, d_ff, d_V, d_ff))
-    t491 = (2/(L*d_V*n_batch)) * t475
-    t492 = ((N_2.reshape((n_batch, L, d_V, 1)) * t491.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t493 = (t414.reshape((d_ff, d_ff, 1)) * t40.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
-    t494 = ((t493.permute(1, 2, 3, 0).reshape((d_ff, n_batch, L, d_ff, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_ff))).permute(3, 0, 1, 2)
-    t490[...] = ((t492.reshape((d_V**2, L*n_batch)) @ t494.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
-    t495 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t496 = t495.view((d_V, d_ff, d_ff, d_V))
-    t497 = (t40.reshape((n_batch, L, d_ff, 1)) * t491.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t498 = (t497.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t64.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
-    t499 = t496.diagonal(0, 1, 2)
-    t500 = (1/n_batch) * t475
-    t501 = t40.permute(2, 0, 1)
-    t502 = ((G.reshape((n_batch, L, d_V, 1)) * t500.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t496[...] = ((t498.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
-    t499 += (t502.reshape((d_V**2, L*n_batch)) @ t501.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    t503 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-    t504 = t503.view((d_ff, d_V, d_V, d_K))
-    t505 = t64.transpose(-1, -2)
-    t506 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t60
-    t507 = (t506.permute(0, 2, 1) @ S48.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t508 = (t104.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
-    t509 = ((t508.permute(0, 2, 1, 3) @ t507.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t510 = ((N_1.reshape((n_batch, L, d_V, 1)) * t505.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t511 = G.transpose(-1, -2)
-    t512 = (1/(math.sqrt(d_K)*n_batch)) * t511
-    t513 = ((N_1.reshape((n_batch, L, d_V, 1)) * t512.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t514 = (t478.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S44.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
-    t515 = (t514 @ S468.permute(2, 0, 3, 1))
-    t516 = (t515.reshape((L**2*n_batch, d_V)) @ t42.permute(1, 0)).reshape((L, n_batch, L, d_ff))
-    t517 = (t516.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t459.permute(2, 0, 1).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
-    t518 = ((t104.permute(0, 2, 1) @ t517.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
-    t504[...] = ((t510.reshape((d_V*d_ff, L*n_batch)) @ t509.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t504 += ((t513.reshape((d_V**2, L*n_batch)) @ t518.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-    t519 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t520 = t519.view((d_ff, d_V, d_V, d_K))
-    t521 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-    t522 = ((t521.permute(0, 2, 1, 3) @ t507.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
-    t523 = ((t112.reshape((n_batch, L, d_K, 1)) * t505.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t524 = ((t112.reshape((n_batch, L, d_K, 1)) * t512.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t525 = ((N_1.permute(0, 2, 1) @ t517.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
-    t520[...] = ((t522.reshape((d_V**2, L*n_batch)) @ t523.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-    t520 += ((t525.reshape((d_V*d_ff, L*n_batch)) @ t524.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t526 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t527 = t526.view((d_ff, d_V, d_V, d_V))
-    t528 = (2/(L*d_V*n_batch)) * t144
-    t529 = ((t528.reshape((n_batch, L, d_V, 1)) * t505.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    S478 = ((t472.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t477.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t475.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
+    t479 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t480 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t479.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t481 = (t480.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S44.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+    t482 = (t481 @ S478.permute(2, 0, 3, 1))
+    t483 = ((t104.permute(0, 2, 1) @ t482.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+    t484 = ((N_1.reshape((n_batch, L, d_V, 1)) * t471.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t485 = N_2.transpose(-1, -2)
+    t486 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t485
+    t487 = ((N_1.reshape((n_batch, L, d_V, 1)) * t486.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t488 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t60.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t489 = (t488 @ S48.permute(0, 1, 3, 2))
+    t490 = (t489.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+    t491 = (t490.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+    t492 = ((t104.permute(0, 2, 1) @ t491.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
+    t467[...] = ((t484.reshape((d_V*d_ff, L*n_batch)) @ t483.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t467 += ((t487.reshape((d_V**2, L*n_batch)) @ t492.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
+    t493 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    t494 = t493.view((d_V, d_ff, d_V, d_K))
+    t495 = ((N_1.permute(0, 2, 1) @ t482.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t496 = ((t112.reshape((n_batch, L, d_K, 1)) * t471.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t497 = ((t112.reshape((n_batch, L, d_K, 1)) * t486.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t498 = ((N_1.permute(0, 2, 1) @ t491.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
+    t494[...] = ((t495.reshape((d_V**2, L*n_batch)) @ t496.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
+    t494 += ((t498.reshape((d_V*d_ff, L*n_batch)) @ t497.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t499 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t500 = t499.view((d_V, d_ff, d_V, d_ff))
+    t501 = (2/(L*d_V*n_batch)) * t485
+    t502 = ((N_2.reshape((n_batch, L, d_V, 1)) * t501.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t503 = (t424.reshape((d_ff, d_ff, 1)) * t40.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
+    t504 = ((t503.permute(1, 2, 3, 0).reshape((d_ff, n_batch, L, d_ff, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_ff))).permute(3, 0, 1, 2)
+    t500[...] = ((t502.reshape((d_V**2, L*n_batch)) @ t504.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
+    t505 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t506 = t505.view((d_V, d_ff, d_ff, d_V))
+    t507 = (t40.reshape((n_batch, L, d_ff, 1)) * t501.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
+    t508 = (t507.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t64.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
+    t509 = t506.diagonal(0, 1, 2)
+    t510 = (1/n_batch) * t485
+    t511 = t40.permute(2, 0, 1)
+    t512 = ((G.reshape((n_batch, L, d_V, 1)) * t510.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t506[...] = ((t508.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t509 += (t512.reshape((d_V**2, L*n_batch)) @ t511.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    t513 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+    t514 = t513.view((d_ff, d_V, d_V, d_K))
+    t515 = t64.transpose(-1, -2)
+    t516 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t60
+    t517 = (t516.permute(0, 2, 1) @ S48.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t518 = (t104.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))
+    t519 = ((t518.permute(0, 2, 1, 3) @ t517.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t520 = ((N_1.reshape((n_batch, L, d_V, 1)) * t515.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t521 = G.transpose(-1, -2)
+    t522 = (1/(math.sqrt(d_K)*n_batch)) * t521
+    t523 = ((N_1.reshape((n_batch, L, d_V, 1)) * t522.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t524 = (t488.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S44.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+    t525 = (t524 @ S478.permute(2, 0, 3, 1))
+    t526 = (t525.reshape((L**2*n_batch, d_V)) @ t42.permute(1, 0)).reshape((L, n_batch, L, d_ff))
+    t527 = (t526.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t469.permute(2, 0, 1).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
+    t528 = ((t104.permute(0, 2, 1) @ t527.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
+    t514[...] = ((t520.reshape((d_V*d_ff, L*n_batch)) @ t519.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t514 += ((t523.reshape((d_V**2, L*n_batch)) @ t528.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+    t529 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    t530 = t529.view((d_ff, d_V, d_V, d_K))
+    t531 = (N_1.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+    t532 = ((t531.permute(0, 2, 1, 3) @ t517.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
+    t533 = ((t112.reshape((n_batch, L, d_K, 1)) * t515.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t534 = ((t112.reshape((n_batch, L, d_K, 1)) * t522.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t535 = ((N_1.permute(0, 2, 1) @ t527.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
+    t530[...] = ((t532.reshape((d_V**2, L*n_batch)) @ t533.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+    t530 += ((t535.reshape((d_V*d_ff, L*n_batch)) @ t534.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t536 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t537 = t536.view((d_ff, d_V, d_V, d_V))
+    t538 = (2/(L*d_V*n_batch)) * t144
+    t539 = ((t538.reshape((n_batch, L, d_V, 1)) * t515.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
     # S: compact tensor ('d_V', 'd_V', 'd_V')
-    S530 = ((t145.reshape((d_V, 1)) * t21.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2) + (-1/d_V) * ((t145.reshape((d_V, 1)) * t30.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2)
-    t531 = (1/n_batch) * t511
-    t532 = ((t144.reshape((n_batch, L, d_V, 1)) * t531.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t533 = (t42.reshape((d_ff, d_V, 1)) * t459.permute(1, 0, 2).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-    t534 = (t533.permute(2, 3, 0, 1) @ S468.permute(0, 2, 1, 3))
-    t535 = ((S530.permute(1, 2, 0).reshape((d_V**2, d_V)) @ t534.permute(3, 2, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t536 = t527.diagonal(0, 1, 3)
-    t537 = (t505.permute(1, 0, 2).reshape((d_ff, L*n_batch)) @ t144.reshape((L*n_batch, d_V)))
-    t527[...] = ((t529.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t393.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(1, 2, 0, 3)
-    t527 += ((t532.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t535.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 1, 0, 3)
-    t536 += (t537.reshape((d_V*d_ff, 1)) * t395.reshape((1, d_V))).reshape((d_ff, d_V, d_V))
-    t538 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t539 = t538.view((d_ff, d_V, d_V, d_ff))
-    t540 = (2/(L*d_V*n_batch)) * N_2
-    t541 = (t540.reshape((n_batch, L, d_V, 1)) * t505.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
-    t542 = (t541.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t40.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-    t543 = t539.diagonal(0, 0, 3)
-    t544 = t459.permute(1, 0, 2)
-    t545 = ((N_2.reshape((n_batch, L, d_V, 1)) * t531.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t539[...] = ((t41.permute(1, 0).reshape((d_ff, d_V, 1)) * t542.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
-    t543 += (t545.reshape((d_V**2, L*n_batch)) @ t544.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    t546 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t546[...] = 0
-    t547 = t546.view((d_ff, d_V, d_ff, d_V))
-    t548 = t547.diagonal(0, 1, 3)
-    t549 = t505 @ t64
-    t548 += (t549.sum((0,)).reshape((d_ff**2, 1)) * t395.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
-    t550 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t550[...] = t133.transpose(-1, -2)
-    t551 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t551[...] = t295.transpose(-1, -2)
-    t552 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t552[...] = t405.transpose(-1, -2)
+    S540 = ((t145.reshape((d_V, 1)) * t21.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2) + (-1/d_V) * ((t145.reshape((d_V, 1)) * t30.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2)
+    t541 = (1/n_batch) * t521
+    t542 = ((t144.reshape((n_batch, L, d_V, 1)) * t541.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t543 = (t42.reshape((d_ff, d_V, 1)) * t469.permute(1, 0, 2).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t544 = (t543.permute(2, 3, 0, 1) @ S478.permute(0, 2, 1, 3))
+    t545 = ((S540.permute(1, 2, 0).reshape((d_V**2, d_V)) @ t544.permute(3, 2, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t546 = t537.diagonal(0, 1, 3)
+    t547 = (t515.permute(1, 0, 2).reshape((d_ff, L*n_batch)) @ t144.reshape((L*n_batch, d_V)))
+    t537[...] = ((t539.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t403.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(1, 2, 0, 3)
+    t537 += ((t542.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t545.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 1, 0, 3)
+    t546 += (t547.reshape((d_V*d_ff, 1)) * t405.reshape((1, d_V))).reshape((d_ff, d_V, d_V))
+    t548 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t549 = t548.view((d_ff, d_V, d_V, d_ff))
+    t550 = (2/(L*d_V*n_batch)) * N_2
+    t551 = (t550.reshape((n_batch, L, d_V, 1)) * t515.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
+    t552 = (t551.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t40.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
+    t553 = t549.diagonal(0, 0, 3)
+    t554 = t469.permute(1, 0, 2)
+    t555 = ((N_2.reshape((n_batch, L, d_V, 1)) * t541.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t549[...] = ((t41.permute(1, 0).reshape((d_ff, d_V, 1)) * t552.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
+    t553 += (t555.reshape((d_V**2, L*n_batch)) @ t554.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    t556 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t556[...] = 0
+    t557 = t556.view((d_ff, d_V, d_ff, d_V))
+    t558 = t557.diagonal(0, 1, 3)
+    t559 = t515 @ t64
+    t558 += (t559.sum((0,)).reshape((d_ff**2, 1)) * t405.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
+    t560 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t560[...] = t133.transpose(-1, -2)
+    t561 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t561[...] = t302.transpose(-1, -2)
+    t562 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t562[...] = t415.transpose(-1, -2)
     return H
 
 
@@ -15460,7 +15362,6 @@ def mse_bias0_causal0__hvp__full(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V_
     t198 = t192 + t193 - t197
     t199 = P_N_2.transpose(-1, -2)
     t200 = t198 * t199
-    t201 = sigma2_N_2.transpose(-1, -2)
     t202 = t29.transpose(-1, -2)
     t203 = M_N_2.transpose(-1, -2)
     t204 = t198 * t203
@@ -15473,7 +15374,6 @@ def mse_bias0_causal0__hvp__full(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V_
     t211 = N_2.transpose(-1, -2)
     t212 = t211 @ t103
     t213 = t210 + t212
-    t214 = t32.transpose(-1, -2)
     t215 = t34.transpose(-1, -2)
     t216 = t215 @ t98
     t217 = t93.transpose(-1, -2)
@@ -16190,7 +16090,6 @@ def mse_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t667 = (t666.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t413.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t668 = (1/(d_K*n_batch**2)) * (t659 * t657.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t664 * t62.permute(2, 0, 1)).sum() + (4/(L**2*d_K*d_V**2*n_batch**2)) * (t667 * t103.permute(0, 2, 3, 1)).sum()
     t669 = torch.sqrt(torch.clamp(t668, min=0.0))
-    t670 = sigma2_N_2.transpose(-1, -2)
     t671 = t33.transpose(-1, -2)
     t672 = t69.transpose(-1, -2)
     t673 = M_N_2.transpose(-1, -2)
@@ -16649,7 +16548,6 @@ def mse_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t1124 = (t1123.reshape((d_ff, L*d_V*n_batch)) @ t924.permute(3, 1, 2, 0).reshape((L*d_V*n_batch, d_ff)))
     t1125 = (n_batch**(-2)) * (t1088 * t1086).sum() + (4/(L*d_V*n_batch**2)) * (t1093 * t62.permute(2, 0, 1)).sum() + (-2/(d_V*n_batch**2)) * (t1096 * t1086).sum() + (-4/(L*d_V**2*n_batch**2)) * (t1102 * t62.permute(2, 0, 1)).sum() + (4/(L**2*d_V**2*n_batch**2)) * (t753 * t1104).sum() + (-4/(L*d_V**2*n_batch**2)) * (t1109 * t38.permute(2, 0, 1)).sum() + (-8/(L**2*d_V**3*n_batch**2)) * (t1114 * W_2).sum() + (1/(d_V**2*n_batch**2)) * (t1116 * t1086).sum() + (4/(L*d_V**3*n_batch**2)) * (t1122 * t1097).sum() + (4/(L**2*d_V**4*n_batch**2)) * (t1124 * t313.permute(1, 0)).sum()
     t1126 = torch.sqrt(torch.clamp(t1125, min=0.0))
-    t1127 = t37.transpose(-1, -2)
     t1128 = t38.transpose(-1, -2)
     t1129 = t67.transpose(-1, -2)
     t1130 = t1128 * t1129
@@ -17827,15 +17725,9 @@ def mse_bias0_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t74 = (t59.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t75 = (t74.permute(1, 2, 0) @ S68.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t76 = (t75.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t77 = (t69.reshape((n_batch, L, d_V, 1)) * t72.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t78 = (t76.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S71.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t79 = ((t77.permute(2, 0, 3, 1) @ t78.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t80 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t81 = (t80.permute(1, 2, 0) @ S68.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t82 = (t81.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t83 = (t69.reshape((n_batch, L, d_V, 1)) * t54.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t84 = (t82.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S71.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t85 = ((t83.permute(2, 0, 3, 1) @ t84.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t86 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t87 = ((t80.permute(1, 0, 2) @ t55.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     t88 = ((t69.reshape((n_batch, L, d_V, 1)) * t86.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
@@ -17872,8 +17764,6 @@ def mse_bias0_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t118 = (t117.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
     t119 = ((t13 @ t118.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     t120 = (t103.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_K, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
-    t121 = (t111 @ t120)
-    t122 = ((S71.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t121.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_V, d_K, n_batch, L))).permute(2, 0, 1, 3, 4)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S123 = ((P_N_2.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t60.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t67.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t89.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t124 = (-2/(L*math.sqrt(d_K)*d_V**2*n_batch)) * t11
@@ -17902,8 +17792,6 @@ def mse_bias0_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t147 = (t146.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_ff)) @ t44).reshape((n_batch, L, L, d_V))
     t148 = (t147.permute(0, 2, 1, 3) @ S101)
     t149 = (t148.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-    t150 = (t149.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S71.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t151 = ((t13 @ t150.permute(0, 2, 3, 4, 1).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, d_V, d_V, L))).permute(1, 2, 3, 0, 4)
     t152 = t49 + t51
     t153 = t152.sum(-1, keepdim=True)
     t154 = t153.expand(*t153.shape[:-1], d_V)
@@ -17914,21 +17802,28 @@ def mse_bias0_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t159 = torch.cat([t156, t156], dim=-1)
     t160 = torch.cat([t157, t158], dim=-2)
     t0[...] = ((t159 @ t160).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t161 = t79 + t85
-    t0 += ((t73.reshape((d_K, L*n_batch)) @ t161.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
-    t162 = t88.reshape((d_V**2, L*n_batch))
-    t163 = t91.reshape((d_V**2, L*n_batch))
-    t164 = t133.reshape((d_V**2, L*n_batch))
-    t165 = t87.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t166 = t99.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t167 = t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t168 = t132.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t169 = torch.cat([t162, t163, t162, t164], dim=-1)
-    t170 = torch.cat([t165, t166, t167, t168], dim=-2)
-    t0 += ((t169 @ t170).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t161 = ((t69.reshape((n_batch, L, d_V, 1)) * t72.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t162 = (S71.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t76.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t163 = ((t69.reshape((n_batch, L, d_V, 1)) * t54.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t164 = (S71.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t82.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t165 = ((t161.permute(1, 2, 0, 3) @ t162.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4) + ((t163.permute(1, 2, 0, 3) @ t164.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
+    t0 += ((t73.reshape((d_K, L*n_batch)) @ t165.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+    t166 = t88.reshape((d_V**2, L*n_batch))
+    t167 = t91.reshape((d_V**2, L*n_batch))
+    t168 = t133.reshape((d_V**2, L*n_batch))
+    t169 = t87.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t170 = t99.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t171 = t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t172 = t132.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t173 = torch.cat([t166, t167, t166, t168], dim=-1)
+    t174 = torch.cat([t169, t170, t171, t172], dim=-2)
+    t0 += ((t173 @ t174).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t91.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t113.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
-    t171 = t122 + t151
-    t0 += ((t88.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t171.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
+    t175 = S71.permute(0, 2, 1)
+    t176 = ((t120.permute(0, 1, 3, 2) @ t111.permute(0, 1, 3, 2))).permute(2, 0, 1, 3)
+    t177 = (S71.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t149.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t178 = ((t175.reshape((d_V**2, d_V)) @ t176.permute(3, 0, 1, 2).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_V, d_K, n_batch, L))).permute(2, 0, 1, 3, 4) + ((t73.permute(1, 0, 2) @ t177.permute(2, 4, 0, 1, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, d_V, d_V, L))).permute(1, 2, 3, 0, 4)
+    t0 += ((t88.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t178.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
     t0 += ((t133.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t144.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(1, 2, 0, 3)
     return out
 
@@ -19758,15 +19653,9 @@ def mse_bias0_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t76 = (t61.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t77 = (t76.permute(1, 2, 0) @ S70.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t78 = (t77.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t79 = (t71.reshape((n_batch, L, d_V, 1)) * t74.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t80 = (t78.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S73.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t81 = ((t79.permute(2, 0, 3, 1) @ t80.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
     t82 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t83 = (t82.permute(1, 2, 0) @ S70.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t84 = (t83.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t85 = (t71.reshape((n_batch, L, d_V, 1)) * t56.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t86 = (t84.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S73.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t87 = ((t85.permute(2, 0, 3, 1) @ t86.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
     t88 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t13
     t89 = ((t82.permute(1, 0, 2) @ t57.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t90 = ((t71.reshape((n_batch, L, d_V, 1)) * t88.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
@@ -19803,8 +19692,6 @@ def mse_bias0_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t120 = (t119.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
     t121 = ((t12 @ t120.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t122 = (t105.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t123 = (t113 @ t122)
-    t124 = ((S73.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t123.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S125 = ((P_N_2.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t62.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t69.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t91.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
     t126 = (-2/(L*math.sqrt(d_K)*d_V**2*n_batch)) * t13
@@ -19833,8 +19720,6 @@ def mse_bias0_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t149 = (t148.permute(0, 2, 3, 1).reshape((L**2*n_batch, d_ff)) @ t46).reshape((n_batch, L, L, d_V))
     t150 = (t149.permute(0, 2, 1, 3) @ S103)
     t151 = (t150.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-    t152 = (t151.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S73.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t153 = ((t12 @ t152.permute(0, 2, 3, 4, 1).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_V, d_V, d_V, L))).permute(1, 2, 3, 0, 4)
     t154 = t51 + t53
     t155 = t154.sum(-1, keepdim=True)
     t156 = t155.expand(*t155.shape[:-1], d_V)
@@ -19845,21 +19730,28 @@ def mse_bias0_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t161 = torch.cat([t158, t158], dim=-1)
     t162 = torch.cat([t159, t160], dim=-2)
     t0[...] = ((t161 @ t162).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t163 = t81 + t87
-    t0 += (t75.reshape((d_V, L*n_batch)) @ t163.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
-    t164 = t90.reshape((d_K*d_V, L*n_batch))
-    t165 = t93.reshape((d_K*d_V, L*n_batch))
-    t166 = t135.reshape((d_K*d_V, L*n_batch))
-    t167 = t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t168 = t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t169 = t121.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t170 = t134.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t171 = torch.cat([t164, t165, t164, t166], dim=-1)
-    t172 = torch.cat([t167, t168, t169, t170], dim=-2)
-    t0 += ((t171 @ t172).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t163 = ((t71.reshape((n_batch, L, d_V, 1)) * t74.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t164 = (S73.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t78.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t165 = ((t71.reshape((n_batch, L, d_V, 1)) * t56.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t166 = (S73.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t84.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t167 = ((t163.permute(1, 2, 0, 3) @ t164.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4) + ((t165.permute(1, 2, 0, 3) @ t166.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
+    t0 += (t75.reshape((d_V, L*n_batch)) @ t167.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
+    t168 = t90.reshape((d_K*d_V, L*n_batch))
+    t169 = t93.reshape((d_K*d_V, L*n_batch))
+    t170 = t135.reshape((d_K*d_V, L*n_batch))
+    t171 = t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t172 = t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t173 = t121.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t174 = t134.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t175 = torch.cat([t168, t169, t168, t170], dim=-1)
+    t176 = torch.cat([t171, t172, t173, t174], dim=-2)
+    t0 += ((t175 @ t176).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t93.permute(1, 0, 2, 3).reshape((d_V, d_K, L*n_batch)) @ t115.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 1, 0, 3)
-    t173 = t124 + t153
-    t0 += ((t90.permute(1, 0, 2, 3).reshape((d_V, d_K, L*n_batch)) @ t173.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 1, 0, 3)
+    t177 = S73.permute(0, 2, 1)
+    t178 = ((t122.permute(0, 1, 3, 2) @ t113.permute(0, 1, 3, 2))).permute(2, 0, 1, 3)
+    t179 = (S73.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t151.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t180 = ((t177.reshape((d_V**2, d_V)) @ t178.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4) + ((t75.permute(1, 0, 2) @ t179.permute(2, 4, 0, 1, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_V, d_V, d_V, L))).permute(1, 2, 3, 0, 4)
+    t0 += ((t90.permute(1, 0, 2, 3).reshape((d_V, d_K, L*n_batch)) @ t180.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 1, 0, 3)
     t0 += ((t135.permute(1, 0, 2, 3).reshape((d_V, d_K, L*n_batch)) @ t146.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_K, d_V, d_V))).permute(2, 1, 0, 3)
     return out
 
@@ -20992,7 +20884,6 @@ def mse_bias0_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t28 = t27.expand(*t27.shape[:-1], d_V)
     t29 = (1/d_V) * t28
     sigma2_N_2 = t29
-    t30 = sigma2_N_2.transpose(-1, -2)
     t31 = (-0.5 * (sigma2_N_2 ** -1.5))
     t32 = t31.transpose(-1, -2)
     t33 = W_1.transpose(-1, -2)
@@ -21003,7 +20894,6 @@ def mse_bias0_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t36 = N_2.transpose(-1, -2)
     t37 = t33 @ t36
     t38 = torch.heaviside(t37, torch.full_like(t37, 0.0))
-    t39 = t37.transpose(-1, -2)
     t40 = (t37 * torch.heaviside(t37, torch.full_like(t37, 0.0)))
     t41 = t40.transpose(-1, -2)
     t42 = t41 @ W_2
@@ -21171,7 +21061,6 @@ def mse_bias0_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t27 = t26.expand(*t26.shape[:-1], d_V)
     t28 = (1/d_V) * t27
     sigma2_N_2 = t28
-    t29 = sigma2_N_2.transpose(-1, -2)
     t30 = (-0.5 * (sigma2_N_2 ** -1.5))
     t31 = t30.transpose(-1, -2)
     t32 = W_1.transpose(-1, -2)
@@ -21182,7 +21071,6 @@ def mse_bias0_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = N_2.transpose(-1, -2)
     t36 = t32 @ t35
     t37 = torch.heaviside(t36, torch.full_like(t36, 0.0))
-    t38 = t36.transpose(-1, -2)
     t39 = (t36 * torch.heaviside(t36, torch.full_like(t36, 0.0)))
     t40 = t39.transpose(-1, -2)
     t41 = t40 @ W_2
@@ -21411,7 +21299,6 @@ def mse_bias0_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t28 = t27.expand(*t27.shape[:-1], d_V)
     t29 = (1/d_V) * t28
     sigma2_N_2 = t29
-    t30 = sigma2_N_2.transpose(-1, -2)
     t31 = (-0.5 * (sigma2_N_2 ** -1.5))
     t32 = t31.transpose(-1, -2)
     t33 = W_1.transpose(-1, -2)
@@ -21422,7 +21309,6 @@ def mse_bias0_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t36 = N_2.transpose(-1, -2)
     t37 = t33 @ t36
     t38 = torch.heaviside(t37, torch.full_like(t37, 0.0))
-    t39 = t37.transpose(-1, -2)
     t40 = (t37 * torch.heaviside(t37, torch.full_like(t37, 0.0)))
     t41 = t40.transpose(-1, -2)
     t42 = t41 @ W_2
@@ -21590,7 +21476,6 @@ def mse_bias0_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t27 = t26.expand(*t26.shape[:-1], d_V)
     t28 = (1/d_V) * t27
     sigma2_N_2 = t28
-    t29 = sigma2_N_2.transpose(-1, -2)
     t30 = (-0.5 * (sigma2_N_2 ** -1.5))
     t31 = t30.transpose(-1, -2)
     t32 = W_1.transpose(-1, -2)
@@ -21601,7 +21486,6 @@ def mse_bias0_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = N_2.transpose(-1, -2)
     t36 = t32 @ t35
     t37 = torch.heaviside(t36, torch.full_like(t36, 0.0))
-    t38 = t36.transpose(-1, -2)
     t39 = (t36 * torch.heaviside(t36, torch.full_like(t36, 0.0)))
     t40 = t39.transpose(-1, -2)
     t41 = t40 @ W_2
@@ -22895,7 +22779,6 @@ def mse_bias0_causal0__block__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t33 = N_2.transpose(-1, -2)
     t34 = t1 @ t33
     t35 = torch.heaviside(t34, torch.full_like(t34, 0.0))
-    t36 = t34.transpose(-1, -2)
     t37 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t38 = t37.transpose(-1, -2)
     t39 = t38 @ W_2
@@ -22909,7 +22792,6 @@ def mse_bias0_causal0__block__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t45 = t35 * t44
     t46 = P_N_2.transpose(-1, -2)
     t47 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t48 = sigma2_N_2.transpose(-1, -2)
     t49 = (-0.5 * (sigma2_N_2 ** -1.5))
     t50 = t49.transpose(-1, -2)
     t51 = M_N_2.transpose(-1, -2)
@@ -23006,7 +22888,6 @@ def mse_bias0_causal0__frobenius__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t32 = N_2.transpose(-1, -2)
     t33 = t0 @ t32
     t34 = torch.heaviside(t33, torch.full_like(t33, 0.0))
-    t35 = t33.transpose(-1, -2)
     t36 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t37 = t36.transpose(-1, -2)
     t38 = t37 @ W_2
@@ -23020,7 +22901,6 @@ def mse_bias0_causal0__frobenius__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t44 = t34 * t43
     t45 = P_N_2.transpose(-1, -2)
     t46 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t47 = sigma2_N_2.transpose(-1, -2)
     t48 = (-0.5 * (sigma2_N_2 ** -1.5))
     t49 = t48.transpose(-1, -2)
     t50 = M_N_2.transpose(-1, -2)
@@ -23132,7 +23012,6 @@ def mse_bias0_causal0__block__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t33 = N_2.transpose(-1, -2)
     t34 = t1 @ t33
     t35 = torch.heaviside(t34, torch.full_like(t34, 0.0))
-    t36 = t34.transpose(-1, -2)
     t37 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t38 = t37.transpose(-1, -2)
     t39 = t38 @ W_2
@@ -23146,7 +23025,6 @@ def mse_bias0_causal0__block__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t45 = t35 * t44
     t46 = P_N_2.transpose(-1, -2)
     t47 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t48 = sigma2_N_2.transpose(-1, -2)
     t49 = (-0.5 * (sigma2_N_2 ** -1.5))
     t50 = t49.transpose(-1, -2)
     t51 = M_N_2.transpose(-1, -2)
@@ -23243,7 +23121,6 @@ def mse_bias0_causal0__frobenius__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t32 = N_2.transpose(-1, -2)
     t33 = t0 @ t32
     t34 = torch.heaviside(t33, torch.full_like(t33, 0.0))
-    t35 = t33.transpose(-1, -2)
     t36 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t37 = t36.transpose(-1, -2)
     t38 = t37 @ W_2
@@ -23257,7 +23134,6 @@ def mse_bias0_causal0__frobenius__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t44 = t34 * t43
     t45 = P_N_2.transpose(-1, -2)
     t46 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t47 = sigma2_N_2.transpose(-1, -2)
     t48 = (-0.5 * (sigma2_N_2 ** -1.5))
     t49 = t48.transpose(-1, -2)
     t50 = M_N_2.transpose(-1, -2)
@@ -23369,7 +23245,6 @@ def mse_bias0_causal0__block__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t33 = N_2.transpose(-1, -2)
     t34 = t1 @ t33
     t35 = torch.heaviside(t34, torch.full_like(t34, 0.0))
-    t36 = t34.transpose(-1, -2)
     t37 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t38 = t37.transpose(-1, -2)
     t39 = t38 @ W_2
@@ -23383,7 +23258,6 @@ def mse_bias0_causal0__block__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t45 = t35 * t44
     t46 = P_N_2.transpose(-1, -2)
     t47 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t48 = sigma2_N_2.transpose(-1, -2)
     t49 = (-0.5 * (sigma2_N_2 ** -1.5))
     t50 = t49.transpose(-1, -2)
     t51 = M_N_2.transpose(-1, -2)
@@ -23474,7 +23348,6 @@ def mse_bias0_causal0__frobenius__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t32 = N_2.transpose(-1, -2)
     t33 = t0 @ t32
     t34 = torch.heaviside(t33, torch.full_like(t33, 0.0))
-    t35 = t33.transpose(-1, -2)
     t36 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t37 = t36.transpose(-1, -2)
     t38 = t37 @ W_2
@@ -23488,7 +23361,6 @@ def mse_bias0_causal0__frobenius__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t44 = t34 * t43
     t45 = P_N_2.transpose(-1, -2)
     t46 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t47 = sigma2_N_2.transpose(-1, -2)
     t48 = (-0.5 * (sigma2_N_2 ** -1.5))
     t49 = t48.transpose(-1, -2)
     t50 = M_N_2.transpose(-1, -2)
@@ -23878,7 +23750,6 @@ def mse_bias0_causal0__diag__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t33 = N_2.transpose(-1, -2)
     t34 = t1 @ t33
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
-    t36 = t34.transpose(-1, -2)
     t37 = t35.transpose(-1, -2)
     t38 = t35 @ t37
     t39 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
@@ -23938,7 +23809,6 @@ def mse_bias0_causal0__trace__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t32 = N_2.transpose(-1, -2)
     t33 = t0 @ t32
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
-    t35 = t33.transpose(-1, -2)
     t36 = t34.transpose(-1, -2)
     t37 = t34 @ t36
     return (2/(L*n_batch)) * oe.contract('abb->', t37)
@@ -24000,7 +23870,6 @@ def mse_bias0_causal0__block__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t36 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     t37 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t38 = W_2.transpose(-1, -2)
-    t39 = t34.transpose(-1, -2)
     t40 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t41 = t40.transpose(-1, -2)
     t42 = (-0.5 * (sigma2_N_2 ** -1.5))
@@ -24035,7 +23904,6 @@ def mse_bias0_causal0__block__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t63
     t64 = G.transpose(-1, -2)
     t65 = P_N_2.transpose(-1, -2)
-    t66 = sigma2_N_2.transpose(-1, -2)
     t67 = t42.transpose(-1, -2)
     t68 = M_N_2.transpose(-1, -2)
     t69 = t67 * t68
@@ -24109,7 +23977,6 @@ def mse_bias0_causal0__frobenius__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     t36 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t37 = W_2.transpose(-1, -2)
-    t38 = t33.transpose(-1, -2)
     t39 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t40 = t39.transpose(-1, -2)
     t41 = (-0.5 * (sigma2_N_2 ** -1.5))
@@ -24147,7 +24014,6 @@ def mse_bias0_causal0__frobenius__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t65
     t66 = G.transpose(-1, -2)
     t67 = P_N_2.transpose(-1, -2)
-    t68 = sigma2_N_2.transpose(-1, -2)
     t69 = t41.transpose(-1, -2)
     t70 = M_N_2.transpose(-1, -2)
     t71 = t69 * t70
@@ -24235,7 +24101,6 @@ def mse_bias0_causal0__block__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t36 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     t37 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t38 = W_2.transpose(-1, -2)
-    t39 = t34.transpose(-1, -2)
     t40 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t41 = t40.transpose(-1, -2)
     t42 = (-0.5 * (sigma2_N_2 ** -1.5))
@@ -24270,7 +24135,6 @@ def mse_bias0_causal0__block__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t63
     t64 = G.transpose(-1, -2)
     t65 = P_N_2.transpose(-1, -2)
-    t66 = sigma2_N_2.transpose(-1, -2)
     t67 = t42.transpose(-1, -2)
     t68 = M_N_2.transpose(-1, -2)
     t69 = t67 * t68
@@ -24344,7 +24208,6 @@ def mse_bias0_causal0__frobenius__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     t36 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t37 = W_2.transpose(-1, -2)
-    t38 = t33.transpose(-1, -2)
     t39 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t40 = t39.transpose(-1, -2)
     t41 = (-0.5 * (sigma2_N_2 ** -1.5))
@@ -24382,7 +24245,6 @@ def mse_bias0_causal0__frobenius__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t65
     t66 = G.transpose(-1, -2)
     t67 = P_N_2.transpose(-1, -2)
-    t68 = sigma2_N_2.transpose(-1, -2)
     t69 = t41.transpose(-1, -2)
     t70 = M_N_2.transpose(-1, -2)
     t71 = t69 * t70
@@ -24468,7 +24330,6 @@ def mse_bias0_causal0__block__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = t1 @ t33
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = W_2.transpose(-1, -2)
-    t37 = t34.transpose(-1, -2)
     t38 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t39 = t38.transpose(-1, -2)
     t40 = torch.eye(d_V, dtype=X.dtype, device=X.device)
@@ -24497,7 +24358,6 @@ def mse_bias0_causal0__block__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t58
     t59 = G.transpose(-1, -2)
     t60 = P_N_2.transpose(-1, -2)
-    t61 = sigma2_N_2.transpose(-1, -2)
     t62 = t41.transpose(-1, -2)
     t63 = M_N_2.transpose(-1, -2)
     t64 = t62 * t63
@@ -24575,7 +24435,6 @@ def mse_bias0_causal0__frobenius__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t36 = (t34.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t34.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t37 = (t35.reshape((L*n_batch, d_V)) @ t35.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t38 = W_2.transpose(-1, -2)
-    t39 = t33.transpose(-1, -2)
     t40 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t41 = t40.transpose(-1, -2)
     t42 = torch.eye(d_V, dtype=X.dtype, device=X.device)
@@ -24603,7 +24462,6 @@ def mse_bias0_causal0__frobenius__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t59
     t60 = G.transpose(-1, -2)
     t61 = P_N_2.transpose(-1, -2)
-    t62 = sigma2_N_2.transpose(-1, -2)
     t63 = t43.transpose(-1, -2)
     t64 = M_N_2.transpose(-1, -2)
     t65 = t63 * t64
@@ -24703,7 +24561,6 @@ def mse_bias0_causal0__block__W_2__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = t1 @ t33
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = W_2.transpose(-1, -2)
-    t37 = t34.transpose(-1, -2)
     t38 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t39 = t38.transpose(-1, -2)
     t40 = (2/(L*d_V*n_batch)) * N_2
@@ -24778,7 +24635,6 @@ def mse_bias0_causal0__frobenius__W_2__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t33 = t0 @ t32
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = W_2.transpose(-1, -2)
-    t36 = t33.transpose(-1, -2)
     t37 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t38 = t37.transpose(-1, -2)
     t39 = (t35.permute(1, 0).reshape((d_ff, 1, d_V)) @ t35.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
@@ -24862,7 +24718,6 @@ def mse_bias0_causal0__block__W_2__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = N_2.transpose(-1, -2)
     t35 = t2 @ t34
     t36 = (t35 * torch.heaviside(t35, torch.full_like(t35, 0.0)))
-    t37 = t35.transpose(-1, -2)
     t38 = t36.transpose(-1, -2)
     t39 = t36 @ t38
     t40 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
@@ -24922,7 +24777,6 @@ def mse_bias0_causal0__frobenius__W_2__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t32 = N_2.transpose(-1, -2)
     t33 = t0 @ t32
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
-    t35 = t33.transpose(-1, -2)
     t36 = t34.transpose(-1, -2)
     t37 = t34 @ t36
     t38 = (4/(L**2*d_V*n_batch**2)) * (t37.sum((0,)) * t37.sum((0,))).sum()
@@ -26799,9 +26653,7 @@ def mse_bias0_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t69 = (t67.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t64.reshape((n_batch, L, L*d_V))).reshape((n_batch, n_batch, L, d_V, L))
     t70 = (t69.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t64.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t71 = (n_batch**(-2)) * (t70 * t68.permute(0, 2, 3, 1)).sum()
-    t72 = sigma2_N_2.transpose(-1, -2)
     t73 = t34.transpose(-1, -2)
-    t74 = t38.transpose(-1, -2)
     t75 = t39.transpose(-1, -2)
     t76 = (t38 * torch.heaviside(t38, torch.full_like(t38, 0.0)))
     t77 = t76 @ W_2
@@ -27006,9 +26858,7 @@ def mse_bias0_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t69 = (t67.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t64.reshape((n_batch, L, L*d_V))).reshape((n_batch, n_batch, L, d_V, L))
     t70 = (t69.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t64.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t71 = (n_batch**(-2)) * (t70 * t68.permute(0, 2, 3, 1)).sum()
-    t72 = sigma2_N_2.transpose(-1, -2)
     t73 = t34.transpose(-1, -2)
-    t74 = t38.transpose(-1, -2)
     t75 = t39.transpose(-1, -2)
     t76 = (t38 * torch.heaviside(t38, torch.full_like(t38, 0.0)))
     t77 = t76 @ W_2
@@ -27676,7 +27526,6 @@ def mse_bias0_causal0__frobenius_split__W_1__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t58 = (t57.reshape((n_batch, L*d_ff, L)) @ t53.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_ff, n_batch, L))
     t59 = (t58.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_ff)) @ t57.permute(0, 2, 3, 1).reshape((n_batch, L*d_ff, L))).reshape((n_batch, n_batch, L, L))
     t60 = (n_batch**(-2)) * (t59 * t52.permute(0, 2, 3, 1)).sum()
-    t61 = t32.transpose(-1, -2)
     t62 = t33.transpose(-1, -2)
     t63 = (t32 * torch.heaviside(t32, torch.full_like(t32, 0.0)))
     t64 = t63 @ W_2
@@ -27689,7 +27538,6 @@ def mse_bias0_causal0__frobenius_split__W_1__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t69 = W_2 @ t68
     t70 = t62 * t69
     t71 = P_N_2.transpose(-1, -2)
-    t72 = sigma2_N_2.transpose(-1, -2)
     t73 = t38.transpose(-1, -2)
     t74 = M_N_2.transpose(-1, -2)
     t75 = t73 * t74
@@ -27801,7 +27649,6 @@ def mse_bias0_causal0__frobenius_split__W_1__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t58 = (t57.reshape((n_batch, L*d_ff, L)) @ t53.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_ff, n_batch, L))
     t59 = (t58.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_ff)) @ t57.permute(0, 2, 3, 1).reshape((n_batch, L*d_ff, L))).reshape((n_batch, n_batch, L, L))
     t60 = (n_batch**(-2)) * (t59 * t52.permute(0, 2, 3, 1)).sum()
-    t61 = t32.transpose(-1, -2)
     t62 = t33.transpose(-1, -2)
     t63 = (t32 * torch.heaviside(t32, torch.full_like(t32, 0.0)))
     t64 = t63 @ W_2
@@ -27814,7 +27661,6 @@ def mse_bias0_causal0__frobenius_split__W_1__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t69 = W_2 @ t68
     t70 = t62 * t69
     t71 = P_N_2.transpose(-1, -2)
-    t72 = sigma2_N_2.transpose(-1, -2)
     t73 = t38.transpose(-1, -2)
     t74 = M_N_2.transpose(-1, -2)
     t75 = t73 * t74
@@ -27926,7 +27772,6 @@ def mse_bias0_causal0__frobenius_split__W_1__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t61 = (t56.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t56.permute(2, 0, 1, 3).reshape((d_ff, L*d_V*n_batch))).reshape((n_batch, L, d_V, n_batch, L, d_V))
     t62 = (t61.permute(0, 1, 3, 4, 2, 5).reshape((L**2*n_batch**2, d_V**2)) @ t60.permute(1, 2, 0).reshape((d_V**2, d_V))).reshape((n_batch, L, n_batch, L, d_V))
     t63 = (4/(L**2*d_V**2*n_batch**2)) * (t40 * t39).sum() + (8/(L**2*d_V**2*n_batch**2)) * (t59 * t33.permute(2, 0, 1)).sum() + (4/(L**2*d_V**2*n_batch**2)) * (t62 * t52).sum()
-    t64 = t32.transpose(-1, -2)
     t65 = t33.transpose(-1, -2)
     t66 = (t32 * torch.heaviside(t32, torch.full_like(t32, 0.0)))
     t67 = t66 @ W_2
@@ -27939,7 +27784,6 @@ def mse_bias0_causal0__frobenius_split__W_1__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t72 = W_2 @ t71
     t73 = t65 * t72
     t74 = P_N_2.transpose(-1, -2)
-    t75 = sigma2_N_2.transpose(-1, -2)
     t76 = t44.transpose(-1, -2)
     t77 = M_N_2.transpose(-1, -2)
     t78 = t76 * t77
@@ -28174,7 +28018,6 @@ def mse_bias0_causal0__frobenius_split__W_2__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     t36 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t37 = W_2.transpose(-1, -2)
-    t38 = t33.transpose(-1, -2)
     t39 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t40 = t39.transpose(-1, -2)
     t41 = (-0.5 * (sigma2_N_2 ** -1.5))
@@ -28213,7 +28056,6 @@ def mse_bias0_causal0__frobenius_split__W_2__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t66
     t67 = G.transpose(-1, -2)
     t68 = P_N_2.transpose(-1, -2)
-    t69 = sigma2_N_2.transpose(-1, -2)
     t70 = t41.transpose(-1, -2)
     t71 = M_N_2.transpose(-1, -2)
     t72 = t70 * t71
@@ -28303,7 +28145,6 @@ def mse_bias0_causal0__frobenius_split__W_2__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     t36 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t37 = W_2.transpose(-1, -2)
-    t38 = t33.transpose(-1, -2)
     t39 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t40 = t39.transpose(-1, -2)
     t41 = (-0.5 * (sigma2_N_2 ** -1.5))
@@ -28342,7 +28183,6 @@ def mse_bias0_causal0__frobenius_split__W_2__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t66
     t67 = G.transpose(-1, -2)
     t68 = P_N_2.transpose(-1, -2)
-    t69 = sigma2_N_2.transpose(-1, -2)
     t70 = t41.transpose(-1, -2)
     t71 = M_N_2.transpose(-1, -2)
     t72 = t70 * t71
@@ -28433,7 +28273,6 @@ def mse_bias0_causal0__frobenius_split__W_2__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t36 = (t34.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t34.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t37 = (t35.reshape((L*n_batch, d_V)) @ t35.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t38 = W_2.transpose(-1, -2)
-    t39 = t33.transpose(-1, -2)
     t40 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t41 = t40.transpose(-1, -2)
     t42 = torch.eye(d_V, dtype=X.dtype, device=X.device)
@@ -28471,7 +28310,6 @@ def mse_bias0_causal0__frobenius_split__W_2__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t69
     t70 = G.transpose(-1, -2)
     t71 = P_N_2.transpose(-1, -2)
-    t72 = sigma2_N_2.transpose(-1, -2)
     t73 = t43.transpose(-1, -2)
     t74 = M_N_2.transpose(-1, -2)
     t75 = t73 * t74
@@ -28564,7 +28402,6 @@ def mse_bias0_causal0__frobenius_split__W_2__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t33 = t0 @ t32
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = W_2.transpose(-1, -2)
-    t36 = t33.transpose(-1, -2)
     t37 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t38 = t37.transpose(-1, -2)
     t39 = (t35.permute(1, 0).reshape((d_ff, 1, d_V)) @ t35.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
@@ -28649,7 +28486,6 @@ def mse_bias0_causal0__frobenius_split__W_2__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t32 = N_2.transpose(-1, -2)
     t33 = t0 @ t32
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
-    t35 = t33.transpose(-1, -2)
     t36 = t34.transpose(-1, -2)
     t37 = t34 @ t36
     t38 = (4/(L**2*d_V*n_batch**2)) * (t37.sum((0,)) * t37.sum((0,))).sum()
@@ -29529,7 +29365,6 @@ def ce_bias0_causal0__gradient(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t86 = t82 + t85
     t87 = N_2.transpose(-1, -2)
     t88 = t87 @ t46
-    t89 = t32.transpose(-1, -2)
     t90 = t36.transpose(-1, -2)
     t91 = t90 @ G
     return ((t71[0] if n_batch == 1 else t71.mean(0)), (t74[0] if n_batch == 1 else t74.mean(0)), (t86[0] if n_batch == 1 else t86.mean(0)), (t88[0] if n_batch == 1 else t88.mean(0)), (t91[0] if n_batch == 1 else t91.mean(0)),)
@@ -29788,7 +29623,6 @@ def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
         t198 = (t98.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
         t199 = ((t198.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(0, 3, 1, 2)
         t196[...] = ((t197.reshape((d_V*d_ff, L*n_batch)) @ t199.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
-        t200 = t39.transpose(-1, -2)
         t201 = t51.transpose(-1, -2)
         R = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
         t202 = R.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
@@ -30076,7 +29910,6 @@ def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t195[...] = ((t196.reshape((d_V*d_ff, L*n_batch)) @ t198.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
     t199 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
     t200 = t199.view((d_ff, d_V, d_V, d_K))
-    t201 = t39.transpose(-1, -2)
     t202 = t51.transpose(-1, -2)
     t203 = (1/(L*n_batch)) * t50
     t204 = ((N_1.reshape((n_batch, L, d_V, 1)) * t202.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
@@ -30251,7 +30084,6 @@ def ce_bias0_causal0__hvp__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V_
     t119 = N_2.transpose(-1, -2)
     t120 = t119 @ t77
     t121 = (1/L) * t120
-    t122 = t32.transpose(-1, -2)
     t123 = t36.transpose(-1, -2)
     t124 = t123 @ t74
     t125 = (1/L) * t124
@@ -30566,7 +30398,6 @@ def ce_bias0_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t276 = (t275.permute(2, 3, 0, 1).reshape((d_ff, d_V, L*n_batch)) @ t38.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))
     t277 = (1/(L**2*n_batch**2)) * (t276 * W_2).sum()
     t278 = torch.sqrt(torch.clamp(t277, min=0.0))
-    t279 = t37.transpose(-1, -2)
     t280 = t49.transpose(-1, -2)
     t281 = (S223.permute(0, 1, 3, 2) @ dA54.permute(0, 1, 3, 2))
     t282 = (t281.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t64).reshape((n_batch, L, d_V, L))
@@ -35429,7 +35260,6 @@ def ce_bias0_causal0__diag__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = t35.transpose(-1, -2)
     t40 = t39 @ W_2
     t41 = t40 + Y22
@@ -35498,7 +35328,6 @@ def ce_bias0_causal0__trace__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -35567,7 +35396,6 @@ def ce_bias0_causal0__block__W_2__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = t35.transpose(-1, -2)
     t40 = t39 @ W_2
     t41 = t40 + Y22
@@ -35662,7 +35490,6 @@ def ce_bias0_causal0__frobenius__W_2__W_Q__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -35763,7 +35590,6 @@ def ce_bias0_causal0__block__W_2__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = t35.transpose(-1, -2)
     t40 = t39 @ W_2
     t41 = t40 + Y22
@@ -35858,7 +35684,6 @@ def ce_bias0_causal0__frobenius__W_2__W_K__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -35959,7 +35784,6 @@ def ce_bias0_causal0__block__W_2__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = t35.transpose(-1, -2)
     t40 = t39 @ W_2
     t41 = t40 + Y22
@@ -36048,7 +35872,6 @@ def ce_bias0_causal0__frobenius__W_2__W_V__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -36150,7 +35973,6 @@ def ce_bias0_causal0__block__W_2__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = t35.transpose(-1, -2)
     t40 = t39 @ W_2
     t41 = t40 + Y22
@@ -36224,7 +36046,6 @@ def ce_bias0_causal0__frobenius__W_2__W_1__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -36305,7 +36126,6 @@ def ce_bias0_causal0__block__W_2__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = t35.transpose(-1, -2)
     t40 = t39 @ W_2
     t41 = t40 + Y22
@@ -36374,7 +36194,6 @@ def ce_bias0_causal0__frobenius__W_2__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -36552,15 +36371,9 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t123 = (t117.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t124 = (t123.permute(1, 2, 0) @ S65.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t125 = (t124.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t126 = (t118.reshape((n_batch, L, d_V, 1)) * t121.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t127 = (t125.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S120.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t128 = ((t126.permute(2, 0, 3, 1) @ t127.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t129 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t130 = (t129.permute(1, 2, 0) @ S65.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t131 = (t130.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t132 = (t118.reshape((n_batch, L, d_V, 1)) * t112.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t133 = (t131.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S120.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t134 = ((t132.permute(2, 0, 3, 1) @ t133.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t135 = t72 + t109
     t136 = t135.sum(-1, keepdim=True)
     t137 = t136.expand(*t136.shape[:-1], d_V)
@@ -36571,184 +36384,184 @@ def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t142 = torch.cat([t139, t139], dim=-1)
     t143 = torch.cat([t140, t141], dim=-2)
     t108[...] = ((t142 @ t143).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t144 = t128 + t134
-    t108 += ((t122.reshape((d_K, L*n_batch)) @ t144.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
-    t145 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t146 = t145.view((d_V, d_K, d_V, d_ff))
+    t144 = ((t118.reshape((n_batch, L, d_V, 1)) * t121.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t145 = (S120.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t125.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t146 = ((t118.reshape((n_batch, L, d_V, 1)) * t112.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t147 = (S120.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t131.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t148 = ((t144.permute(1, 2, 0, 3) @ t145.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4) + ((t146.permute(1, 2, 0, 3) @ t147.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
+    t108 += ((t122.reshape((d_K, L*n_batch)) @ t148.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+    t149 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t150 = t149.view((d_V, d_K, d_V, d_ff))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S147 = (1/math.sqrt(d_K)) * (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/(math.sqrt(d_K)*d_V)) * (t22.reshape((L, 1)) * t23.reshape((1, d_V**2))).reshape((L, d_V, d_V))
-    t148 = t35 * M_N_2
+    S151 = (1/math.sqrt(d_K)) * (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-1/(math.sqrt(d_K)*d_V)) * (t22.reshape((L, 1)) * t23.reshape((1, d_V**2))).reshape((L, d_V, d_V))
+    t152 = t35 * M_N_2
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S149 = ((P_N_2.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t64.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t148.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
-    t150 = (S147.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t20.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((L, d_V, n_batch, L))
-    t151 = (t150.permute(0, 2, 3, 1) @ S149.permute(1, 0, 2, 3))
-    t152 = (t151.permute(0, 1, 3, 2) @ dA.permute(1, 0, 3, 2))
-    t153 = ((t14 @ t152.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
-    t154 = ((t52.reshape((n_batch, L, d_ff, 1)) * t90.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t146[...] = ((t153.reshape((d_K*d_V, L*n_batch)) @ t154.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
-    t155 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t156 = t155.view((d_V, d_K, d_ff, d_V))
-    t157 = ((G.reshape((n_batch, L, d_V, 1)) * t90.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t158 = (t152.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((L, n_batch, L, d_ff))
-    t159 = (t158.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t39.permute(1, 0, 2).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
-    t160 = ((t14 @ t159.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
-    t156[...] = ((t160.reshape((d_K*d_ff, L*n_batch)) @ t157.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
-    t161 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t162 = t161.view((d_V, d_K, d_V, d_K))
-    t163 = t97.transpose(-1, -2)
-    t164 = (S96.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t98.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t165 = ((t89.permute(0, 2, 1) @ t164.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t166 = ((N_1.reshape((n_batch, L, d_V, 1)) * t163.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t167 = t162.diagonal(0, 1, 3)
-    t168 = t87.transpose(-1, -2)
-    t169 = (t168.permute(0, 2, 1) @ t12.permute(0, 2, 1))
-    t170 = (t169.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-    t162[...] = ((t166.reshape((d_K*d_V, L*n_batch)) @ t165.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t167 += (t170.reshape((d_V**2, 1)) * t105.reshape((1, d_K))).reshape((d_V, d_V, d_K))
-    t171 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t172 = t171.view((d_V, d_K, d_V, d_K))
-    t173 = (S88.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t90.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t174 = ((N_1.permute(0, 2, 1) @ t173.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t175 = ((t97.reshape((n_batch, L, d_K, 1)) * t163.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t172[...] = ((t174.reshape((d_V**2, L*n_batch)) @ t175.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    t176 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t177 = t176.view((d_V, d_K, d_V, d_V))
-    t178 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t163
-    t179 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t180 = ((N_1.permute(0, 2, 1) @ t179.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t181 = ((t111.reshape((n_batch, L, d_V, 1)) * t178.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t182 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t163
-    t183 = t12.permute(1, 0, 2)
-    t184 = (t118.reshape((n_batch, L, d_V, 1)) * t182.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t185 = ((t184.permute(2, 0, 3, 1) @ t127.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
-    t186 = (t118.reshape((n_batch, L, d_V, 1)) * t178.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t187 = ((t186.permute(2, 0, 3, 1) @ t133.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
-    t188 = ((t137.reshape((n_batch, L, d_V, 1)) * t182.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t189 = t180.reshape((d_V**2, L*n_batch))
-    t190 = t181.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t191 = t188.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t192 = torch.cat([t189, t189], dim=-1)
-    t193 = torch.cat([t190, t191], dim=-2)
-    t177[...] = ((t192 @ t193).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t194 = t185 + t187
-    t177 += (t183.reshape((d_V, L*n_batch)) @ t194.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
-    t195 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t196 = t195.view((d_V, d_K, d_V, d_ff))
-    t197 = (1/n_batch) * t163
-    t198 = ((t12 @ t152.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
-    t199 = ((t52.reshape((n_batch, L, d_ff, 1)) * t197.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t196[...] = ((t198.reshape((d_V**2, L*n_batch)) @ t199.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
-    t200 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t201 = t200.view((d_V, d_K, d_ff, d_V))
-    t202 = ((G.reshape((n_batch, L, d_V, 1)) * t197.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t203 = ((t12 @ t159.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
-    t201[...] = ((t203.reshape((d_V*d_ff, L*n_batch)) @ t202.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
-    t204 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t205 = t204.view((d_V, d_V, d_V, d_V))
-    t206 = t118.transpose(-1, -2)
+    S153 = ((P_N_2.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) + (2/d_V) * ((t64.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t152.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+    t154 = (S151.permute(0, 2, 1).reshape((L*d_V, d_V)) @ t20.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((L, d_V, n_batch, L))
+    t155 = (t154.permute(0, 2, 3, 1) @ S153.permute(1, 0, 2, 3))
+    t156 = (t155.permute(0, 1, 3, 2) @ dA.permute(1, 0, 3, 2))
+    t157 = ((t14 @ t156.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
+    t158 = ((t52.reshape((n_batch, L, d_ff, 1)) * t90.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t150[...] = ((t157.reshape((d_K*d_V, L*n_batch)) @ t158.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+    t159 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t160 = t159.view((d_V, d_K, d_ff, d_V))
+    t161 = ((G.reshape((n_batch, L, d_V, 1)) * t90.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t162 = (t156.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((L, n_batch, L, d_ff))
+    t163 = (t162.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t39.permute(1, 0, 2).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
+    t164 = ((t14 @ t163.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
+    t160[...] = ((t164.reshape((d_K*d_ff, L*n_batch)) @ t161.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+    t165 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t166 = t165.view((d_V, d_K, d_V, d_K))
+    t167 = t97.transpose(-1, -2)
+    t168 = (S96.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t98.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t169 = ((t89.permute(0, 2, 1) @ t168.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+    t170 = ((N_1.reshape((n_batch, L, d_V, 1)) * t167.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t171 = t166.diagonal(0, 1, 3)
+    t172 = t87.transpose(-1, -2)
+    t173 = (t172.permute(0, 2, 1) @ t12.permute(0, 2, 1))
+    t174 = (t173.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
+    t166[...] = ((t170.reshape((d_K*d_V, L*n_batch)) @ t169.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t171 += (t174.reshape((d_V**2, 1)) * t105.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t175 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t176 = t175.view((d_V, d_K, d_V, d_K))
+    t177 = (S88.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t90.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t178 = ((N_1.permute(0, 2, 1) @ t177.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t179 = ((t97.reshape((n_batch, L, d_K, 1)) * t167.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t176[...] = ((t178.reshape((d_V**2, L*n_batch)) @ t179.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t180 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t181 = t180.view((d_V, d_K, d_V, d_V))
+    t182 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t167
+    t183 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t184 = ((N_1.permute(0, 2, 1) @ t183.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t185 = ((t111.reshape((n_batch, L, d_V, 1)) * t182.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t186 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t167
+    t187 = t12.permute(1, 0, 2)
+    t192 = ((t137.reshape((n_batch, L, d_V, 1)) * t186.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t193 = t184.reshape((d_V**2, L*n_batch))
+    t194 = t185.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t195 = t192.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t196 = torch.cat([t193, t193], dim=-1)
+    t197 = torch.cat([t194, t195], dim=-2)
+    t181[...] = ((t196 @ t197).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t198 = ((t118.reshape((n_batch, L, d_V, 1)) * t186.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t199 = ((t118.reshape((n_batch, L, d_V, 1)) * t182.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t200 = ((t198.permute(1, 2, 0, 3) @ t145.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4) + ((t199.permute(1, 2, 0, 3) @ t147.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
+    t181 += (t187.reshape((d_V, L*n_batch)) @ t200.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
+    t201 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t202 = t201.view((d_V, d_K, d_V, d_ff))
+    t203 = (1/n_batch) * t167
+    t204 = ((t12 @ t156.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t205 = ((t52.reshape((n_batch, L, d_ff, 1)) * t203.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t202[...] = ((t204.reshape((d_V**2, L*n_batch)) @ t205.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
+    t206 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t207 = t206.view((d_V, d_K, d_ff, d_V))
+    t208 = ((G.reshape((n_batch, L, d_V, 1)) * t203.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t209 = ((t12 @ t163.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
+    t207[...] = ((t209.reshape((d_V*d_ff, L*n_batch)) @ t208.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
+    t210 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t211 = t210.view((d_V, d_V, d_V, d_V))
+    t212 = t118.transpose(-1, -2)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S207 = (2/d_V) * (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-2/d_V**2) * (t22.reshape((L, 1)) * t23.reshape((1, d_V**2))).reshape((L, d_V, d_V))
-    t208 = (1/n_batch) * t206
-    t209 = ((t118.reshape((n_batch, L, d_V, 1)) * t208.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t210 = (S65.permute(1, 0, 3, 2).reshape((L, d_V*n_batch, d_V)) @ S207.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))
-    t211 = ((S120.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t210.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, L, n_batch))).permute(2, 0, 1, 3, 4)
-    t205[...] = ((t209.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t211.permute(1, 4, 3, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
-    t212 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t213 = t212.view((d_V, d_V, d_V, d_ff))
-    t214 = ((t52.reshape((n_batch, L, d_ff, 1)) * t208.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t215 = ((S @ S149.permute(1, 2, 3, 0).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, d_V, n_batch))).permute(1, 2, 0, 3)
-    t213[...] = ((t215.permute(0, 1, 3, 2).reshape((d_V**2, L*n_batch)) @ t214.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
-    t216 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t217 = t216.view((d_V, d_V, d_ff, d_V))
-    t218 = ((G.reshape((n_batch, L, d_V, 1)) * t208.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t219 = (S149.permute(1, 0, 3, 2).reshape((L, d_V*n_batch, d_V)) @ S.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))
-    t220 = (t39.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
-    t221 = ((t220.permute(2, 1, 0, 3) @ t219)).permute(3, 2, 0, 1)
-    t217[...] = ((t221.permute(0, 1, 3, 2).reshape((d_V*d_ff, L*n_batch)) @ t218.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
-    t222 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-    t223 = t222.view((d_V, d_ff, d_V, d_K))
-    t224 = t38.transpose(-1, -2)
-    t225 = t39.transpose(-1, -2)
-    t226 = t51.transpose(-1, -2)
-    t227 = t225 * t226
-    t228 = P_N_2.transpose(-1, -2)
-    t229 = sigma2_N_2.transpose(-1, -2)
-    t230 = t35.transpose(-1, -2)
-    t231 = M_N_2.transpose(-1, -2)
-    t232 = t230 * t231
-    t233 = (t23.reshape((d_V, d_V, 1)) * t232.permute(1, 0, 2).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+    S213 = (2/d_V) * (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (-2/d_V**2) * (t22.reshape((L, 1)) * t23.reshape((1, d_V**2))).reshape((L, d_V, d_V))
+    t214 = (1/n_batch) * t212
+    t215 = ((t118.reshape((n_batch, L, d_V, 1)) * t214.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t216 = (S65.permute(1, 0, 3, 2).reshape((L, d_V*n_batch, d_V)) @ S213.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))
+    t217 = ((S120.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t216.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, L, n_batch))).permute(2, 0, 1, 3, 4)
+    t211[...] = ((t215.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t217.permute(1, 4, 3, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
+    t218 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t219 = t218.view((d_V, d_V, d_V, d_ff))
+    t220 = ((t52.reshape((n_batch, L, d_ff, 1)) * t214.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t221 = ((S @ S153.permute(1, 2, 3, 0).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, d_V, n_batch))).permute(1, 2, 0, 3)
+    t219[...] = ((t221.permute(0, 1, 3, 2).reshape((d_V**2, L*n_batch)) @ t220.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+    t222 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t223 = t222.view((d_V, d_V, d_ff, d_V))
+    t224 = ((G.reshape((n_batch, L, d_V, 1)) * t214.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t225 = (S153.permute(1, 0, 3, 2).reshape((L, d_V*n_batch, d_V)) @ S.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))
+    t226 = (t39.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_1.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t227 = ((t226.permute(2, 1, 0, 3) @ t225)).permute(3, 2, 0, 1)
+    t223[...] = ((t227.permute(0, 1, 3, 2).reshape((d_V*d_ff, L*n_batch)) @ t224.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+    t228 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+    t229 = t228.view((d_V, d_ff, d_V, d_K))
+    t231 = t39.transpose(-1, -2)
+    t232 = t51.transpose(-1, -2)
+    t233 = t231 * t232
+    t234 = P_N_2.transpose(-1, -2)
+    t236 = t35.transpose(-1, -2)
+    t237 = M_N_2.transpose(-1, -2)
+    t238 = t236 * t237
+    t239 = (t23.reshape((d_V, d_V, 1)) * t238.permute(1, 0, 2).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
     # S: compact tensor ('d_V', 'L', 'd_V')
-    S234 = (1/math.sqrt(d_K)) * ((t228.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/(math.sqrt(d_K)*d_V)) * ((t233.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t231.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
-    t235 = (1/n_batch) * t66
-    t236 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t235.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t237 = (t236.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
-    t238 = (t237 @ S234.permute(2, 0, 3, 1))
-    t239 = ((t89.permute(0, 2, 1) @ t238.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t240 = ((N_1.reshape((n_batch, L, d_V, 1)) * t227.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t223[...] = ((t240.reshape((d_V*d_ff, L*n_batch)) @ t239.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t241 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t242 = t241.view((d_V, d_ff, d_V, d_K))
-    t243 = ((N_1.permute(0, 2, 1) @ t238.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t244 = ((t97.reshape((n_batch, L, d_K, 1)) * t227.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t242[...] = ((t243.reshape((d_V**2, L*n_batch)) @ t244.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
-    t245 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t246 = t245.view((d_V, d_ff, d_V, d_V))
+    S240 = (1/math.sqrt(d_K)) * ((t234.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/(math.sqrt(d_K)*d_V)) * ((t239.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t237.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
+    t241 = (1/n_batch) * t66
+    t242 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t241.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t243 = (t242.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+    t244 = (t243 @ S240.permute(2, 0, 3, 1))
+    t245 = ((t89.permute(0, 2, 1) @ t244.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+    t246 = ((N_1.reshape((n_batch, L, d_V, 1)) * t233.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t229[...] = ((t246.reshape((d_V*d_ff, L*n_batch)) @ t245.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t247 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    t248 = t247.view((d_V, d_ff, d_V, d_K))
+    t249 = ((N_1.permute(0, 2, 1) @ t244.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t250 = ((t97.reshape((n_batch, L, d_K, 1)) * t233.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t248[...] = ((t249.reshape((d_V**2, L*n_batch)) @ t250.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
+    t251 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t252 = t251.view((d_V, d_ff, d_V, d_V))
     # S: compact tensor ('d_V', 'L', 'd_V')
-    S247 = ((t228.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t233.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t231.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
+    S253 = ((t234.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t239.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t237.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
     # S: compact tensor ('d_V', 'd_V', 'd_V')
-    S248 = ((t119.reshape((d_V, 1)) * t21.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2) + (-1/d_V) * ((t119.reshape((d_V, 1)) * t23.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2)
-    t249 = (1/n_batch) * t118
-    t250 = ((t249.reshape((n_batch, L, d_V, 1)) * t227.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t251 = ((S248.permute(1, 2, 0).reshape((d_V**2, d_V)) @ S247.permute(3, 1, 0, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t246[...] = ((t250.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t251.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 1, 0, 3)
-    t252 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t252[...] = 0
-    t253 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t253[...] = 0
-    t254 = t253.view((d_V, d_ff, d_ff, d_V))
-    t255 = t254.diagonal(0, 1, 2)
-    t256 = N_2.transpose(-1, -2)
-    t257 = (1/n_batch) * t256
-    t258 = t39.permute(2, 0, 1)
-    t259 = ((G.reshape((n_batch, L, d_V, 1)) * t257.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t255 += (t259.reshape((d_V**2, L*n_batch)) @ t258.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    t260 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-    t261 = t260.view((d_ff, d_V, d_V, d_K))
-    t262 = G.transpose(-1, -2)
+    S254 = ((t119.reshape((d_V, 1)) * t21.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2) + (-1/d_V) * ((t119.reshape((d_V, 1)) * t23.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2)
+    t255 = (1/n_batch) * t118
+    t256 = ((t255.reshape((n_batch, L, d_V, 1)) * t233.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t257 = ((S254.permute(1, 2, 0).reshape((d_V**2, d_V)) @ S253.permute(3, 1, 0, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t252[...] = ((t256.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t257.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 1, 0, 3)
+    t258 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t258[...] = 0
+    t259 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t259[...] = 0
+    t260 = t259.view((d_V, d_ff, d_ff, d_V))
+    t261 = t260.diagonal(0, 1, 2)
+    t262 = N_2.transpose(-1, -2)
     t263 = (1/n_batch) * t262
-    t264 = ((N_1.reshape((n_batch, L, d_V, 1)) * t263.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t265 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t66.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t266 = (t265.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
-    t267 = (t266 @ S234.permute(2, 0, 3, 1))
-    t268 = (t267.reshape((L**2*n_batch, d_V)) @ t53.permute(1, 0)).reshape((L, n_batch, L, d_ff))
-    t269 = (t268.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t225.permute(2, 0, 1).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
-    t270 = ((t89.permute(0, 2, 1) @ t269.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
-    t261[...] = ((t264.reshape((d_V**2, L*n_batch)) @ t270.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-    t271 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t272 = t271.view((d_ff, d_V, d_V, d_K))
-    t273 = ((t97.reshape((n_batch, L, d_K, 1)) * t263.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t274 = ((N_1.permute(0, 2, 1) @ t269.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
-    t272[...] = ((t274.reshape((d_V*d_ff, L*n_batch)) @ t273.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-    t275 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t276 = t275.view((d_ff, d_V, d_V, d_V))
-    t277 = ((t118.reshape((n_batch, L, d_V, 1)) * t263.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t278 = (t53.reshape((d_ff, d_V, 1)) * t225.permute(1, 0, 2).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-    t279 = (t278.permute(2, 3, 0, 1) @ S247.permute(0, 2, 1, 3))
-    t280 = ((S248.permute(1, 2, 0).reshape((d_V**2, d_V)) @ t279.permute(3, 2, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t276[...] = ((t277.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t280.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 1, 0, 3)
-    t281 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t281[...] = 0
-    t282 = t281.view((d_ff, d_V, d_V, d_ff))
-    t283 = t282.diagonal(0, 0, 3)
-    t284 = t225.permute(1, 0, 2)
-    t285 = ((N_2.reshape((n_batch, L, d_V, 1)) * t263.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t283 += (t285.reshape((d_V**2, L*n_batch)) @ t284.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    t286 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t286[...] = 0
-    t287 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t287[...] = t107.transpose(-1, -2)
-    t288 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t288[...] = t176.transpose(-1, -2)
+    t264 = t39.permute(2, 0, 1)
+    t265 = ((G.reshape((n_batch, L, d_V, 1)) * t263.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t261 += (t265.reshape((d_V**2, L*n_batch)) @ t264.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    t266 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+    t267 = t266.view((d_ff, d_V, d_V, d_K))
+    t268 = G.transpose(-1, -2)
+    t269 = (1/n_batch) * t268
+    t270 = ((N_1.reshape((n_batch, L, d_V, 1)) * t269.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t271 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t66.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t272 = (t271.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+    t273 = (t272 @ S240.permute(2, 0, 3, 1))
+    t274 = (t273.reshape((L**2*n_batch, d_V)) @ t53.permute(1, 0)).reshape((L, n_batch, L, d_ff))
+    t275 = (t274.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t231.permute(2, 0, 1).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
+    t276 = ((t89.permute(0, 2, 1) @ t275.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
+    t267[...] = ((t270.reshape((d_V**2, L*n_batch)) @ t276.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+    t277 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    t278 = t277.view((d_ff, d_V, d_V, d_K))
+    t279 = ((t97.reshape((n_batch, L, d_K, 1)) * t269.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t280 = ((N_1.permute(0, 2, 1) @ t275.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
+    t278[...] = ((t280.reshape((d_V*d_ff, L*n_batch)) @ t279.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+    t281 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t282 = t281.view((d_ff, d_V, d_V, d_V))
+    t283 = ((t118.reshape((n_batch, L, d_V, 1)) * t269.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t284 = (t53.reshape((d_ff, d_V, 1)) * t231.permute(1, 0, 2).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t285 = (t284.permute(2, 3, 0, 1) @ S253.permute(0, 2, 1, 3))
+    t286 = ((S254.permute(1, 2, 0).reshape((d_V**2, d_V)) @ t285.permute(3, 2, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t282[...] = ((t283.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t286.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 1, 0, 3)
+    t287 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t287[...] = 0
+    t288 = t287.view((d_ff, d_V, d_V, d_ff))
+    t289 = t288.diagonal(0, 0, 3)
+    t290 = t231.permute(1, 0, 2)
+    t291 = ((N_2.reshape((n_batch, L, d_V, 1)) * t269.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t289 += (t291.reshape((d_V**2, L*n_batch)) @ t290.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    t292 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t292[...] = 0
+    t293 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t293[...] = t107.transpose(-1, -2)
+    t294 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t294[...] = t180.transpose(-1, -2)
     return H
 
 
@@ -36951,7 +36764,6 @@ def ce_bias0_causal0__hvp__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_
     t178 = t172 + t173 - t177
     t179 = P_N_2.transpose(-1, -2)
     t180 = t178 * t179
-    t181 = sigma2_N_2.transpose(-1, -2)
     t182 = t29.transpose(-1, -2)
     t183 = M_N_2.transpose(-1, -2)
     t184 = t178 * t183
@@ -36967,7 +36779,6 @@ def ce_bias0_causal0__hvp__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_
     t194 = t83 @ t191
     t195 = t47 @ t189
     t196 = t194 + t195
-    t197 = t32.transpose(-1, -2)
     t198 = t33.transpose(-1, -2)
     t199 = t196 * t198
     t200 = t199 @ G
@@ -37243,7 +37054,6 @@ def ce_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t235 = (t234.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_ff)) @ t181.permute(0, 2, 3, 1).reshape((n_batch, L*d_ff, L))).reshape((n_batch, n_batch, L, L))
     t236 = (n_batch**(-2)) * (t235 * t233.permute(0, 2, 3, 1)).sum()
     t237 = torch.sqrt(torch.clamp(t236, min=0.0))
-    t238 = sigma2_N_2.transpose(-1, -2)
     t239 = t33.transpose(-1, -2)
     t240 = t52.transpose(-1, -2)
     t241 = M_N_2.transpose(-1, -2)
@@ -37363,7 +37173,6 @@ def ce_bias0_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t354 = (t353.permute(1, 2, 3, 4, 0).reshape((L, n_batch, L*n_batch, d_ff)) @ t37.permute(1, 0, 2).reshape((L, n_batch, d_ff, 1))).reshape((L, n_batch, L, n_batch))
     t355 = (n_batch**(-2)) * (t354 * t350.permute(1, 0, 3, 2)).sum()
     t356 = torch.sqrt(torch.clamp(t355, min=0.0))
-    t357 = t36.transpose(-1, -2)
     t358 = t37.transpose(-1, -2)
     t359 = t49.transpose(-1, -2)
     t360 = t358 * t359
@@ -38307,15 +38116,9 @@ def ce_bias0_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t79 = (t64.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t80 = (t79.permute(1, 2, 0) @ S73.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t81 = (t80.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t82 = (t74.reshape((n_batch, L, d_V, 1)) * t77.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t83 = (t81.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S76.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t84 = ((t82.permute(2, 0, 3, 1) @ t83.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t85 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t86 = (t85.permute(1, 2, 0) @ S73.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t87 = (t86.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t88 = (t74.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t89 = (t87.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S76.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t90 = ((t88.permute(2, 0, 3, 1) @ t89.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t91 = t54 + t56
     t92 = t91.sum(-1, keepdim=True)
     t93 = t92.expand(*t92.shape[:-1], d_V)
@@ -38326,8 +38129,12 @@ def ce_bias0_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t98 = torch.cat([t95, t95], dim=-1)
     t99 = torch.cat([t96, t97], dim=-2)
     t0[...] = ((t98 @ t99).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t100 = t84 + t90
-    t0 += ((t78.reshape((d_K, L*n_batch)) @ t100.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+    t100 = ((t74.reshape((n_batch, L, d_V, 1)) * t77.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t101 = (S76.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t81.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t102 = ((t74.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t103 = (S76.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t87.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t104 = ((t100.permute(1, 2, 0, 3) @ t101.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4) + ((t102.permute(1, 2, 0, 3) @ t103.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
+    t0 += ((t78.reshape((d_K, L*n_batch)) @ t104.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
     return out
 
 
@@ -39720,15 +39527,9 @@ def ce_bias0_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t81 = (t66.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t82 = (t81.permute(1, 2, 0) @ S75.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t83 = (t82.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t84 = (t76.reshape((n_batch, L, d_V, 1)) * t79.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t85 = (t83.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S78.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t86 = ((t84.permute(2, 0, 3, 1) @ t85.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
     t87 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t88 = (t87.permute(1, 2, 0) @ S75.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t89 = (t88.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t90 = (t76.reshape((n_batch, L, d_V, 1)) * t61.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t91 = (t89.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S78.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t92 = ((t90.permute(2, 0, 3, 1) @ t91.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
     t93 = t56 + t58
     t94 = t93.sum(-1, keepdim=True)
     t95 = t94.expand(*t94.shape[:-1], d_V)
@@ -39739,8 +39540,12 @@ def ce_bias0_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t100 = torch.cat([t97, t97], dim=-1)
     t101 = torch.cat([t98, t99], dim=-2)
     t0[...] = ((t100 @ t101).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t102 = t86 + t92
-    t0 += (t80.reshape((d_V, L*n_batch)) @ t102.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
+    t102 = ((t76.reshape((n_batch, L, d_V, 1)) * t79.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t103 = (S78.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t83.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t104 = ((t76.reshape((n_batch, L, d_V, 1)) * t61.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t105 = (S78.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t89.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t106 = ((t102.permute(1, 2, 0, 3) @ t103.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4) + ((t104.permute(1, 2, 0, 3) @ t105.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
+    t0 += (t80.reshape((d_V, L*n_batch)) @ t106.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
     return out
 
 
@@ -40503,7 +40308,6 @@ def ce_bias0_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t28 = t27.expand(*t27.shape[:-1], d_V)
     t29 = (1/d_V) * t28
     sigma2_N_2 = t29
-    t30 = sigma2_N_2.transpose(-1, -2)
     t31 = (-0.5 * (sigma2_N_2 ** -1.5))
     t32 = t31.transpose(-1, -2)
     t33 = W_1.transpose(-1, -2)
@@ -40516,7 +40320,6 @@ def ce_bias0_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t38 = torch.heaviside(t37, torch.full_like(t37, 0.0))
     t39 = Y.sum(-1, keepdim=True)
     t40 = t39.expand(*t39.shape[:-1], d_V)
-    t41 = t37.transpose(-1, -2)
     t42 = (t37 * torch.heaviside(t37, torch.full_like(t37, 0.0)))
     t43 = t42.transpose(-1, -2)
     t44 = t43 @ W_2
@@ -40647,7 +40450,6 @@ def ce_bias0_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2
     t27 = t26.expand(*t26.shape[:-1], d_V)
     t28 = (1/d_V) * t27
     sigma2_N_2 = t28
-    t29 = sigma2_N_2.transpose(-1, -2)
     t30 = (-0.5 * (sigma2_N_2 ** -1.5))
     t31 = t30.transpose(-1, -2)
     t32 = W_1.transpose(-1, -2)
@@ -40660,7 +40462,6 @@ def ce_bias0_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2
     t37 = torch.heaviside(t36, torch.full_like(t36, 0.0))
     t38 = Y.sum(-1, keepdim=True)
     t39 = t38.expand(*t38.shape[:-1], d_V)
-    t40 = t36.transpose(-1, -2)
     t41 = (t36 * torch.heaviside(t36, torch.full_like(t36, 0.0)))
     t42 = t41.transpose(-1, -2)
     t43 = t42 @ W_2
@@ -40817,7 +40618,6 @@ def ce_bias0_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t28 = t27.expand(*t27.shape[:-1], d_V)
     t29 = (1/d_V) * t28
     sigma2_N_2 = t29
-    t30 = sigma2_N_2.transpose(-1, -2)
     t31 = (-0.5 * (sigma2_N_2 ** -1.5))
     t32 = t31.transpose(-1, -2)
     t33 = W_1.transpose(-1, -2)
@@ -40830,7 +40630,6 @@ def ce_bias0_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t38 = torch.heaviside(t37, torch.full_like(t37, 0.0))
     t39 = Y.sum(-1, keepdim=True)
     t40 = t39.expand(*t39.shape[:-1], d_V)
-    t41 = t37.transpose(-1, -2)
     t42 = (t37 * torch.heaviside(t37, torch.full_like(t37, 0.0)))
     t43 = t42.transpose(-1, -2)
     t44 = t43 @ W_2
@@ -40961,7 +40760,6 @@ def ce_bias0_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2
     t27 = t26.expand(*t26.shape[:-1], d_V)
     t28 = (1/d_V) * t27
     sigma2_N_2 = t28
-    t29 = sigma2_N_2.transpose(-1, -2)
     t30 = (-0.5 * (sigma2_N_2 ** -1.5))
     t31 = t30.transpose(-1, -2)
     t32 = W_1.transpose(-1, -2)
@@ -40974,7 +40772,6 @@ def ce_bias0_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2
     t37 = torch.heaviside(t36, torch.full_like(t36, 0.0))
     t38 = Y.sum(-1, keepdim=True)
     t39 = t38.expand(*t38.shape[:-1], d_V)
-    t40 = t36.transpose(-1, -2)
     t41 = (t36 * torch.heaviside(t36, torch.full_like(t36, 0.0)))
     t42 = t41.transpose(-1, -2)
     t43 = t42 @ W_2
@@ -41707,7 +41504,6 @@ def ce_bias0_causal0__block__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t35 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t40 = t39.transpose(-1, -2)
     t41 = t40 @ W_2
@@ -41724,7 +41520,6 @@ def ce_bias0_causal0__block__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t50 = t35 * t49
     t51 = P_N_2.transpose(-1, -2)
     t52 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t53 = sigma2_N_2.transpose(-1, -2)
     t54 = (-0.5 * (sigma2_N_2 ** -1.5))
     t55 = t54.transpose(-1, -2)
     t56 = M_N_2.transpose(-1, -2)
@@ -41804,7 +41599,6 @@ def ce_bias0_causal0__frobenius__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2
     t34 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t39 = t38.transpose(-1, -2)
     t40 = t39 @ W_2
@@ -41821,7 +41615,6 @@ def ce_bias0_causal0__frobenius__W_1__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2
     t49 = t34 * t48
     t50 = P_N_2.transpose(-1, -2)
     t51 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t52 = sigma2_N_2.transpose(-1, -2)
     t53 = (-0.5 * (sigma2_N_2 ** -1.5))
     t54 = t53.transpose(-1, -2)
     t55 = M_N_2.transpose(-1, -2)
@@ -41907,7 +41700,6 @@ def ce_bias0_causal0__block__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t35 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t40 = t39.transpose(-1, -2)
     t41 = t40 @ W_2
@@ -41924,7 +41716,6 @@ def ce_bias0_causal0__block__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t50 = t35 * t49
     t51 = P_N_2.transpose(-1, -2)
     t52 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t53 = sigma2_N_2.transpose(-1, -2)
     t54 = (-0.5 * (sigma2_N_2 ** -1.5))
     t55 = t54.transpose(-1, -2)
     t56 = M_N_2.transpose(-1, -2)
@@ -42004,7 +41795,6 @@ def ce_bias0_causal0__frobenius__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2
     t34 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t39 = t38.transpose(-1, -2)
     t40 = t39 @ W_2
@@ -42021,7 +41811,6 @@ def ce_bias0_causal0__frobenius__W_1__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2
     t49 = t34 * t48
     t50 = P_N_2.transpose(-1, -2)
     t51 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t52 = sigma2_N_2.transpose(-1, -2)
     t53 = (-0.5 * (sigma2_N_2 ** -1.5))
     t54 = t53.transpose(-1, -2)
     t55 = M_N_2.transpose(-1, -2)
@@ -42107,7 +41896,6 @@ def ce_bias0_causal0__block__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t35 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t40 = t39.transpose(-1, -2)
     t41 = t40 @ W_2
@@ -42124,7 +41912,6 @@ def ce_bias0_causal0__block__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t50 = t35 * t49
     t51 = P_N_2.transpose(-1, -2)
     t52 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t53 = sigma2_N_2.transpose(-1, -2)
     t54 = (-0.5 * (sigma2_N_2 ** -1.5))
     t55 = t54.transpose(-1, -2)
     t56 = M_N_2.transpose(-1, -2)
@@ -42197,7 +41984,6 @@ def ce_bias0_causal0__frobenius__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2
     t34 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t39 = t38.transpose(-1, -2)
     t40 = t39 @ W_2
@@ -42214,7 +42000,6 @@ def ce_bias0_causal0__frobenius__W_1__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2
     t49 = t34 * t48
     t50 = P_N_2.transpose(-1, -2)
     t51 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t52 = sigma2_N_2.transpose(-1, -2)
     t53 = (-0.5 * (sigma2_N_2 ** -1.5))
     t54 = t53.transpose(-1, -2)
     t55 = M_N_2.transpose(-1, -2)
@@ -42491,13 +42276,11 @@ def ce_bias0_causal0__block__W_2__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t42 = (1/L) * t41
     G = t42
     t43 = G.transpose(-1, -2)
-    t44 = t34.transpose(-1, -2)
     t45 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t46 = t45.transpose(-1, -2)
     t47 = W_1.transpose(-1, -2)
     t48 = P_N_2.transpose(-1, -2)
     t49 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t50 = sigma2_N_2.transpose(-1, -2)
     t51 = (-0.5 * (sigma2_N_2 ** -1.5))
     t52 = t51.transpose(-1, -2)
     t53 = M_N_2.transpose(-1, -2)
@@ -42587,13 +42370,11 @@ def ce_bias0_causal0__frobenius__W_2__W_Q__functional(X, W_Q, W_K, W_V, W_1, W_2
     t41 = (1/L) * t40
     G = t41
     t42 = G.transpose(-1, -2)
-    t43 = t33.transpose(-1, -2)
     t44 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t45 = t44.transpose(-1, -2)
     t46 = W_1.transpose(-1, -2)
     t47 = P_N_2.transpose(-1, -2)
     t48 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t49 = sigma2_N_2.transpose(-1, -2)
     t50 = (-0.5 * (sigma2_N_2 ** -1.5))
     t51 = t50.transpose(-1, -2)
     t52 = M_N_2.transpose(-1, -2)
@@ -42694,13 +42475,11 @@ def ce_bias0_causal0__block__W_2__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t42 = (1/L) * t41
     G = t42
     t43 = G.transpose(-1, -2)
-    t44 = t34.transpose(-1, -2)
     t45 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t46 = t45.transpose(-1, -2)
     t47 = W_1.transpose(-1, -2)
     t48 = P_N_2.transpose(-1, -2)
     t49 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t50 = sigma2_N_2.transpose(-1, -2)
     t51 = (-0.5 * (sigma2_N_2 ** -1.5))
     t52 = t51.transpose(-1, -2)
     t53 = M_N_2.transpose(-1, -2)
@@ -42790,13 +42569,11 @@ def ce_bias0_causal0__frobenius__W_2__W_K__functional(X, W_Q, W_K, W_V, W_1, W_2
     t41 = (1/L) * t40
     G = t41
     t42 = G.transpose(-1, -2)
-    t43 = t33.transpose(-1, -2)
     t44 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t45 = t44.transpose(-1, -2)
     t46 = W_1.transpose(-1, -2)
     t47 = P_N_2.transpose(-1, -2)
     t48 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t49 = sigma2_N_2.transpose(-1, -2)
     t50 = (-0.5 * (sigma2_N_2 ** -1.5))
     t51 = t50.transpose(-1, -2)
     t52 = M_N_2.transpose(-1, -2)
@@ -42897,13 +42674,11 @@ def ce_bias0_causal0__block__W_2__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t42 = (1/L) * t41
     G = t42
     t43 = G.transpose(-1, -2)
-    t44 = t34.transpose(-1, -2)
     t45 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t46 = t45.transpose(-1, -2)
     t47 = W_1.transpose(-1, -2)
     t48 = P_N_2.transpose(-1, -2)
     t49 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t50 = sigma2_N_2.transpose(-1, -2)
     t51 = (-0.5 * (sigma2_N_2 ** -1.5))
     t52 = t51.transpose(-1, -2)
     t53 = M_N_2.transpose(-1, -2)
@@ -42986,13 +42761,11 @@ def ce_bias0_causal0__frobenius__W_2__W_V__functional(X, W_Q, W_K, W_V, W_1, W_2
     t41 = (1/L) * t40
     G = t41
     t42 = G.transpose(-1, -2)
-    t43 = t33.transpose(-1, -2)
     t44 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t45 = t44.transpose(-1, -2)
     t46 = W_1.transpose(-1, -2)
     t47 = P_N_2.transpose(-1, -2)
     t48 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t49 = sigma2_N_2.transpose(-1, -2)
     t50 = (-0.5 * (sigma2_N_2 ** -1.5))
     t51 = t50.transpose(-1, -2)
     t52 = M_N_2.transpose(-1, -2)
@@ -43083,7 +42856,6 @@ def ce_bias0_causal0__block__W_2__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2, Y)
     t43 = (1/L) * t42
     G = t43
     t44 = G.transpose(-1, -2)
-    t45 = t35.transpose(-1, -2)
     t46 = torch.heaviside(t35, torch.full_like(t35, 0.0))
     t47 = t46.transpose(-1, -2)
     t48 = (1/n_batch) * t44
@@ -43154,7 +42926,6 @@ def ce_bias0_causal0__frobenius__W_2__W_1__functional(X, W_Q, W_K, W_V, W_1, W_2
     t41 = (1/L) * t40
     G = t41
     t42 = G.transpose(-1, -2)
-    t43 = t33.transpose(-1, -2)
     t44 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t45 = t44.transpose(-1, -2)
     t46 = (t45.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t45.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -43348,476 +43119,463 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
         S119 = (t96.permute(0, 1, 3, 2) @ dA) + ((1/2)*math.sqrt(d_K)*d_V) * d2A
         t120 = N_1 @ W_Q
         t121 = (2/(d_K*d_V)) * t15
-        t122 = (S119.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t121.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t123 = (t122.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
         t124 = (1/(L*d_K)) * t15
         t125 = (t73.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t126 = (t125.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ N_1).reshape((n_batch, L, L, d_V))
-        t127 = ((t124 @ t126.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
         t128 = t118.diagonal(0, 2, 4)
         t129 = t112 @ N_1
         t130 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-        t131 = t123 + t127
-        t118[...] = (t131.reshape((n_batch, L, d_K*d_V, 1)) * t120.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_K, d_V, d_K))
+        t131 = N_1.permute(0, 2, 1)
+        t132 = ((t121 @ S119.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t133 = ((N_1.permute(0, 2, 1) @ t125.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t134 = (t132.reshape((n_batch, L*d_K, L)) @ t131.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V)) + ((t124 @ t133.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t118[...] = (t134.reshape((n_batch, L, d_K*d_V, 1)) * t120.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_K, d_V, d_K))
         t128 += (t129.reshape((L*d_V*n_batch, 1)) * t130.reshape((1, d_K))).reshape((n_batch, L, d_V, d_K))
-        t132 = t11[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t133 = t132.view((n_batch, L, d_K, d_V, d_V))
-        t134 = ((1/2)*d_V) * t99
-        t135 = ((1/2)*d_V) * G
-        t136 = t97 + t134 + t135
-        t137 = (2/(math.sqrt(d_K)*d_V)) * t15
-        t138 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t137.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t139 = (t138.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
-        t140 = W_V.sum(-1, keepdim=True)
-        t141 = t140.expand(*t140.shape[:-1], d_V)
-        t142 = A @ N_1
-        t143 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+        t135 = t11[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t136 = t135.view((n_batch, L, d_K, d_V, d_V))
+        t137 = ((1/2)*d_V) * t99
+        t138 = ((1/2)*d_V) * G
+        t139 = t97 + t137 + t138
+        t140 = (2/(math.sqrt(d_K)*d_V)) * t15
+        t141 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t140.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t142 = (t141.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        t143 = W_V.sum(-1, keepdim=True)
+        t144 = t143.expand(*t143.shape[:-1], d_V)
+        t145 = A @ N_1
+        t146 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
         # S: compact tensor ('d_V', 'd_V', 'd_V')
-        S144 = (t143.reshape((d_V, 1)) * t22.reshape((1, d_V**2))).reshape((d_V, d_V, d_V)) + (-1/d_V) * (t143.reshape((d_V, 1)) * t31.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))
-        t145 = (-2/(math.sqrt(d_K)*d_V**2)) * t15
-        t146 = (t141.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-        t147 = (t146.permute(1, 2, 0) @ S91.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t148 = (t147.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-        t149 = (t148.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S144.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-        t150 = ((t145 @ t149.permute(0, 2, 1, 3, 4).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
-        t151 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-        t152 = (t151.permute(1, 2, 0) @ S91.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t153 = (t152.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-        t154 = (t153.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S144.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-        t155 = ((t137 @ t154.permute(0, 2, 1, 3, 4).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
-        t156 = (1/(L*math.sqrt(d_K))) * t15
-        t157 = (t151.permute(1, 2, 0) @ S49.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t158 = (t157.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t51.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-        t159 = (t158.permute(0, 1, 3, 2) @ dA57)
-        t160 = (t159.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t161 = ((t156 @ t160.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
-        t162 = (t157.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-        t163 = (dA57.reshape((n_batch, L, d_V, d_V, 1)) * t51.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-        t164 = (t163.permute(0, 1, 3, 2) @ t162)
-        t165 = (t164.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t58).reshape((n_batch, L, L, d_ff))
-        t166 = (t165.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t167 = (t166.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t59).reshape((n_batch, L, L, d_V))
-        t168 = (t167 @ S61)
-        t169 = (t168.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t156.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
-        t170 = (t169.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ S144.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
-        t171 = t97 + t134
-        t172 = t171.sum(-1, keepdim=True)
-        t173 = t172.expand(*t172.shape[:-1], d_V)
-        t174 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t145.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
-        t175 = (t174.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
-        t133[...] = (t139.reshape((n_batch, L, d_K*d_V, 1)) * t136.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
-        t176 = t150 + t155 + t170
-        t133 += ((t142.reshape((n_batch, L, d_V, 1, 1)) * t176.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t133 += ((t142.reshape((n_batch, L, d_V, 1)) * t161.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t133 += (t175.reshape((n_batch, L, d_K*d_V, 1)) * t173.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
-        t177 = t11[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t178 = t177.view((n_batch, L, d_K, d_V, d_ff))
-        t179 = (1/math.sqrt(d_K)) * t15
-        t180 = (t92.permute(0, 2, 3, 1) @ S.permute(1, 0, 2, 3))
-        t181 = (t180.permute(0, 1, 3, 2) @ dA.permute(1, 0, 3, 2))
-        t182 = ((t179 @ t181.permute(1, 3, 0, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
-        t183 = (N_2.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
-        t184 = (S49.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-        t185 = (t184.reshape((n_batch, L, d_V, L, 1)) * t51.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-        t186 = (t185.permute(0, 1, 3, 2) @ dA57)
-        t187 = (t186.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-        t188 = (t187.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t58).reshape((n_batch, L, L, d_ff))
-        t189 = ((t156 @ t188.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
-        t178[...] = (t182.reshape((n_batch, L, d_K*d_V, 1)) * t80.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_K, d_V, d_ff))
-        t178 += ((t183.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t189.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_K)))).permute(0, 1, 4, 3, 2)
-        t190 = t11[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t191 = t190.view((n_batch, L, d_K, d_ff, d_V))
-        t192 = (t41.reshape((n_batch, L, d_ff, 1)) * G.reshape((n_batch, L, 1, d_V)))
-        t193 = (t181.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((L, n_batch, L, d_ff))
-        t194 = ((t179 @ t193.permute(1, 2, 0, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
-        t195 = ((t156 @ t187.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
-        t191[...] = ((t194.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_K, 1)) * t192.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
-        t191 += ((t52.reshape((n_batch, L, d_ff, 1)) * t195.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t196 = t10.permute(1, 0, 2)
-        t197 = t196.reshape((d_V, L*n_batch))
-        t198 = (1/n_batch) * t197
-        t199 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t200 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t198, t199, out=t200)
+        S147 = (t146.reshape((d_V, 1)) * t22.reshape((1, d_V**2))).reshape((d_V, d_V, d_V)) + (-1/d_V) * (t146.reshape((d_V, 1)) * t31.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))
+        t148 = (-2/(math.sqrt(d_K)*d_V**2)) * t15
+        t149 = (t144.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t150 = (t149.permute(1, 2, 0) @ S91.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t151 = (t150.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t154 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+        t155 = (t154.permute(1, 2, 0) @ S91.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t156 = (t155.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t159 = (1/(L*math.sqrt(d_K))) * t15
+        t160 = (t154.permute(1, 2, 0) @ S49.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t161 = (t160.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t51.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t162 = (t161.permute(0, 1, 3, 2) @ dA57)
+        t163 = (t162.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t164 = ((t159 @ t163.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t165 = (t160.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
+        t166 = (dA57.reshape((n_batch, L, d_V, d_V, 1)) * t51.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t167 = (t166.permute(0, 1, 3, 2) @ t165)
+        t168 = (t167.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t58).reshape((n_batch, L, L, d_ff))
+        t169 = (t168.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t170 = (t169.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ t59).reshape((n_batch, L, L, d_V))
+        t171 = (t170 @ S61)
+        t174 = t97 + t137
+        t175 = t174.sum(-1, keepdim=True)
+        t176 = t175.expand(*t175.shape[:-1], d_V)
+        t177 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t148.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
+        t178 = (t177.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ N_1).reshape((n_batch, L, d_K, d_V))
+        t136[...] = (t142.reshape((n_batch, L, d_K*d_V, 1)) * t139.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
+        t179 = ((S147.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t151.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t180 = ((S147.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t156.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t181 = S147.permute(0, 2, 1)
+        t182 = ((t159 @ t171.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t183 = ((t148 @ t179.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4) + ((t140 @ t180.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4) + (t182.reshape((L*d_K*n_batch, d_V)) @ t181.permute(2, 0, 1).reshape((d_V, d_V**2))).reshape((n_batch, L, d_K, d_V, d_V))
+        t136 += ((t145.reshape((n_batch, L, d_V, 1, 1)) * t183.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t136 += ((t145.reshape((n_batch, L, d_V, 1)) * t164.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t136 += (t178.reshape((n_batch, L, d_K*d_V, 1)) * t176.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
+        t184 = t11[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t185 = t184.view((n_batch, L, d_K, d_V, d_ff))
+        t186 = (1/math.sqrt(d_K)) * t15
+        t187 = (t92.permute(0, 2, 3, 1) @ S.permute(1, 0, 2, 3))
+        t188 = (t187.permute(0, 1, 3, 2) @ dA.permute(1, 0, 3, 2))
+        t189 = ((t186 @ t188.permute(1, 3, 0, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t190 = (N_2.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
+        t191 = (S49.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t21.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+        t192 = (t191.reshape((n_batch, L, d_V, L, 1)) * t51.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t193 = (t192.permute(0, 1, 3, 2) @ dA57)
+        t194 = (t193.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+        t195 = (t194.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t58).reshape((n_batch, L, L, d_ff))
+        t196 = ((t159 @ t195.permute(0, 2, 1, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
+        t185[...] = (t189.reshape((n_batch, L, d_K*d_V, 1)) * t80.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_K, d_V, d_ff))
+        t185 += ((t190.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t196.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_K)))).permute(0, 1, 4, 3, 2)
+        t197 = t11[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t198 = t197.view((n_batch, L, d_K, d_ff, d_V))
+        t199 = (t41.reshape((n_batch, L, d_ff, 1)) * G.reshape((n_batch, L, 1, d_V)))
+        t200 = (t188.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((L, n_batch, L, d_ff))
+        t201 = ((t186 @ t200.permute(1, 2, 0, 3).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, L, d_ff))).permute(0, 2, 1, 3)
+        t202 = ((t159 @ t194.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
+        t198[...] = ((t201.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_K, 1)) * t199.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
+        t198 += ((t52.reshape((n_batch, L, d_ff, 1)) * t202.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t203 = t10.permute(1, 0, 2)
+        t204 = t203.reshape((d_V, L*n_batch))
+        t205 = (1/n_batch) * t204
+        t206 = R.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t207 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t205, t206, out=t207)
         del R
-        R201 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t202 = R201.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t203 = t202[..., 0:d_K*d_V]
-        t204 = t203.view((n_batch, L, d_K, d_V, d_K))
-        t205 = t120.transpose(-1, -2)
-        t206 = (1/(L*d_K)) * t205
-        t207 = ((N_1.reshape((n_batch, L, d_V, 1)) * t206.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t208 = ((t114.permute(0, 2, 1) @ t125.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t209 = (2/(d_K*d_V)) * t205
-        t210 = ((N_1.reshape((n_batch, L, d_V, 1)) * t209.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t211 = ((t114.permute(0, 2, 1) @ S119.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
-        t212 = t207.reshape((n_batch, d_K*d_V, L))
-        t213 = t210.reshape((n_batch, d_K*d_V, L))
-        t214 = t208.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
-        t215 = t211.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
-        t216 = torch.cat([t212, t213], dim=-1)
-        t217 = torch.cat([t214, t215], dim=-2)
-        t204[...] = ((t216 @ t217).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t218 = t202[..., d_K*d_V:2*d_K*d_V]
-        t219 = t218.view((n_batch, L, d_K, d_V, d_K))
-        t220 = ((t120.reshape((n_batch, L, d_K, 1)) * t206.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t221 = ((N_1.permute(0, 2, 1) @ t125.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t222 = ((t120.reshape((n_batch, L, d_K, 1)) * t209.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t223 = ((N_1.permute(0, 2, 1) @ S119.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t224 = t221.reshape((n_batch, L*d_V, L))
-        t225 = t223.reshape((n_batch, L*d_V, L))
-        t226 = t220.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        t227 = t222.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
-        t228 = torch.cat([t224, t225], dim=-1)
-        t229 = torch.cat([t226, t227], dim=-2)
-        t219[...] = ((t228 @ t229).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
-        t230 = t202[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t231 = t230.view((n_batch, L, d_K, d_V, d_V))
-        t232 = (2/(math.sqrt(d_K)*d_V)) * t205
-        t233 = ((t136.reshape((n_batch, L, d_V, 1)) * t232.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t234 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
-        t235 = (-2/(math.sqrt(d_K)*d_V**2)) * t205
-        t236 = ((t142.reshape((n_batch, L, d_V, 1)) * t235.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t237 = ((S144.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t148.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
-        t238 = ((t142.reshape((n_batch, L, d_V, 1)) * t232.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t239 = ((S144.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t153.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
-        t240 = (1/(L*math.sqrt(d_K))) * t205
-        t241 = ((t142.reshape((n_batch, L, d_V, 1)) * t240.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t242 = ((t159.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
-        t243 = (t168.reshape((L**2*n_batch, d_V)) @ S144.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-        t244 = ((t243.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t142.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
-        t245 = ((t173.reshape((n_batch, L, d_V, 1)) * t235.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t246 = t234.reshape((n_batch, L*d_V, L))
-        t247 = t233.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))
-        t248 = t245.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))
-        t249 = torch.cat([t246, t246], dim=-1)
-        t250 = torch.cat([t247, t248], dim=-2)
-        t231[...] = ((t249 @ t250).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t231 += ((t236.permute(0, 2, 1, 3) @ t237.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
-        t231 += ((t238.permute(0, 2, 1, 3) @ t239.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
-        t231 += ((t241.reshape((n_batch, d_K*d_V, L)) @ t242.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
-        t231 += ((t240 @ t244.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
-        t251 = t202[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t252 = t251.view((n_batch, L, d_K, d_V, d_ff))
-        t253 = (1/math.sqrt(d_K)) * t205
-        t254 = (t21.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t255 = (t254.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S62).reshape((L, n_batch, L, d_V))
-        t256 = ((t255.permute(1, 0, 2, 3) @ S)).permute(0, 2, 3, 1)
-        t257 = ((t80.reshape((n_batch, L, d_ff, 1)) * t253.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t258 = ((N_2.reshape((n_batch, L, d_V, 1)) * t240.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t259 = ((t188.permute(0, 3, 1, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
-        t252[...] = ((t256.reshape((n_batch, L*d_V, L)) @ t257.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
-        t252 += ((t258.reshape((n_batch, d_K*d_V, L)) @ t259.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
-        t260 = t202[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t261 = t260.view((n_batch, L, d_K, d_ff, d_V))
-        t262 = ((G.reshape((n_batch, L, d_V, 1)) * t253.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t263 = ((t193.permute(1, 3, 0, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
-        t264 = ((t52.reshape((n_batch, L, d_ff, 1)) * t240.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t265 = ((t186.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
-        t261[...] = ((t263.reshape((n_batch, L*d_ff, L)) @ t262.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t261 += ((t264.reshape((n_batch, d_K*d_ff, L)) @ t265.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
-        t266 = R201.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t267 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t198, t266, out=t267)
-        del R201
-        t268 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-        t269 = t268.view((d_V, d_K, d_V, d_K))
-        t270 = t269.diagonal(0, 1, 3)
-        t271 = t129.transpose(-1, -2)
-        t272 = (1/n_batch) * t130
-        t273 = (t271.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
-        t270 += (t273.reshape((d_V**2, 1)) * t272.reshape((1, d_K))).reshape((d_V, d_V, d_K))
-        t274 = t142.transpose(-1, -2)
-        R275 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t276 = R275.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t277 = t276[..., 0:d_K*d_V]
-        t278 = t277.view((n_batch, L, d_V, d_V, d_K))
-        t279 = W_V.transpose(-1, -2)
-        t280 = (2/(math.sqrt(d_K)*d_V)) * t10
-        t281 = (t280.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t279.permute(1, 0)).reshape((n_batch, L, d_V))
-        t282 = (t281.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t283 = (t282.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S62.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
-        t284 = (t283 @ S91.permute(1, 0, 3, 2))
-        t285 = (t284.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ t114).reshape((n_batch, L, d_V, d_K))
-        t286 = (-2/(math.sqrt(d_K)*d_V**2)) * t10
-        t287 = (t286.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t279.permute(1, 0)).reshape((n_batch, L, d_V))
-        t288 = (t287.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t289 = (t288.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S62.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
-        t290 = (t289 @ S91.permute(1, 0, 3, 2))
-        t291 = (t290.reshape((L**2*n_batch, d_V)) @ t31.permute(1, 0)).reshape((L, n_batch, L, d_V))
-        t292 = (t291.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ t114).reshape((n_batch, L, d_V, d_K))
-        t293 = (-1/(L*math.sqrt(d_K)*d_V)) * t51
-        t294 = (S66.permute(0, 1, 3, 2) @ dA57.permute(0, 1, 3, 2))
-        t295 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t279.permute(1, 0)).reshape((n_batch, L, d_V))
-        t296 = (t295 @ t294.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t297 = (t296.permute(0, 2, 3, 1) @ dA)
-        t298 = (t297.reshape((n_batch, L, d_V, L, 1)) * t293.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-        t299 = (t298.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t300 = (t299.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t301 = (t300.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((n_batch, L, L, d_V))
-        t302 = (t301 @ t48)
-        t303 = (t302.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t114).reshape((n_batch, L, d_V, d_K))
+        R208 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t209 = R208.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t210 = t209[..., 0:d_K*d_V]
+        t211 = t210.view((n_batch, L, d_K, d_V, d_K))
+        t212 = t120.transpose(-1, -2)
+        t213 = (1/(L*d_K)) * t212
+        t214 = ((N_1.reshape((n_batch, L, d_V, 1)) * t213.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t215 = ((t114.permute(0, 2, 1) @ t125.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t216 = (2/(d_K*d_V)) * t212
+        t217 = ((N_1.reshape((n_batch, L, d_V, 1)) * t216.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t218 = ((t114.permute(0, 2, 1) @ S119.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
+        t219 = t214.reshape((n_batch, d_K*d_V, L))
+        t220 = t217.reshape((n_batch, d_K*d_V, L))
+        t221 = t215.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t222 = t218.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))
+        t223 = torch.cat([t219, t220], dim=-1)
+        t224 = torch.cat([t221, t222], dim=-2)
+        t211[...] = ((t223 @ t224).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        t225 = t209[..., d_K*d_V:2*d_K*d_V]
+        t226 = t225.view((n_batch, L, d_K, d_V, d_K))
+        t227 = ((t120.reshape((n_batch, L, d_K, 1)) * t213.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t228 = ((N_1.permute(0, 2, 1) @ t125.permute(0, 2, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t229 = ((t120.reshape((n_batch, L, d_K, 1)) * t216.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t230 = ((N_1.permute(0, 2, 1) @ S119.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t231 = t228.reshape((n_batch, L*d_V, L))
+        t232 = t230.reshape((n_batch, L*d_V, L))
+        t233 = t227.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t234 = t229.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))
+        t235 = torch.cat([t231, t232], dim=-1)
+        t236 = torch.cat([t233, t234], dim=-2)
+        t226[...] = ((t235 @ t236).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        t237 = t209[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t238 = t237.view((n_batch, L, d_K, d_V, d_V))
+        t239 = (2/(math.sqrt(d_K)*d_V)) * t212
+        t240 = ((t139.reshape((n_batch, L, d_V, 1)) * t239.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t241 = ((N_1.permute(0, 2, 1) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
+        t242 = (-2/(math.sqrt(d_K)*d_V**2)) * t212
+        t243 = ((t145.reshape((n_batch, L, d_V, 1)) * t242.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t244 = ((S147.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t151.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t245 = ((t145.reshape((n_batch, L, d_V, 1)) * t239.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t246 = ((S147.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t156.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))).permute(2, 3, 0, 1, 4)
+        t247 = (1/(L*math.sqrt(d_K))) * t212
+        t248 = ((t145.reshape((n_batch, L, d_V, 1)) * t247.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t249 = ((t162.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
+        t250 = (t171.reshape((L**2*n_batch, d_V)) @ S147.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
+        t251 = ((t250.permute(0, 3, 1, 2, 4).reshape((n_batch, d_V, L, L*d_V, 1)) * t145.permute(0, 2, 1).reshape((n_batch, d_V, L, 1, 1))).reshape((n_batch, d_V, L, L, d_V))).permute(0, 3, 1, 4, 2)
+        t252 = ((t176.reshape((n_batch, L, d_V, 1)) * t242.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t253 = t241.reshape((n_batch, L*d_V, L))
+        t254 = t240.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))
+        t255 = t252.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))
+        t256 = torch.cat([t253, t253], dim=-1)
+        t257 = torch.cat([t254, t255], dim=-2)
+        t238[...] = ((t256 @ t257).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t238 += ((t243.permute(0, 2, 1, 3) @ t244.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t238 += ((t245.permute(0, 2, 1, 3) @ t246.permute(0, 2, 4, 1, 3).reshape((n_batch, d_V, L, L*d_V))).reshape((n_batch, d_V, d_K, L, d_V))).permute(0, 3, 2, 1, 4)
+        t238 += ((t248.reshape((n_batch, d_K*d_V, L)) @ t249.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        t238 += ((t247 @ t251.permute(0, 4, 1, 2, 3).reshape((n_batch, L, L*d_V**2))).reshape((n_batch, d_K, L, d_V, d_V))).permute(0, 2, 1, 3, 4)
+        t258 = t209[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t259 = t258.view((n_batch, L, d_K, d_V, d_ff))
+        t260 = (1/math.sqrt(d_K)) * t212
+        t261 = (t21.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t262 = (t261.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S62).reshape((L, n_batch, L, d_V))
+        t263 = ((t262.permute(1, 0, 2, 3) @ S)).permute(0, 2, 3, 1)
+        t264 = ((t80.reshape((n_batch, L, d_ff, 1)) * t260.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t265 = ((N_2.reshape((n_batch, L, d_V, 1)) * t247.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t266 = ((t195.permute(0, 3, 1, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
+        t259[...] = ((t263.reshape((n_batch, L*d_V, L)) @ t264.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_ff))).reshape((n_batch, L, d_V, d_K, d_ff))).permute(0, 1, 3, 2, 4)
+        t259 += ((t265.reshape((n_batch, d_K*d_V, L)) @ t266.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_V, L, d_ff))).permute(0, 3, 1, 2, 4)
+        t267 = t209[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t268 = t267.view((n_batch, L, d_K, d_ff, d_V))
+        t269 = ((G.reshape((n_batch, L, d_V, 1)) * t260.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t270 = ((t200.permute(1, 3, 0, 2).reshape((n_batch, d_ff, L, L, 1)) * t41.permute(0, 2, 1).reshape((n_batch, d_ff, L, 1, 1))).reshape((n_batch, d_ff, L, L))).permute(0, 3, 1, 2)
+        t271 = ((t52.reshape((n_batch, L, d_ff, 1)) * t247.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t272 = ((t193.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))).permute(0, 3, 2, 1)
+        t268[...] = ((t270.reshape((n_batch, L*d_ff, L)) @ t269.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_ff, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t268 += ((t271.reshape((n_batch, d_K*d_ff, L)) @ t272.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_ff, L, d_V))).permute(0, 3, 1, 2, 4)
+        t273 = R208.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t274 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t205, t273, out=t274)
+        del R208
+        t275 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+        t276 = t275.view((d_V, d_K, d_V, d_K))
+        t277 = t276.diagonal(0, 1, 3)
+        t278 = t129.transpose(-1, -2)
+        t279 = (1/n_batch) * t130
+        t280 = (t278.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ N_1.reshape((L*n_batch, d_V)))
+        t277 += (t280.reshape((d_V**2, 1)) * t279.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+        t281 = t145.transpose(-1, -2)
+        R282 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t283 = R282.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t284 = t283[..., 0:d_K*d_V]
+        t285 = t284.view((n_batch, L, d_V, d_V, d_K))
+        t286 = W_V.transpose(-1, -2)
+        t287 = (2/(math.sqrt(d_K)*d_V)) * t10
+        t288 = (t287.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t286.permute(1, 0)).reshape((n_batch, L, d_V))
+        t293 = (-2/(math.sqrt(d_K)*d_V**2)) * t10
+        t294 = (t293.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t286.permute(1, 0)).reshape((n_batch, L, d_V))
+        t295 = (t294.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t296 = (t295.permute(2, 0, 3, 1).reshape((L, L*n_batch, d_V)) @ S62.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+        t300 = (-1/(L*math.sqrt(d_K)*d_V)) * t51
+        t302 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t286.permute(1, 0)).reshape((n_batch, L, d_V))
         # S: compact tensor ('L', 'd_V', 'd_V')
-        S304 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t43.permute(1, 2, 3, 0) @ t45) + (t47.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-        t305 = (1/(L*math.sqrt(d_K))) * t51
-        t306 = (t295.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
-        t307 = (t306.permute(0, 2, 3, 1) @ S66.permute(0, 1, 3, 2))
-        t308 = (t307 @ dA57.permute(0, 1, 3, 2))
-        t309 = (t308.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t305.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-        t310 = (t309.permute(0, 1, 3, 2) @ S304.permute(0, 1, 3, 2))
-        t311 = (t310.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t114).reshape((n_batch, L, d_V, d_K))
-        t312 = t285 + t292 + t303 + t311
-        t278[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t312.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
-        t313 = t276[..., d_K*d_V:2*d_K*d_V]
-        t314 = t313.view((n_batch, L, d_V, d_V, d_K))
-        t315 = (t284.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t316 = (t291.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t317 = (t302.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t318 = (t310.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t319 = t315 + t316 + t317 + t318
-        t314[...] = (t319.reshape((n_batch, L, d_V**2, 1)) * t120.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
-        t320 = t276[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t321 = t320.view((n_batch, L, d_V, d_V, d_V))
-        t322 = (2/d_V) * t142
-        t323 = S144.permute(0, 2, 1)
-        t324 = ((t322.reshape((n_batch, L, d_V, 1)) * S91.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
-        t325 = (1/L) * t51
-        t326 = (dA57.reshape((n_batch, L, d_V, d_V, 1)) * t325.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-        t327 = (S304 @ t326)
-        t328 = (t325.reshape((n_batch, L, d_V, 1, 1)) * S304.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V))
-        t329 = (t328.permute(0, 1, 3, 2) @ dA57)
-        t330 = (t64 @ S61)
-        t331 = (t330.permute(0, 1, 3, 2) @ t329.permute(0, 1, 3, 2))
-        t332 = (t331.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S144.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t333 = (-2/d_V**2) * t142
-        t334 = ((t31 @ S91.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t335 = ((t333.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S144.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
-        t336 = (-1/(L*d_V)) * t51
-        t337 = (dA57.reshape((n_batch, L, d_V, d_V, 1)) * t336.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-        t338 = (t45.permute(0, 1, 3, 2) @ t48)
-        t339 = (t338.permute(0, 1, 3, 2) @ t337)
-        t340 = (t337.reshape((L*d_V*n_batch, d_V)) @ t58).reshape((n_batch, L, d_V, d_ff))
-        t341 = (t340.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
-        t342 = (t341.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t59).reshape((n_batch, L, d_V, d_V))
-        t343 = (t342 @ S61)
-        t344 = (t48.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
-        t345 = (t344.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
-        t346 = (t345.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
-        t347 = (t346 @ t343)
-        t348 = (t347.reshape((L*d_V*n_batch, d_V)) @ S144.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t321[...] = ((t324.permute(3, 0, 1, 2, 4).reshape((d_V, L*d_V*n_batch, d_V)) @ t323.permute(0, 2, 1)).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 3, 0, 4)
-        t349 = t327 + t339
-        t321 += ((t142.reshape((n_batch, L, d_V, 1)) * t349.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
-        t350 = t332 + t348
-        t321 += ((t142.reshape((n_batch, L, d_V, 1, 1)) * t350.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
-        t321 += (t334 @ t335.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t351 = t276[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t352 = t351.view((n_batch, L, d_V, d_V, d_ff))
-        t353 = (t329.reshape((L*d_V*n_batch, d_V)) @ t58).reshape((n_batch, L, d_V, d_ff))
-        t354 = (-1/d_V) * t31
-        t355 = ((t354 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t356 = (t339.reshape((L*d_V*n_batch, d_V)) @ t58).reshape((n_batch, L, d_V, d_ff))
-        t357 = ((t356.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))).permute(0, 1, 3, 2)
-        t352[...] = (S.reshape((n_batch, L, d_V**2, 1)) * t80.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
-        t352 += ((t353.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t183.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
-        t352 += (t355.reshape((n_batch, L, d_V**2, 1)) * t80.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
-        t352 += ((N_2.reshape((n_batch, L, d_V, 1)) * t357.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))).permute(0, 1, 3, 2, 4)
-        t358 = t276[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t359 = t358.view((n_batch, L, d_V, d_ff, d_V))
-        t360 = (S.reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
-        t361 = (-1/d_V) * G
-        t362 = (t41.reshape((n_batch, L, d_ff, 1)) * t361.reshape((n_batch, L, 1, d_V)))
-        t359[...] = ((t360.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t192.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
-        t359 += ((t52.reshape((n_batch, L, d_ff, 1)) * t349.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
-        t359 += ((t344.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t362.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
-        t363 = t274.permute(1, 0, 2)
-        t364 = t363.reshape((d_V, L*n_batch))
-        t365 = (1/n_batch) * t364
-        t366 = R275.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t367 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t365, t366, out=t367)
-        del R275
-        t368 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-        t369 = t368.view((d_V, d_V, d_V, d_K))
-        t370 = sigma2_N_2.transpose(-1, -2)
-        t371 = t36.transpose(-1, -2)
-        t372 = t81.transpose(-1, -2)
-        t373 = M_N_2.transpose(-1, -2)
-        t374 = t371 * t372 * t373
-        t375 = t374.sum(-2, keepdim=True)
-        t376 = t375.expand(*t375.shape[:-2], d_V, t375.shape[-1])
-        t377 = t376 * t373
-        t378 = P_N_2.transpose(-1, -2)
-        t379 = t372 * t378
-        t380 = ((1/2)*d_V) * t379
-        t381 = G.transpose(-1, -2)
-        t382 = ((1/2)*d_V) * t381
-        t383 = t377 + t380 + t382
-        t384 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t383
-        t385 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t386 = ((t114.permute(0, 2, 1) @ t385.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-        t387 = ((N_1.reshape((n_batch, L, d_V, 1)) * t384.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t388 = t377 + t380
-        t389 = t388.sum(-2, keepdim=True)
-        t390 = t389.expand(*t389.shape[:-2], d_V, t389.shape[-1])
-        t391 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t390
-        t392 = ((N_1.reshape((n_batch, L, d_V, 1)) * t391.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t393 = t387.reshape((d_V**2, L*n_batch))
-        t394 = t392.reshape((d_V**2, L*n_batch))
-        t395 = t386.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-        t396 = torch.cat([t393, t394], dim=-1)
-        t397 = torch.cat([t395, t395], dim=-2)
-        t369 += ((t396 @ t397).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        t398 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        S311 = (t23.reshape((L, 1)) * t22.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t43.permute(1, 2, 3, 0) @ t45) + (t47.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t312 = (1/(L*math.sqrt(d_K))) * t51
+        t313 = (t302.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
+        t314 = (t313.permute(0, 2, 3, 1) @ S66.permute(0, 1, 3, 2))
+        t315 = (t314 @ dA57.permute(0, 1, 3, 2))
+        t319 = t114.permute(0, 2, 1)
+        t324 = (t288.reshape((L*n_batch, d_V)) @ S62.permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+        t325 = (dA.permute(0, 1, 3, 2) @ t324.permute(0, 2, 1, 3))
+        t326 = (t296.permute(1, 0, 2, 3) @ S91.permute(0, 1, 3, 2))
+        t327 = ((t31 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t328 = (t315.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t300.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t329 = (t328.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t330 = (t329.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t331 = (t330.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_ff)) @ W_1.permute(1, 0)).reshape((n_batch, L, L, d_V))
+        t332 = ((t315.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, L, 1)) * t312.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))).permute(0, 1, 3, 2)
+        t333 = (S91 @ t325.permute(0, 1, 3, 2)) + ((t31 @ t326.permute(3, 0, 1, 2).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))).permute(1, 2, 0, 3) + (t327 @ t331.permute(0, 1, 3, 2)) + (S311 @ t332.permute(0, 1, 3, 2))
+        t334 = (t333.reshape((n_batch, L*d_V, L)) @ t319.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
+        t285[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t334.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t335 = t283[..., d_K*d_V:2*d_K*d_V]
+        t336 = t335.view((n_batch, L, d_V, d_V, d_K))
+        t341 = (t333.reshape((n_batch, L*d_V, L)) @ t131.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+        t336[...] = (t341.reshape((n_batch, L, d_V**2, 1)) * t120.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+        t342 = t283[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t343 = t342.view((n_batch, L, d_V, d_V, d_V))
+        t344 = (2/d_V) * t145
+        t345 = ((t344.reshape((n_batch, L, d_V, 1)) * S91.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t346 = (1/L) * t51
+        t347 = (dA57.reshape((n_batch, L, d_V, d_V, 1)) * t346.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t349 = (t346.reshape((n_batch, L, d_V, 1, 1)) * S311.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V))
+        t350 = (t349.permute(0, 1, 3, 2) @ dA57)
+        t351 = (t64 @ S61)
+        t354 = (-2/d_V**2) * t145
+        t355 = ((t31 @ S91.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t356 = ((t354.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S147.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t357 = (-1/(L*d_V)) * t51
+        t358 = (dA57.reshape((n_batch, L, d_V, d_V, 1)) * t357.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t359 = (t45.permute(0, 1, 3, 2) @ t48)
+        t360 = (t359.permute(0, 1, 3, 2) @ t358)
+        t361 = (t358.reshape((L*d_V*n_batch, d_V)) @ t58).reshape((n_batch, L, d_V, d_ff))
+        t362 = (t361.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+        t363 = (t362.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t59).reshape((n_batch, L, d_V, d_V))
+        t364 = (t363 @ S61)
+        t365 = (t48.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        t366 = (t365.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+        t367 = (t366.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
+        t368 = (t367 @ t364)
+        t343[...] = ((t345.permute(3, 0, 1, 2, 4).reshape((d_V, L*d_V*n_batch, d_V)) @ t181.permute(0, 2, 1)).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 3, 0, 4)
+        t370 = ((dA57.reshape((n_batch, L, d_V, d_V, 1)) * t346.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+        t371 = ((dA57.reshape((n_batch, L, d_V, d_V, 1)) * t357.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 1, 3, 2)
+        t372 = (t48.permute(0, 1, 3, 2) @ t45)
+        t373 = (S311 @ t370.permute(0, 1, 3, 2)) + (t372 @ t371.permute(0, 1, 3, 2))
+        t343 += ((t145.reshape((n_batch, L, d_V, 1)) * t373.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t374 = (t350 @ t351)
+        t375 = t374.reshape((L*d_V*n_batch, d_V))
+        t376 = t368.reshape((L*d_V*n_batch, d_V))
+        t377 = t181.permute(2, 0, 1).reshape((d_V, d_V**2))
+        t378 = torch.cat([t375, t376], dim=-1)
+        t379 = torch.cat([t377, t377], dim=-2)
+        t380 = (t378 @ t379).reshape((n_batch, L, d_V, d_V, d_V))
+        t343 += ((t145.reshape((n_batch, L, d_V, 1, 1)) * t380.permute(0, 1, 3, 2, 4).reshape((n_batch, L, d_V, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t343 += (t355 @ t356.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t381 = t283[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t382 = t381.view((n_batch, L, d_V, d_V, d_ff))
+        t383 = (t350.reshape((L*d_V*n_batch, d_V)) @ t58).reshape((n_batch, L, d_V, d_ff))
+        t384 = (-1/d_V) * t31
+        t385 = ((t384 @ S.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t386 = (t360.reshape((L*d_V*n_batch, d_V)) @ t58).reshape((n_batch, L, d_V, d_ff))
+        t387 = ((t386.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))).permute(0, 1, 3, 2)
+        t382[...] = (S.reshape((n_batch, L, d_V**2, 1)) * t80.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
+        t382 += ((t383.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t190.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        t382 += (t385.reshape((n_batch, L, d_V**2, 1)) * t80.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
+        t382 += ((N_2.reshape((n_batch, L, d_V, 1)) * t387.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))).permute(0, 1, 3, 2, 4)
+        t388 = t283[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t389 = t388.view((n_batch, L, d_V, d_ff, d_V))
+        t390 = (S.reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+        t391 = (-1/d_V) * G
+        t392 = (t41.reshape((n_batch, L, d_ff, 1)) * t391.reshape((n_batch, L, 1, d_V)))
+        t389[...] = ((t390.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t199.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
+        t389 += ((t52.reshape((n_batch, L, d_ff, 1)) * t373.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t389 += ((t365.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t392.reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 2, 4)
+        t393 = t281.permute(1, 0, 2)
+        t394 = t393.reshape((d_V, L*n_batch))
+        t395 = (1/n_batch) * t394
+        t396 = R282.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t397 = H[2*d_K*d_V:2*d_K*d_V + d_V**2].view((d_V, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t395, t396, out=t397)
+        del R282
+        t398 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
         t399 = t398.view((d_V, d_V, d_V, d_K))
-        t400 = ((N_1.permute(0, 2, 1) @ t385.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-        t401 = ((t120.reshape((n_batch, L, d_K, 1)) * t384.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t402 = ((t120.reshape((n_batch, L, d_K, 1)) * t391.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t403 = t400.reshape((d_V**2, L*n_batch))
-        t404 = t401.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-        t405 = t402.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-        t406 = torch.cat([t403, t403], dim=-1)
-        t407 = torch.cat([t404, t405], dim=-2)
-        t399 += ((t406 @ t407).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        t408 = N_2.transpose(-1, -2)
-        R409 = torch.empty((n_batch, L, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t410 = R409.view((n_batch, L*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t411 = t410[..., 0:d_K*d_V]
-        t412 = t411.view((n_batch, L, d_ff, d_V, d_K))
-        t413 = (dA57.reshape((n_batch, L, d_V, d_V, 1)) * t305.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-        t414 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t67.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t415 = (t414 @ S66.permute(0, 1, 3, 2))
-        t416 = (t415 @ t413.permute(0, 1, 3, 2))
-        t417 = (t416.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
-        t418 = (t417.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-        t419 = (t418.reshape((n_batch, L*d_ff, L)) @ t114).reshape((n_batch, L, d_ff, d_K))
-        t412[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t419.reshape((n_batch, L, 1, d_K*d_ff))).reshape((n_batch, L, d_V, d_ff, d_K))).permute(0, 1, 3, 2, 4)
-        t420 = t410[..., d_K*d_V:2*d_K*d_V]
-        t421 = t420.view((n_batch, L, d_ff, d_V, d_K))
-        t422 = (t418.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
-        t421[...] = (t422.reshape((n_batch, L, d_V*d_ff, 1)) * t120.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_ff, d_V, d_K))
-        t423 = t410[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t424 = t423.view((n_batch, L, d_ff, d_V, d_V))
-        t425 = ((W_2 @ t326.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
-        t426 = (t41.reshape((n_batch, L, d_ff, 1)) * t142.reshape((n_batch, L, 1, d_V)))
-        t427 = (t330.permute(0, 1, 3, 2) @ t326.permute(0, 1, 3, 2))
-        t428 = (t46.permute(2, 3, 0, 1) @ t427.permute(0, 1, 3, 2))
-        t429 = ((t142.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S144.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
-        t424[...] = (t426.reshape((n_batch, L, d_ff, d_V, 1)) * t425.reshape((n_batch, L, d_ff, 1, d_V)))
-        t424 += (t428 @ t429.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))
-        t430 = t410[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t431 = t430.view((n_batch, L, d_ff, d_V, d_ff))
-        t432 = (t46.permute(2, 3, 0, 1) @ t326)
-        t433 = (t432 @ t63.permute(1, 2, 3, 0))
-        t431[...] = ((N_2.reshape((n_batch, L, d_V, 1)) * t433.reshape((n_batch, L, 1, d_ff**2))).reshape((n_batch, L, d_V, d_ff, d_ff))).permute(0, 1, 3, 2, 4)
-        t434 = t410[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t435 = t434.view((n_batch, L, d_ff, d_ff, d_V))
-        t436 = (t326.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-        t437 = (t436.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
-        t438 = t435.diagonal(0, 2, 3)
-        t435[...] = ((t52.reshape((n_batch, L, d_ff, 1)) * t437.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_ff, d_ff, d_V))).permute(0, 1, 3, 2, 4)
-        t438 += (G.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
-        t439 = t408.permute(1, 0, 2)
-        t440 = t439.reshape((d_V, L*n_batch))
-        t441 = (1/n_batch) * t440
-        t442 = R409.view((L*n_batch, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t443 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t441, t442, out=t443)
-        del R409
-        t444 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-        t445 = t444.view((d_V, d_ff, d_V, d_K))
-        t446 = t40.transpose(-1, -2)
-        t447 = t41.transpose(-1, -2)
-        t448 = t79.transpose(-1, -2)
-        t449 = t447 * t448
-        t450 = t371 * t373
-        t451 = (t31.reshape((d_V, d_V, 1)) * t450.permute(1, 0, 2).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
+        t401 = t36.transpose(-1, -2)
+        t402 = t81.transpose(-1, -2)
+        t403 = M_N_2.transpose(-1, -2)
+        t404 = t401 * t402 * t403
+        t405 = t404.sum(-2, keepdim=True)
+        t406 = t405.expand(*t405.shape[:-2], d_V, t405.shape[-1])
+        t407 = t406 * t403
+        t408 = P_N_2.transpose(-1, -2)
+        t409 = t402 * t408
+        t410 = ((1/2)*d_V) * t409
+        t411 = G.transpose(-1, -2)
+        t412 = ((1/2)*d_V) * t411
+        t413 = t407 + t410 + t412
+        t414 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t413
+        t415 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t10.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t416 = ((t114.permute(0, 2, 1) @ t415.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+        t417 = ((N_1.reshape((n_batch, L, d_V, 1)) * t414.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t418 = t407 + t410
+        t419 = t418.sum(-2, keepdim=True)
+        t420 = t419.expand(*t419.shape[:-2], d_V, t419.shape[-1])
+        t421 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t420
+        t422 = ((N_1.reshape((n_batch, L, d_V, 1)) * t421.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t423 = t417.reshape((d_V**2, L*n_batch))
+        t424 = t422.reshape((d_V**2, L*n_batch))
+        t425 = t416.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        t426 = torch.cat([t423, t424], dim=-1)
+        t427 = torch.cat([t425, t425], dim=-2)
+        t399 += ((t426 @ t427).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t428 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+        t429 = t428.view((d_V, d_V, d_V, d_K))
+        t430 = ((N_1.permute(0, 2, 1) @ t415.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+        t431 = ((t120.reshape((n_batch, L, d_K, 1)) * t414.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t432 = ((t120.reshape((n_batch, L, d_K, 1)) * t421.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t433 = t430.reshape((d_V**2, L*n_batch))
+        t434 = t431.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        t435 = t432.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+        t436 = torch.cat([t433, t433], dim=-1)
+        t437 = torch.cat([t434, t435], dim=-2)
+        t429 += ((t436 @ t437).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t438 = N_2.transpose(-1, -2)
+        R439 = torch.empty((n_batch, L, d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t440 = R439.view((n_batch, L*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t441 = t440[..., 0:d_K*d_V]
+        t442 = t441.view((n_batch, L, d_ff, d_V, d_K))
+        t443 = (dA57.reshape((n_batch, L, d_V, d_V, 1)) * t312.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t444 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t67.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t445 = (t444 @ S66.permute(0, 1, 3, 2))
+        t446 = (t445 @ t443.permute(0, 1, 3, 2))
+        t447 = (t446.reshape((L**2*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, L, d_ff))
+        t448 = (t447.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+        t449 = (t448.reshape((n_batch, L*d_ff, L)) @ t114).reshape((n_batch, L, d_ff, d_K))
+        t442[...] = ((N_1.reshape((n_batch, L, d_V, 1)) * t449.reshape((n_batch, L, 1, d_K*d_ff))).reshape((n_batch, L, d_V, d_ff, d_K))).permute(0, 1, 3, 2, 4)
+        t450 = t440[..., d_K*d_V:2*d_K*d_V]
+        t451 = t450.view((n_batch, L, d_ff, d_V, d_K))
+        t452 = (t448.reshape((n_batch, L*d_ff, L)) @ N_1).reshape((n_batch, L, d_ff, d_V))
+        t451[...] = (t452.reshape((n_batch, L, d_V*d_ff, 1)) * t120.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_ff, d_V, d_K))
+        t453 = t440[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t454 = t453.view((n_batch, L, d_ff, d_V, d_V))
+        t455 = ((W_2 @ t347.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t456 = (t41.reshape((n_batch, L, d_ff, 1)) * t145.reshape((n_batch, L, 1, d_V)))
+        t457 = (t351.permute(0, 1, 3, 2) @ t347.permute(0, 1, 3, 2))
+        t458 = (t46.permute(2, 3, 0, 1) @ t457.permute(0, 1, 3, 2))
+        t459 = ((t145.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * S147.permute(0, 2, 1).reshape((d_V, 1, d_V**2))).reshape((d_V, n_batch, L, d_V, d_V))).permute(1, 2, 0, 3, 4)
+        t454[...] = (t456.reshape((n_batch, L, d_ff, d_V, 1)) * t455.reshape((n_batch, L, d_ff, 1, d_V)))
+        t454 += (t458 @ t459.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))
+        t460 = t440[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t461 = t460.view((n_batch, L, d_ff, d_V, d_ff))
+        t462 = (t46.permute(2, 3, 0, 1) @ t347)
+        t463 = (t462 @ t63.permute(1, 2, 3, 0))
+        t461[...] = ((N_2.reshape((n_batch, L, d_V, 1)) * t463.reshape((n_batch, L, 1, d_ff**2))).reshape((n_batch, L, d_V, d_ff, d_ff))).permute(0, 1, 3, 2, 4)
+        t464 = t440[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t465 = t464.view((n_batch, L, d_ff, d_ff, d_V))
+        t466 = (t347.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+        t467 = (t466.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t41.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+        t468 = t465.diagonal(0, 2, 3)
+        t465[...] = ((t52.reshape((n_batch, L, d_ff, 1)) * t467.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_ff, d_ff, d_V))).permute(0, 1, 3, 2, 4)
+        t468 += (G.reshape((n_batch, L, d_V, 1)) * t41.reshape((n_batch, L, 1, d_ff)))
+        t469 = t438.permute(1, 0, 2)
+        t470 = t469.reshape((d_V, L*n_batch))
+        t471 = (1/n_batch) * t470
+        t472 = R439.view((L*n_batch, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t473 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff].view((d_V, d_ff*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t471, t472, out=t473)
+        del R439
+        t474 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+        t475 = t474.view((d_V, d_ff, d_V, d_K))
+        t477 = t41.transpose(-1, -2)
+        t478 = t79.transpose(-1, -2)
+        t479 = t477 * t478
+        t480 = t401 * t403
+        t481 = (t31.reshape((d_V, d_V, 1)) * t480.permute(1, 0, 2).reshape((d_V, 1, L*n_batch))).reshape((d_V, d_V, n_batch, L))
         # S: compact tensor ('d_V', 'L', 'd_V')
-        S452 = ((t378.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t451.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t373.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
-        t453 = (1/(math.sqrt(d_K)*n_batch)) * t67
-        t454 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t453.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-        t455 = (t454.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S62.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
-        t456 = (t455 @ S452.permute(2, 0, 3, 1))
-        t457 = ((t114.permute(0, 2, 1) @ t456.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-        t458 = ((N_1.reshape((n_batch, L, d_V, 1)) * t449.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-        t445 += ((t458.reshape((d_V*d_ff, L*n_batch)) @ t457.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        t459 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t460 = t459.view((d_V, d_ff, d_V, d_K))
-        t461 = ((N_1.permute(0, 2, 1) @ t456.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-        t462 = ((t120.reshape((n_batch, L, d_K, 1)) * t449.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-        t460 += ((t461.reshape((d_V**2, L*n_batch)) @ t462.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
-        t463 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t464 = t463.view((d_V, d_ff, d_V, d_V))
+        S482 = ((t408.permute(1, 0, 2).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t481.permute(2, 3, 1, 0).reshape((n_batch, L, d_V, d_V, 1)) * t403.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))).permute(0, 3, 1, 2)
+        t483 = (1/(math.sqrt(d_K)*n_batch)) * t67
+        t484 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t483.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+        t485 = (t484.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S62.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+        t486 = (t485 @ S482.permute(2, 0, 3, 1))
+        t487 = ((t114.permute(0, 2, 1) @ t486.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
+        t488 = ((N_1.reshape((n_batch, L, d_V, 1)) * t479.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t475 += ((t488.reshape((d_V*d_ff, L*n_batch)) @ t487.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+        t489 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t490 = t489.view((d_V, d_ff, d_V, d_K))
+        t491 = ((N_1.permute(0, 2, 1) @ t486.permute(1, 2, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+        t492 = ((t120.reshape((n_batch, L, d_K, 1)) * t479.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t490 += ((t491.reshape((d_V**2, L*n_batch)) @ t492.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(0, 2, 1, 3)
+        t493 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t494 = t493.view((d_V, d_ff, d_V, d_V))
         # S: compact tensor ('d_V', 'd_V', 'd_V')
-        S465 = ((t143.reshape((d_V, 1)) * t22.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2) + (-1/d_V) * ((t143.reshape((d_V, 1)) * t31.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2)
-        t466 = (1/n_batch) * t142
-        t467 = ((t466.reshape((n_batch, L, d_V, 1)) * t449.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-        t468 = ((S465.permute(1, 2, 0).reshape((d_V**2, d_V)) @ S452.permute(3, 1, 0, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
-        t464 += ((t467.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t468.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 1, 0, 3)
-        t469 = t52.transpose(-1, -2)
-        R470 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
-        t471 = R470.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
-        t472 = t471[..., 0:d_K*d_V]
-        t473 = t472.view((n_batch, L, d_V, d_V, d_K))
-        t474 = (t305.reshape((n_batch, L, d_V, 1)) * N_1.reshape((n_batch, L, 1, d_V)))
-        t475 = (t415 @ dA57.permute(0, 1, 3, 2))
-        t476 = (t475.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t114).reshape((n_batch, L, d_V, d_K))
-        t473[...] = (t474.reshape((n_batch, L, d_V, d_V, 1)) * t476.reshape((n_batch, L, d_V, 1, d_K)))
-        t477 = t471[..., d_K*d_V:2*d_K*d_V]
-        t478 = t477.view((n_batch, L, d_V, d_V, d_K))
-        t479 = (t305.reshape((n_batch, L, d_V, 1)) * t120.reshape((n_batch, L, 1, d_K)))
-        t480 = (t475.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
-        t478[...] = (t480.reshape((n_batch, L, d_V, d_V, 1)) * t479.reshape((n_batch, L, d_V, 1, d_K)))
-        t481 = t471[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t482 = t481.view((n_batch, L, d_V, d_V, d_V))
-        t483 = (t326 @ t330)
-        t482[...] = ((t142.reshape((n_batch, L, d_V, 1)) * t326.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
-        t482 += (t483 @ t429.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-        t484 = t471[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t485 = t484.view((n_batch, L, d_V, d_V, d_ff))
-        t486 = (dA57.reshape((L*d_V*n_batch, d_V)) @ t58).reshape((n_batch, L, d_V, d_ff))
-        t487 = (N_2.reshape((n_batch, L, d_V, 1)) * t325.reshape((n_batch, L, 1, d_V)))
-        t488 = (t487.permute(0, 1, 3, 2).reshape((n_batch, L, d_V**2, 1)) * t41.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
-        t485[...] = ((t486.reshape((n_batch, L, d_V, d_ff, 1, 1)) * t488.permute(0, 1, 2, 4, 3).reshape((n_batch, L, d_V, d_ff, 1, d_V))).reshape((n_batch, L, d_V, d_ff, d_V))).permute(0, 1, 2, 4, 3)
-        t489 = t471[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-        t490 = t489.view((n_batch, L, d_V, d_ff, d_V))
-        t490[...] = ((t52.reshape((n_batch, L, d_ff, 1)) * t326.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
-        t491 = t469.permute(1, 0, 2)
-        t492 = t491.reshape((d_ff, L*n_batch))
-        t493 = (1/n_batch) * t492
-        t494 = R470.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        t495 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
-        torch.matmul(t493, t494, out=t495)
-        del R470
-        t496 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-        t497 = t496.view((d_ff, d_V, d_V, d_K))
-        t498 = (1/(math.sqrt(d_K)*n_batch)) * t381
-        t499 = ((N_1.reshape((n_batch, L, d_V, 1)) * t498.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t500 = (t414.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S62.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
-        t501 = (t500 @ S452.permute(2, 0, 3, 1))
-        t502 = (t501.reshape((L**2*n_batch, d_V)) @ t59.permute(1, 0)).reshape((L, n_batch, L, d_ff))
-        t503 = (t502.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t447.permute(2, 0, 1).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
-        t504 = ((t114.permute(0, 2, 1) @ t503.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
-        t497 += ((t499.reshape((d_V**2, L*n_batch)) @ t504.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
-        t505 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-        t506 = t505.view((d_ff, d_V, d_V, d_K))
-        t507 = ((t120.reshape((n_batch, L, d_K, 1)) * t498.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t508 = ((N_1.permute(0, 2, 1) @ t503.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
-        t506 += ((t508.reshape((d_V*d_ff, L*n_batch)) @ t507.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
-        t509 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-        t510 = t509.view((d_ff, d_V, d_V, d_V))
-        t511 = (1/n_batch) * t381
-        t512 = ((t142.reshape((n_batch, L, d_V, 1)) * t511.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t513 = (t59.reshape((d_ff, d_V, 1)) * t447.permute(1, 0, 2).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-        t514 = (t513.permute(2, 3, 0, 1) @ S452.permute(0, 2, 1, 3))
-        t515 = ((S465.permute(1, 2, 0).reshape((d_V**2, d_V)) @ t514.permute(3, 2, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
-        t510 += ((t512.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t515.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 1, 0, 3)
-        t516 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-        t517 = t516.view((d_ff, d_V, d_V, d_ff))
-        t518 = t517.diagonal(0, 0, 3)
-        t519 = t447.permute(1, 0, 2)
-        t520 = ((N_2.reshape((n_batch, L, d_V, 1)) * t511.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t518 += (t520.reshape((d_V**2, L*n_batch)) @ t519.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+        S495 = ((t146.reshape((d_V, 1)) * t22.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2) + (-1/d_V) * ((t146.reshape((d_V, 1)) * t31.reshape((1, d_V**2))).reshape((d_V, d_V, d_V))).permute(1, 0, 2)
+        t496 = (1/n_batch) * t145
+        t497 = ((t496.reshape((n_batch, L, d_V, 1)) * t479.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t498 = ((S495.permute(1, 2, 0).reshape((d_V**2, d_V)) @ S482.permute(3, 1, 0, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+        t494 += ((t497.permute(1, 0, 2, 3).reshape((d_V, d_ff, L*n_batch)) @ t498.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_ff, d_V, d_V))).permute(2, 1, 0, 3)
+        t499 = t52.transpose(-1, -2)
+        R500 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        t501 = R500.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff))
+        t502 = t501[..., 0:d_K*d_V]
+        t503 = t502.view((n_batch, L, d_V, d_V, d_K))
+        t504 = (t312.reshape((n_batch, L, d_V, 1)) * N_1.reshape((n_batch, L, 1, d_V)))
+        t505 = (t445 @ dA57.permute(0, 1, 3, 2))
+        t506 = (t505.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t114).reshape((n_batch, L, d_V, d_K))
+        t503[...] = (t504.reshape((n_batch, L, d_V, d_V, 1)) * t506.reshape((n_batch, L, d_V, 1, d_K)))
+        t507 = t501[..., d_K*d_V:2*d_K*d_V]
+        t508 = t507.view((n_batch, L, d_V, d_V, d_K))
+        t509 = (t312.reshape((n_batch, L, d_V, 1)) * t120.reshape((n_batch, L, 1, d_K)))
+        t510 = (t505.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ N_1).reshape((n_batch, L, d_V, d_V))
+        t508[...] = (t510.reshape((n_batch, L, d_V, d_V, 1)) * t509.reshape((n_batch, L, d_V, 1, d_K)))
+        t511 = t501[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t512 = t511.view((n_batch, L, d_V, d_V, d_V))
+        t513 = (t347 @ t351)
+        t512[...] = ((t145.reshape((n_batch, L, d_V, 1)) * t347.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t512 += (t513 @ t459.permute(0, 1, 4, 2, 3).reshape((n_batch, L, d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+        t514 = t501[..., 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t515 = t514.view((n_batch, L, d_V, d_V, d_ff))
+        t516 = (dA57.reshape((L*d_V*n_batch, d_V)) @ t58).reshape((n_batch, L, d_V, d_ff))
+        t517 = (N_2.reshape((n_batch, L, d_V, 1)) * t346.reshape((n_batch, L, 1, d_V)))
+        t518 = (t517.permute(0, 1, 3, 2).reshape((n_batch, L, d_V**2, 1)) * t41.reshape((n_batch, L, 1, d_ff))).reshape((n_batch, L, d_V, d_V, d_ff))
+        t515[...] = ((t516.reshape((n_batch, L, d_V, d_ff, 1, 1)) * t518.permute(0, 1, 2, 4, 3).reshape((n_batch, L, d_V, d_ff, 1, d_V))).reshape((n_batch, L, d_V, d_ff, d_V))).permute(0, 1, 2, 4, 3)
+        t519 = t501[..., 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+        t520 = t519.view((n_batch, L, d_V, d_ff, d_V))
+        t520[...] = ((t52.reshape((n_batch, L, d_ff, 1)) * t347.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_ff, d_V, d_V))).permute(0, 1, 3, 2, 4)
+        t521 = t499.permute(1, 0, 2)
+        t522 = t521.reshape((d_ff, L*n_batch))
+        t523 = (1/n_batch) * t522
+        t524 = R500.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        t525 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff].view((d_ff, d_V*(2*d_K*d_V + d_V**2 + 2*d_V*d_ff)))
+        torch.matmul(t523, t524, out=t525)
+        del R500
+        t526 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+        t527 = t526.view((d_ff, d_V, d_V, d_K))
+        t528 = (1/(math.sqrt(d_K)*n_batch)) * t411
+        t529 = ((N_1.reshape((n_batch, L, d_V, 1)) * t528.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t530 = (t444.permute(1, 0, 2, 3).reshape((L, L*n_batch, d_V)) @ S62.permute(0, 2, 1)).reshape((L, n_batch, L, d_V))
+        t531 = (t530 @ S482.permute(2, 0, 3, 1))
+        t532 = (t531.reshape((L**2*n_batch, d_V)) @ t59.permute(1, 0)).reshape((L, n_batch, L, d_ff))
+        t533 = (t532.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t477.permute(2, 0, 1).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
+        t534 = ((t114.permute(0, 2, 1) @ t533.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(2, 1, 0, 3)
+        t527 += ((t529.reshape((d_V**2, L*n_batch)) @ t534.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_ff, d_K))).permute(2, 0, 1, 3)
+        t535 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+        t536 = t535.view((d_ff, d_V, d_V, d_K))
+        t537 = ((t120.reshape((n_batch, L, d_K, 1)) * t528.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t538 = ((N_1.permute(0, 2, 1) @ t533.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(2, 1, 0, 3)
+        t536 += ((t538.reshape((d_V*d_ff, L*n_batch)) @ t537.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_ff, d_V, d_V, d_K))).permute(0, 2, 1, 3)
+        t539 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+        t540 = t539.view((d_ff, d_V, d_V, d_V))
+        t541 = (1/n_batch) * t411
+        t542 = ((t145.reshape((n_batch, L, d_V, 1)) * t541.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t543 = (t59.reshape((d_ff, d_V, 1)) * t477.permute(1, 0, 2).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+        t544 = (t543.permute(2, 3, 0, 1) @ S482.permute(0, 2, 1, 3))
+        t545 = ((S495.permute(1, 2, 0).reshape((d_V**2, d_V)) @ t544.permute(3, 2, 0, 1).reshape((d_V, L*d_ff*n_batch))).reshape((d_V, d_V, d_ff, n_batch, L))).permute(2, 0, 1, 3, 4)
+        t540 += ((t542.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t545.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V*d_ff))).reshape((d_V, d_V, d_ff, d_V))).permute(2, 1, 0, 3)
+        t546 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+        t547 = t546.view((d_ff, d_V, d_V, d_ff))
+        t548 = t547.diagonal(0, 0, 3)
+        t549 = t477.permute(1, 0, 2)
+        t550 = ((N_2.reshape((n_batch, L, d_V, 1)) * t541.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t548 += (t550.reshape((d_V**2, L*n_batch)) @ t549.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
         return H
     H = torch.empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), dtype=X.dtype, device=X.device)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -44011,15 +43769,9 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t158 = (t152.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t159 = (t158.permute(1, 2, 0) @ S90.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t160 = (t159.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t161 = (t153.reshape((n_batch, L, d_V, 1)) * t156.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t162 = (t160.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S155.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t163 = ((t161.permute(2, 0, 3, 1) @ t162.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t164 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t165 = (t164.permute(1, 2, 0) @ S90.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t166 = (t165.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t167 = (t153.reshape((n_batch, L, d_V, 1)) * t147.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t168 = (t166.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S155.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t169 = ((t167.permute(2, 0, 3, 1) @ t168.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t170 = (1/(L*math.sqrt(d_K)*n_batch)) * t12
     t171 = ((t153.reshape((n_batch, L, d_V, 1)) * t170.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
     t172 = (t164.permute(1, 2, 0) @ S48.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -44048,254 +43800,255 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t195 = torch.cat([t192, t192], dim=-1)
     t196 = torch.cat([t193, t194], dim=-2)
     t143[...] = ((t195 @ t196).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t197 = t163 + t169
-    t143 += ((t157.reshape((d_K, L*n_batch)) @ t197.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+    t197 = ((t153.reshape((n_batch, L, d_V, 1)) * t156.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t198 = (S155.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t160.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t199 = ((t153.reshape((n_batch, L, d_V, 1)) * t147.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t200 = (S155.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t166.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t201 = ((t197.permute(1, 2, 0, 3) @ t198.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4) + ((t199.permute(1, 2, 0, 3) @ t200.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
+    t143 += ((t157.reshape((d_K, L*n_batch)) @ t201.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
     t143 += ((t171.reshape((d_V**2, L*n_batch)) @ t176.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t143 += (t177.reshape((d_V, L*n_batch)) @ t187.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
-    t198 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t199 = t198.view((d_V, d_K, d_V, d_ff))
-    t200 = (1/(math.sqrt(d_K)*n_batch)) * t12
-    t201 = (t91.permute(0, 2, 3, 1) @ S.permute(1, 0, 2, 3))
-    t202 = (t201.permute(0, 1, 3, 2) @ dA.permute(1, 0, 3, 2))
-    t203 = ((t14 @ t202.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
-    t204 = ((t79.reshape((n_batch, L, d_ff, 1)) * t200.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t205 = ((N_2.reshape((n_batch, L, d_V, 1)) * t170.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t206 = (t50.reshape((n_batch, L, d_V, 1, 1)) * S48.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V))
-    t207 = (t206.reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-    t208 = (t207.permute(0, 1, 3, 2) @ dA56)
-    t209 = (t208.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-    t210 = (t209.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t57).reshape((n_batch, L, L, d_ff))
-    t211 = (t210.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
-    t212 = ((t14 @ t211.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
-    t199[...] = ((t203.reshape((d_K*d_V, L*n_batch)) @ t204.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
-    t199 += ((t205.reshape((d_V**2, L*n_batch)) @ t212.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
-    t213 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t214 = t213.view((d_V, d_K, d_ff, d_V))
-    t215 = ((G.reshape((n_batch, L, d_V, 1)) * t200.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t216 = (t202.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((L, n_batch, L, d_ff))
-    t217 = (t216.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t40.permute(1, 0, 2).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
-    t218 = ((t14 @ t217.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
-    t219 = ((t51.reshape((n_batch, L, d_ff, 1)) * t170.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t220 = (S48.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
-    t221 = (t220.reshape((n_batch, L, d_V, L, 1)) * t50.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t222 = (t221.permute(0, 1, 3, 2) @ dA56)
-    t223 = (t222.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
-    t224 = ((t14 @ t223.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
-    t214[...] = ((t218.reshape((d_K*d_ff, L*n_batch)) @ t215.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
-    t214 += ((t219.reshape((d_V*d_ff, L*n_batch)) @ t224.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
-    t225 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t226 = t225.view((d_V, d_K, d_V, d_K))
-    t227 = t121.transpose(-1, -2)
-    t228 = (1/(L*d_K*n_batch)) * t227
-    t229 = ((t121.reshape((n_batch, L, d_K, 1)) * t228.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t230 = ((t12 @ t129.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
-    t231 = (S120.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t122.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t232 = ((N_1.permute(0, 2, 1) @ t231.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t233 = ((t121.reshape((n_batch, L, d_K, 1)) * t227.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t234 = t230.reshape((d_V**2, L*n_batch))
-    t235 = t232.reshape((d_V**2, L*n_batch))
-    t236 = t229.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    t237 = t233.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
-    t238 = torch.cat([t234, t235], dim=-1)
-    t239 = torch.cat([t236, t237], dim=-2)
-    t226[...] = ((t238 @ t239).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
-    t240 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t241 = t240.view((d_V, d_K, d_V, d_V))
-    t242 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t227
-    t243 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    t244 = ((N_1.permute(0, 2, 1) @ t243.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t245 = ((t146.reshape((n_batch, L, d_V, 1)) * t242.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t246 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t227
-    t247 = t12.permute(1, 0, 2)
-    t248 = (t153.reshape((n_batch, L, d_V, 1)) * t246.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t249 = ((t248.permute(2, 0, 3, 1) @ t162.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
-    t250 = (t153.reshape((n_batch, L, d_V, 1)) * t242.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t251 = ((t250.permute(2, 0, 3, 1) @ t168.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
-    t252 = (1/(L*math.sqrt(d_K)*n_batch)) * t227
-    t253 = ((t153.reshape((n_batch, L, d_V, 1)) * t252.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t254 = ((t12 @ t175.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
-    t255 = t252.permute(1, 0, 2)
-    t256 = (t184.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
-    t257 = (t256.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S155.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
-    t258 = ((t257.permute(3, 0, 1, 2, 4).reshape((d_V, n_batch, L, d_V**2, 1)) * t153.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V, d_V))).permute(3, 0, 4, 1, 2)
-    t259 = ((t190.reshape((n_batch, L, d_V, 1)) * t246.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t260 = t244.reshape((d_V**2, L*n_batch))
-    t261 = t245.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t262 = t259.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t263 = torch.cat([t260, t260], dim=-1)
-    t264 = torch.cat([t261, t262], dim=-2)
-    t241[...] = ((t263 @ t264).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t265 = t249 + t251
-    t241 += (t247.reshape((d_V, L*n_batch)) @ t265.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
-    t241 += ((t253.reshape((d_K*d_V, L*n_batch)) @ t254.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t241 += ((t255.reshape((d_K, L*n_batch)) @ t258.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
-    t266 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t267 = t266.view((d_V, d_K, d_V, d_ff))
-    t268 = (1/(math.sqrt(d_K)*n_batch)) * t227
-    t269 = ((t12 @ t202.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
-    t270 = ((t79.reshape((n_batch, L, d_ff, 1)) * t268.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t271 = ((N_2.reshape((n_batch, L, d_V, 1)) * t252.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t272 = ((t12 @ t211.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
-    t267[...] = ((t269.reshape((d_V**2, L*n_batch)) @ t270.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
-    t267 += ((t271.reshape((d_K*d_V, L*n_batch)) @ t272.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
-    t273 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t274 = t273.view((d_V, d_K, d_ff, d_V))
-    t275 = ((G.reshape((n_batch, L, d_V, 1)) * t268.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t276 = ((t12 @ t217.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
-    t277 = ((t51.reshape((n_batch, L, d_ff, 1)) * t252.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t278 = ((t12 @ t223.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
-    t274[...] = ((t276.reshape((d_V*d_ff, L*n_batch)) @ t275.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
-    t274 += ((t277.reshape((d_K*d_ff, L*n_batch)) @ t278.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
-    t279 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t280 = t279.view((d_V, d_V, d_V, d_V))
-    t281 = t153.transpose(-1, -2)
-    t282 = (2/(d_V*n_batch)) * t281
-    t283 = ((t153.reshape((n_batch, L, d_V, 1)) * t282.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t284 = ((S155.permute(0, 2, 1).reshape((d_V**2, d_V)) @ S90.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t202 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t203 = t202.view((d_V, d_K, d_V, d_ff))
+    t204 = (1/(math.sqrt(d_K)*n_batch)) * t12
+    t205 = (t91.permute(0, 2, 3, 1) @ S.permute(1, 0, 2, 3))
+    t206 = (t205.permute(0, 1, 3, 2) @ dA.permute(1, 0, 3, 2))
+    t207 = ((t14 @ t206.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
+    t208 = ((t79.reshape((n_batch, L, d_ff, 1)) * t204.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t209 = ((N_2.reshape((n_batch, L, d_V, 1)) * t170.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t210 = (t50.reshape((n_batch, L, d_V, 1, 1)) * S48.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V))
+    t211 = (t210.reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t212 = (t211.permute(0, 1, 3, 2) @ dA56)
+    t213 = (t212.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+    t214 = (t213.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t57).reshape((n_batch, L, L, d_ff))
+    t215 = (t214.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, L, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, L))
+    t216 = ((t14 @ t215.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
+    t203[...] = ((t207.reshape((d_K*d_V, L*n_batch)) @ t208.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+    t203 += ((t209.reshape((d_V**2, L*n_batch)) @ t216.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
+    t217 = H[0:d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t218 = t217.view((d_V, d_K, d_ff, d_V))
+    t219 = ((G.reshape((n_batch, L, d_V, 1)) * t204.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t220 = (t206.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ W_1).reshape((L, n_batch, L, d_ff))
+    t221 = (t220.permute(0, 1, 3, 2).reshape((L, n_batch, d_ff, L, 1)) * t40.permute(1, 0, 2).reshape((L, n_batch, d_ff, 1, 1))).reshape((L, n_batch, d_ff, L))
+    t222 = ((t14 @ t221.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_K, d_ff, L))).permute(1, 2, 0, 3)
+    t223 = ((t51.reshape((n_batch, L, d_ff, 1)) * t170.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t224 = (S48.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
+    t225 = (t224.reshape((n_batch, L, d_V, L, 1)) * t50.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t226 = (t225.permute(0, 1, 3, 2) @ dA56)
+    t227 = (t226.permute(0, 1, 3, 2) @ dA.permute(0, 1, 3, 2))
+    t228 = ((t14 @ t227.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
+    t218[...] = ((t222.reshape((d_K*d_ff, L*n_batch)) @ t219.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+    t218 += ((t223.reshape((d_V*d_ff, L*n_batch)) @ t228.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
+    t229 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t230 = t229.view((d_V, d_K, d_V, d_K))
+    t231 = t121.transpose(-1, -2)
+    t232 = (1/(L*d_K*n_batch)) * t231
+    t233 = ((t121.reshape((n_batch, L, d_K, 1)) * t232.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t234 = ((t12 @ t129.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t235 = (S120.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t122.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t236 = ((N_1.permute(0, 2, 1) @ t235.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t237 = ((t121.reshape((n_batch, L, d_K, 1)) * t231.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t238 = t234.reshape((d_V**2, L*n_batch))
+    t239 = t236.reshape((d_V**2, L*n_batch))
+    t240 = t233.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t241 = t237.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
+    t242 = torch.cat([t238, t239], dim=-1)
+    t243 = torch.cat([t240, t241], dim=-2)
+    t230[...] = ((t242 @ t243).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
+    t244 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t245 = t244.view((d_V, d_K, d_V, d_V))
+    t246 = (2/(math.sqrt(d_K)*d_V*n_batch)) * t231
+    t247 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t248 = ((N_1.permute(0, 2, 1) @ t247.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
+    t249 = ((t146.reshape((n_batch, L, d_V, 1)) * t246.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t250 = (-2/(math.sqrt(d_K)*d_V**2*n_batch)) * t231
+    t251 = t12.permute(1, 0, 2)
+    t256 = (1/(L*math.sqrt(d_K)*n_batch)) * t231
+    t257 = ((t153.reshape((n_batch, L, d_V, 1)) * t256.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t258 = ((t12 @ t175.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t259 = t256.permute(1, 0, 2)
+    t260 = (t184.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ t12.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
+    t261 = (t260.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ S155.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+    t262 = ((t261.permute(3, 0, 1, 2, 4).reshape((d_V, n_batch, L, d_V**2, 1)) * t153.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V, d_V))).permute(3, 0, 4, 1, 2)
+    t263 = ((t190.reshape((n_batch, L, d_V, 1)) * t250.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t264 = t248.reshape((d_V**2, L*n_batch))
+    t265 = t249.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t266 = t263.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t267 = torch.cat([t264, t264], dim=-1)
+    t268 = torch.cat([t265, t266], dim=-2)
+    t245[...] = ((t267 @ t268).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
+    t269 = ((t153.reshape((n_batch, L, d_V, 1)) * t250.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t270 = ((t153.reshape((n_batch, L, d_V, 1)) * t246.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t271 = ((t269.permute(1, 2, 0, 3) @ t198.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4) + ((t270.permute(1, 2, 0, 3) @ t200.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
+    t245 += (t251.reshape((d_V, L*n_batch)) @ t271.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
+    t245 += ((t257.reshape((d_K*d_V, L*n_batch)) @ t258.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
+    t245 += ((t259.reshape((d_K, L*n_batch)) @ t262.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+    t272 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t273 = t272.view((d_V, d_K, d_V, d_ff))
+    t274 = (1/(math.sqrt(d_K)*n_batch)) * t231
+    t275 = ((t12 @ t206.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t276 = ((t79.reshape((n_batch, L, d_ff, 1)) * t274.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t277 = ((N_2.reshape((n_batch, L, d_V, 1)) * t256.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t278 = ((t12 @ t215.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
+    t273[...] = ((t275.reshape((d_V**2, L*n_batch)) @ t276.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_ff))).reshape((d_V, d_V, d_K, d_ff))).permute(0, 2, 1, 3)
+    t273 += ((t277.reshape((d_K*d_V, L*n_batch)) @ t278.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_K, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+    t279 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t280 = t279.view((d_V, d_K, d_ff, d_V))
+    t281 = ((G.reshape((n_batch, L, d_V, 1)) * t274.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t282 = ((t12 @ t221.permute(1, 3, 2, 0).reshape((n_batch, L, L*d_ff))).reshape((n_batch, d_V, d_ff, L))).permute(1, 2, 0, 3)
+    t283 = ((t51.reshape((n_batch, L, d_ff, 1)) * t256.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t284 = ((t12 @ t227.permute(0, 3, 2, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
+    t280[...] = ((t282.reshape((d_V*d_ff, L*n_batch)) @ t281.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_ff, d_K, d_V))).permute(0, 2, 1, 3)
+    t280 += ((t283.reshape((d_K*d_ff, L*n_batch)) @ t284.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+    t285 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t286 = t285.view((d_V, d_V, d_V, d_V))
+    t287 = t153.transpose(-1, -2)
+    t288 = (2/(d_V*n_batch)) * t287
+    t289 = ((t153.reshape((n_batch, L, d_V, 1)) * t288.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t290 = ((S155.permute(0, 2, 1).reshape((d_V**2, d_V)) @ S90.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S285 = (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t42.permute(1, 2, 3, 0) @ t44) + (t46.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t286 = (1/(L*n_batch)) * t281
-    t287 = ((t179.permute(0, 1, 3, 2) @ S285.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t288 = ((t153.reshape((n_batch, L, d_V, 1)) * t286.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t289 = (t50.reshape((n_batch, L, d_V, 1, 1)) * S285.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V))
-    t290 = (t289.permute(0, 1, 3, 2) @ dA56)
-    t291 = (t64.permute(0, 1, 3, 2) @ t290.permute(0, 1, 3, 2))
-    t292 = ((S155.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t291.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t293 = (-2/(d_V**2*n_batch)) * t281
-    t294 = ((t153.reshape((n_batch, L, d_V, 1)) * t293.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t295 = (S90.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t296 = ((S155.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t295.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t297 = (-1/(L*d_V*n_batch)) * t281
-    t298 = ((t153.reshape((n_batch, L, d_V, 1)) * t297.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t299 = (t44 @ t179)
-    t300 = ((t299.permute(0, 1, 3, 2) @ t47)).permute(3, 2, 0, 1)
-    t301 = (t179.reshape((L*d_V*n_batch, d_V)) @ t57).reshape((n_batch, L, d_V, d_ff))
-    t302 = (t301.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
-    t303 = (t302.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t58).reshape((n_batch, L, d_V, d_V))
-    t304 = (t303 @ S60)
-    t305 = (t47.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
-    t306 = (t305.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
-    t307 = (t306.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
-    t308 = (t307 @ t304)
-    t309 = ((S155.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t308.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
-    t280[...] = ((t283.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t284.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
-    t310 = t288.reshape((d_V**2, L*n_batch))
-    t311 = t298.reshape((d_V**2, L*n_batch))
-    t312 = t287.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t313 = t300.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t314 = torch.cat([t310, t311], dim=-1)
-    t315 = torch.cat([t312, t313], dim=-2)
-    t280 += ((t314 @ t315).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
-    t280 += ((t288.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t292.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
-    t280 += ((t294.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t296.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
-    t280 += ((t298.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t309.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
-    t316 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t317 = t316.view((d_V, d_V, d_V, d_ff))
-    t318 = (1/n_batch) * t281
-    t319 = S.permute(2, 3, 0, 1)
-    t320 = ((t79.reshape((n_batch, L, d_ff, 1)) * t318.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t321 = ((N_2.reshape((n_batch, L, d_V, 1)) * t286.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t322 = (t290.reshape((L*d_V*n_batch, d_V)) @ t57).reshape((n_batch, L, d_V, d_ff))
-    t323 = ((t322.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t324 = (-1/(d_V*n_batch)) * t281
-    t325 = ((t79.reshape((n_batch, L, d_ff, 1)) * t324.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t326 = (t30 @ S.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    t327 = ((N_2.reshape((n_batch, L, d_V, 1)) * t297.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t328 = (t299.permute(0, 1, 3, 2) @ t47)
-    t329 = (t328.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t57).reshape((n_batch, L, d_V, d_ff))
-    t330 = ((t329.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t331 = t319.reshape((d_V**2, L*n_batch))
-    t332 = t326.reshape((d_V**2, L*n_batch))
-    t333 = t320.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
-    t334 = t325.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
-    t335 = torch.cat([t331, t332], dim=-1)
-    t336 = torch.cat([t333, t334], dim=-2)
-    t317[...] = ((t335 @ t336).reshape((d_V, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
-    t337 = t321.reshape((d_V**2, L*n_batch))
-    t338 = t327.reshape((d_V**2, L*n_batch))
-    t339 = t323.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
-    t340 = t330.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
+    S291 = (t22.reshape((L, 1)) * t21.reshape((1, d_V**2))).reshape((L, d_V, d_V)) + (2/d_V) * (t42.permute(1, 2, 3, 0) @ t44) + (t46.permute(1, 2, 3, 0).reshape((n_batch, L, d_V, d_V, 1)) * P_N_2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t292 = (1/(L*n_batch)) * t287
+    t293 = ((t179.permute(0, 1, 3, 2) @ S291.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t294 = ((t153.reshape((n_batch, L, d_V, 1)) * t292.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t295 = (t50.reshape((n_batch, L, d_V, 1, 1)) * S291.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V))).reshape((n_batch, L, d_V, d_V))
+    t296 = (t295.permute(0, 1, 3, 2) @ dA56)
+    t297 = (t64.permute(0, 1, 3, 2) @ t296.permute(0, 1, 3, 2))
+    t298 = ((S155.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t297.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t299 = (-2/(d_V**2*n_batch)) * t287
+    t300 = ((t153.reshape((n_batch, L, d_V, 1)) * t299.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t301 = (S90.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t302 = ((S155.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t301.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t303 = (-1/(L*d_V*n_batch)) * t287
+    t304 = ((t153.reshape((n_batch, L, d_V, 1)) * t303.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t305 = (t44 @ t179)
+    t306 = ((t305.permute(0, 1, 3, 2) @ t47)).permute(3, 2, 0, 1)
+    t307 = (t179.reshape((L*d_V*n_batch, d_V)) @ t57).reshape((n_batch, L, d_V, d_ff))
+    t308 = (t307.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t309 = (t308.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t58).reshape((n_batch, L, d_V, d_V))
+    t310 = (t309 @ S60)
+    t311 = (t47.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_1).reshape((n_batch, L, d_V, d_ff))
+    t312 = (t311.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t40.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t313 = (t312.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
+    t314 = (t313 @ t310)
+    t315 = ((S155.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t314.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, d_V, n_batch, L))).permute(2, 0, 1, 3, 4)
+    t286[...] = ((t289.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t290.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
+    t316 = t294.reshape((d_V**2, L*n_batch))
+    t317 = t304.reshape((d_V**2, L*n_batch))
+    t318 = t293.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t319 = t306.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t320 = torch.cat([t316, t317], dim=-1)
+    t321 = torch.cat([t318, t319], dim=-2)
+    t286 += ((t320 @ t321).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
+    t286 += ((t294.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t298.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
+    t286 += ((t300.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t302.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
+    t286 += ((t304.permute(1, 0, 2, 3).reshape((d_V, d_V, L*n_batch)) @ t315.permute(1, 3, 4, 0, 2).reshape((d_V, L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(1, 2, 0, 3)
+    t322 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t323 = t322.view((d_V, d_V, d_V, d_ff))
+    t324 = (1/n_batch) * t287
+    t325 = S.permute(2, 3, 0, 1)
+    t326 = ((t79.reshape((n_batch, L, d_ff, 1)) * t324.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t327 = ((N_2.reshape((n_batch, L, d_V, 1)) * t292.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t328 = (t296.reshape((L*d_V*n_batch, d_V)) @ t57).reshape((n_batch, L, d_V, d_ff))
+    t329 = ((t328.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t330 = (-1/(d_V*n_batch)) * t287
+    t331 = ((t79.reshape((n_batch, L, d_ff, 1)) * t330.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t332 = (t30 @ S.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
+    t333 = ((N_2.reshape((n_batch, L, d_V, 1)) * t303.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t334 = (t305.permute(0, 1, 3, 2) @ t47)
+    t335 = (t334.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t57).reshape((n_batch, L, d_V, d_ff))
+    t336 = ((t335.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t337 = t325.reshape((d_V**2, L*n_batch))
+    t338 = t332.reshape((d_V**2, L*n_batch))
+    t339 = t326.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
+    t340 = t331.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
     t341 = torch.cat([t337, t338], dim=-1)
     t342 = torch.cat([t339, t340], dim=-2)
-    t317 += ((t341 @ t342).reshape((d_V, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
-    t343 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t344 = t343.view((d_V, d_V, d_ff, d_V))
-    t345 = ((G.reshape((n_batch, L, d_V, 1)) * t318.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t346 = (W_1.permute(1, 0) @ S.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
-    t347 = ((t346.reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(3, 0, 1, 2)
-    t348 = ((t51.reshape((n_batch, L, d_ff, 1)) * t286.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t349 = ((t51.reshape((n_batch, L, d_ff, 1)) * t297.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t350 = ((G.reshape((n_batch, L, d_V, 1)) * t324.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t351 = ((t43.permute(1, 2, 0, 3) @ t47)).permute(3, 2, 0, 1)
-    t352 = t347.reshape((d_V*d_ff, L*n_batch))
-    t353 = t351.reshape((d_V*d_ff, L*n_batch))
-    t354 = t345.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t355 = t350.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
-    t356 = torch.cat([t352, t353], dim=-1)
-    t357 = torch.cat([t354, t355], dim=-2)
-    t344[...] = ((t356 @ t357).reshape((d_V, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
-    t358 = t348.reshape((d_V*d_ff, L*n_batch))
-    t359 = t349.reshape((d_V*d_ff, L*n_batch))
-    t360 = torch.cat([t358, t359], dim=-1)
-    t344 += ((t360 @ t315).reshape((d_V, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
-    t361 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t362 = t361.view((d_V, d_ff, d_V, d_ff))
-    t363 = N_2.transpose(-1, -2)
-    t364 = (1/(L*n_batch)) * t363
-    t365 = ((N_2.reshape((n_batch, L, d_V, 1)) * t364.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t366 = (t45.permute(2, 3, 0, 1) @ t179)
-    t367 = ((t366 @ t62.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
-    t362[...] = ((t365.reshape((d_V**2, L*n_batch)) @ t367.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
-    t368 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t369 = t368.view((d_V, d_ff, d_ff, d_V))
-    t370 = ((t51.reshape((n_batch, L, d_ff, 1)) * t364.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t371 = (t179.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t372 = ((t371.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t373 = t369.diagonal(0, 1, 2)
-    t374 = (1/n_batch) * t363
-    t375 = t40.permute(2, 0, 1)
-    t376 = ((G.reshape((n_batch, L, d_V, 1)) * t374.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t369[...] = ((t370.reshape((d_V*d_ff, L*n_batch)) @ t372.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
-    t373 += (t376.reshape((d_V**2, L*n_batch)) @ t375.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    t377 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
-    t378 = t377.view((d_ff, d_V, d_V, d_ff))
-    t379 = t39.transpose(-1, -2)
-    t380 = t51.transpose(-1, -2)
-    t381 = (1/(L*n_batch)) * t50
-    t382 = ((N_2.reshape((n_batch, L, d_V, 1)) * t380.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t383 = (dA56.reshape((n_batch, L, d_V, d_V, 1)) * t381.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t384 = ((t62.permute(1, 2, 0, 3) @ t383.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t385 = t378.diagonal(0, 0, 3)
-    t386 = G.transpose(-1, -2)
-    t387 = t40.transpose(-1, -2)
-    t388 = (1/n_batch) * t386
-    t389 = t387.permute(1, 0, 2)
-    t390 = ((N_2.reshape((n_batch, L, d_V, 1)) * t388.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t378[...] = ((t382.reshape((d_V*d_ff, L*n_batch)) @ t384.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
-    t385 += (t390.reshape((d_V**2, L*n_batch)) @ t389.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
-    t391 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
-    t392 = t391.view((d_ff, d_V, d_ff, d_V))
-    t393 = ((dA56.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t381.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t394 = ((t51.reshape((n_batch, L, d_ff, 1)) * t380.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t392[...] = ((t394.reshape((d_ff**2, L*n_batch)) @ t393.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
-    t395 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t395[...] = t118.transpose(-1, -2)
-    t396 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t396[...] = t142.transpose(-1, -2)
-    t397 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t397[...] = t240.transpose(-1, -2)
-    t398 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
-    t398[...] = t198.transpose(-1, -2)
-    t399 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t399[...] = t266.transpose(-1, -2)
-    t400 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t400[...] = t316.transpose(-1, -2)
-    t401 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
-    t401[...] = t213.transpose(-1, -2)
-    t402 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
-    t402[...] = t273.transpose(-1, -2)
-    t403 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t403[...] = t343.transpose(-1, -2)
+    t323[...] = ((t341 @ t342).reshape((d_V, d_V, d_V, d_ff))).permute(2, 0, 1, 3)
+    t343 = t327.reshape((d_V**2, L*n_batch))
+    t344 = t333.reshape((d_V**2, L*n_batch))
+    t345 = t329.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
+    t346 = t336.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))
+    t347 = torch.cat([t343, t344], dim=-1)
+    t348 = torch.cat([t345, t346], dim=-2)
+    t323 += ((t347 @ t348).reshape((d_V, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
+    t349 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t350 = t349.view((d_V, d_V, d_ff, d_V))
+    t351 = ((G.reshape((n_batch, L, d_V, 1)) * t324.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t352 = (W_1.permute(1, 0) @ S.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_ff, n_batch, L, d_V))
+    t353 = ((t352.reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(3, 0, 1, 2)
+    t354 = ((t51.reshape((n_batch, L, d_ff, 1)) * t292.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t355 = ((t51.reshape((n_batch, L, d_ff, 1)) * t303.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t356 = ((G.reshape((n_batch, L, d_V, 1)) * t330.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t357 = ((t43.permute(1, 2, 0, 3) @ t47)).permute(3, 2, 0, 1)
+    t358 = t353.reshape((d_V*d_ff, L*n_batch))
+    t359 = t357.reshape((d_V*d_ff, L*n_batch))
+    t360 = t351.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t361 = t356.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
+    t362 = torch.cat([t358, t359], dim=-1)
+    t363 = torch.cat([t360, t361], dim=-2)
+    t350[...] = ((t362 @ t363).reshape((d_V, d_ff, d_V, d_V))).permute(2, 0, 1, 3)
+    t364 = t354.reshape((d_V*d_ff, L*n_batch))
+    t365 = t355.reshape((d_V*d_ff, L*n_batch))
+    t366 = torch.cat([t364, t365], dim=-1)
+    t350 += ((t366 @ t321).reshape((d_V, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+    t367 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t368 = t367.view((d_V, d_ff, d_V, d_ff))
+    t369 = N_2.transpose(-1, -2)
+    t370 = (1/(L*n_batch)) * t369
+    t371 = ((N_2.reshape((n_batch, L, d_V, 1)) * t370.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t372 = (t45.permute(2, 3, 0, 1) @ t179)
+    t373 = ((t372 @ t62.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
+    t368[...] = ((t371.reshape((d_V**2, L*n_batch)) @ t373.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
+    t374 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t375 = t374.view((d_V, d_ff, d_ff, d_V))
+    t376 = ((t51.reshape((n_batch, L, d_ff, 1)) * t370.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t377 = (t179.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
+    t378 = ((t377.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t40.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t379 = t375.diagonal(0, 1, 2)
+    t380 = (1/n_batch) * t369
+    t381 = t40.permute(2, 0, 1)
+    t382 = ((G.reshape((n_batch, L, d_V, 1)) * t380.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t375[...] = ((t376.reshape((d_V*d_ff, L*n_batch)) @ t378.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
+    t379 += (t382.reshape((d_V**2, L*n_batch)) @ t381.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    t383 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff]
+    t384 = t383.view((d_ff, d_V, d_V, d_ff))
+    t386 = t51.transpose(-1, -2)
+    t387 = (1/(L*n_batch)) * t50
+    t388 = ((N_2.reshape((n_batch, L, d_V, 1)) * t386.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t389 = (dA56.reshape((n_batch, L, d_V, d_V, 1)) * t387.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t390 = ((t62.permute(1, 2, 0, 3) @ t389.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
+    t391 = t384.diagonal(0, 0, 3)
+    t392 = G.transpose(-1, -2)
+    t393 = t40.transpose(-1, -2)
+    t394 = (1/n_batch) * t392
+    t395 = t393.permute(1, 0, 2)
+    t396 = ((N_2.reshape((n_batch, L, d_V, 1)) * t394.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t384[...] = ((t388.reshape((d_V*d_ff, L*n_batch)) @ t390.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
+    t391 += (t396.reshape((d_V**2, L*n_batch)) @ t395.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
+    t397 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff]
+    t398 = t397.view((d_ff, d_V, d_ff, d_V))
+    t399 = ((dA56.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t387.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t400 = ((t51.reshape((n_batch, L, d_ff, 1)) * t386.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t398[...] = ((t400.reshape((d_ff**2, L*n_batch)) @ t399.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
+    t401 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t401[...] = t118.transpose(-1, -2)
+    t402 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t402[...] = t142.transpose(-1, -2)
+    t403 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t403[...] = t244.transpose(-1, -2)
+    t404 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 0:d_K*d_V]
+    t404[...] = t202.transpose(-1, -2)
+    t405 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    t405[...] = t272.transpose(-1, -2)
+    t406 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t406[...] = t322.transpose(-1, -2)
+    t407 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 0:d_K*d_V]
+    t407[...] = t217.transpose(-1, -2)
+    t408 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, d_K*d_V:2*d_K*d_V]
+    t408[...] = t279.transpose(-1, -2)
+    t409 = H[2*d_K*d_V + d_V**2 + d_V*d_ff:2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t409[...] = t349.transpose(-1, -2)
     return H
 
 
@@ -44519,7 +44272,6 @@ def ce_bias0_causal0__hvp__full(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V_W
     t200 = t194 + t195 - t199
     t201 = P_N_2.transpose(-1, -2)
     t202 = t200 * t201
-    t203 = sigma2_N_2.transpose(-1, -2)
     t204 = t29.transpose(-1, -2)
     t205 = M_N_2.transpose(-1, -2)
     t206 = t200 * t205
@@ -44532,7 +44284,6 @@ def ce_bias0_causal0__hvp__full(X, W_Q, W_K, W_V, W_1, W_2, Y, V_W_Q, V_W_K, V_W
     t213 = N_2.transpose(-1, -2)
     t214 = t213 @ t111
     t215 = t212 + t214
-    t216 = t32.transpose(-1, -2)
     t217 = t36.transpose(-1, -2)
     t218 = t217 @ t107
     t219 = (1/L) * t218
@@ -44978,7 +44729,6 @@ def ce_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t395 = (t394.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t291.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t396 = (1/(d_K*n_batch**2)) * (t387 * t385.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t392 * t49.permute(2, 0, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t395 * t112.permute(0, 2, 3, 1)).sum()
     t397 = torch.sqrt(torch.clamp(t396, min=0.0))
-    t398 = sigma2_N_2.transpose(-1, -2)
     t399 = t33.transpose(-1, -2)
     t400 = t78.transpose(-1, -2)
     t401 = M_N_2.transpose(-1, -2)
@@ -45350,7 +45100,6 @@ def ce_bias0_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t766 = (t765.permute(1, 2, 3, 4, 0).reshape((n_batch, L, L*n_batch, d_ff)) @ t38.reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L, n_batch, L))
     t767 = (n_batch**(-2)) * (t724 * t722).sum() + (2/(L*n_batch**2)) * (t729 * t49.permute(2, 0, 1)).sum() + (-2/(L*d_V*n_batch**2)) * (t736 * t49.permute(2, 0, 1)).sum() + (-2/(d_V*n_batch**2)) * (t739 * t722).sum() + (1/(L**2*n_batch**2)) * (t617 * t740).sum() + (-2/(L**2*d_V*n_batch**2)) * (t745 * W_2).sum() + (-2/(L*d_V*n_batch**2)) * (t750 * t38.permute(2, 0, 1)).sum() + (1/(L**2*d_V**2*n_batch**2)) * (t755 * W_2).sum() + (2/(L*d_V**2*n_batch**2)) * (t762 * W_2).sum() + (1/(d_V**2*n_batch**2)) * (t766 * t722).sum()
     t768 = torch.sqrt(torch.clamp(t767, min=0.0))
-    t769 = t37.transpose(-1, -2)
     t770 = t38.transpose(-1, -2)
     t771 = t76.transpose(-1, -2)
     t772 = t770 * t771
@@ -46619,15 +46368,9 @@ def ce_bias0_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t79 = (t64.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t80 = (t79.permute(1, 2, 0) @ S73.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t81 = (t80.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t82 = (t74.reshape((n_batch, L, d_V, 1)) * t77.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t83 = (t81.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S76.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t84 = ((t82.permute(2, 0, 3, 1) @ t83.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t85 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t86 = (t85.permute(1, 2, 0) @ S73.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t87 = (t86.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t88 = (t74.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t89 = (t87.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S76.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t90 = ((t88.permute(2, 0, 3, 1) @ t89.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
     t91 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t92 = t31 * M_N_2
     t93 = (t72.permute(1, 2, 3, 0).reshape((d_V, n_batch, L, d_V, 1)) * t92.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))
@@ -46675,8 +46418,12 @@ def ce_bias0_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t131 = torch.cat([t128, t128], dim=-1)
     t132 = torch.cat([t129, t130], dim=-2)
     t0[...] = ((t131 @ t132).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-    t133 = t84 + t90
-    t0 += ((t78.reshape((d_K, L*n_batch)) @ t133.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
+    t133 = ((t74.reshape((n_batch, L, d_V, 1)) * t77.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t134 = (S76.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t81.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t135 = ((t74.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t136 = (S76.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t87.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t137 = ((t133.permute(1, 2, 0, 3) @ t134.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4) + ((t135.permute(1, 2, 0, 3) @ t136.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_V, d_V, L))).permute(2, 0, 3, 1, 4)
+    t0 += ((t78.reshape((d_K, L*n_batch)) @ t137.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
     t0 += ((t105.reshape((d_V**2, L*n_batch)) @ t110.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += (t113.reshape((d_V, L*n_batch)) @ t123.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
     return out
@@ -48473,15 +48220,9 @@ def ce_bias0_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t81 = (t66.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t82 = (t81.permute(1, 2, 0) @ S75.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t83 = (t82.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t84 = (t76.reshape((n_batch, L, d_V, 1)) * t79.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t85 = (t83.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S78.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t86 = ((t84.permute(2, 0, 3, 1) @ t85.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
     t87 = (W_V.permute(1, 0) @ N_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t88 = (t87.permute(1, 2, 0) @ S75.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t89 = (t88.permute(0, 2, 3, 1) @ dA.permute(0, 1, 3, 2))
-    t90 = (t76.reshape((n_batch, L, d_V, 1)) * t61.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))
-    t91 = (t89.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ S78.permute(1, 0, 2).reshape((d_V, d_V**2))).reshape((n_batch, L, L, d_V, d_V))
-    t92 = ((t90.permute(2, 0, 3, 1) @ t91.permute(3, 0, 1, 4, 2).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
     t93 = torch.ones((L,), dtype=X.dtype, device=X.device)
     t94 = t33 * M_N_2
     t95 = (t74.permute(1, 2, 3, 0).reshape((d_V, n_batch, L, d_V, 1)) * t94.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))
@@ -48529,8 +48270,12 @@ def ce_bias0_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t133 = torch.cat([t130, t130], dim=-1)
     t134 = torch.cat([t131, t132], dim=-2)
     t0[...] = ((t133 @ t134).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
-    t135 = t86 + t92
-    t0 += (t80.reshape((d_V, L*n_batch)) @ t135.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
+    t135 = ((t76.reshape((n_batch, L, d_V, 1)) * t79.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t136 = (S78.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t83.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t137 = ((t76.reshape((n_batch, L, d_V, 1)) * t61.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t138 = (S78.permute(0, 2, 1).reshape((d_V**2, d_V)) @ t89.permute(2, 0, 3, 1).reshape((d_V, L**2*n_batch))).reshape((d_V, d_V, n_batch, L, L))
+    t139 = ((t135.permute(1, 2, 0, 3) @ t136.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4) + ((t137.permute(1, 2, 0, 3) @ t138.permute(0, 2, 4, 1, 3).reshape((d_V, n_batch, L, L*d_V))).reshape((d_V, n_batch, d_K, d_V, L))).permute(2, 0, 3, 1, 4)
+    t0 += (t80.reshape((d_V, L*n_batch)) @ t139.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_K*d_V**2))).reshape((d_V, d_K, d_V, d_V))
     t0 += ((t107.reshape((d_K*d_V, L*n_batch)) @ t112.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t115.reshape((d_K, L*n_batch)) @ t125.permute(3, 4, 0, 1, 2).reshape((L*n_batch, d_V**3))).reshape((d_K, d_V, d_V, d_V))).permute(1, 0, 2, 3)
     return out
@@ -49553,7 +49298,6 @@ def ce_bias0_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t28 = t27.expand(*t27.shape[:-1], d_V)
     t29 = (1/d_V) * t28
     sigma2_N_2 = t29
-    t30 = sigma2_N_2.transpose(-1, -2)
     t31 = (-0.5 * (sigma2_N_2 ** -1.5))
     t32 = t31.transpose(-1, -2)
     t33 = W_1.transpose(-1, -2)
@@ -49566,7 +49310,6 @@ def ce_bias0_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t38 = torch.heaviside(t37, torch.full_like(t37, 0.0))
     t39 = Y.sum(-1, keepdim=True)
     t40 = t39.expand(*t39.shape[:-1], d_V)
-    t41 = t37.transpose(-1, -2)
     t42 = (t37 * torch.heaviside(t37, torch.full_like(t37, 0.0)))
     t43 = t42.transpose(-1, -2)
     t44 = t43 @ W_2
@@ -49744,7 +49487,6 @@ def ce_bias0_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t27 = t26.expand(*t26.shape[:-1], d_V)
     t28 = (1/d_V) * t27
     sigma2_N_2 = t28
-    t29 = sigma2_N_2.transpose(-1, -2)
     t30 = (-0.5 * (sigma2_N_2 ** -1.5))
     t31 = t30.transpose(-1, -2)
     t32 = W_1.transpose(-1, -2)
@@ -49757,7 +49499,6 @@ def ce_bias0_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t37 = torch.heaviside(t36, torch.full_like(t36, 0.0))
     t38 = Y.sum(-1, keepdim=True)
     t39 = t38.expand(*t38.shape[:-1], d_V)
-    t40 = t36.transpose(-1, -2)
     t41 = (t36 * torch.heaviside(t36, torch.full_like(t36, 0.0)))
     t42 = t41.transpose(-1, -2)
     t43 = t42 @ W_2
@@ -49999,7 +49740,6 @@ def ce_bias0_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t28 = t27.expand(*t27.shape[:-1], d_V)
     t29 = (1/d_V) * t28
     sigma2_N_2 = t29
-    t30 = sigma2_N_2.transpose(-1, -2)
     t31 = (-0.5 * (sigma2_N_2 ** -1.5))
     t32 = t31.transpose(-1, -2)
     t33 = W_1.transpose(-1, -2)
@@ -50012,7 +49752,6 @@ def ce_bias0_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t38 = torch.heaviside(t37, torch.full_like(t37, 0.0))
     t39 = Y.sum(-1, keepdim=True)
     t40 = t39.expand(*t39.shape[:-1], d_V)
-    t41 = t37.transpose(-1, -2)
     t42 = (t37 * torch.heaviside(t37, torch.full_like(t37, 0.0)))
     t43 = t42.transpose(-1, -2)
     t44 = t43 @ W_2
@@ -50190,7 +49929,6 @@ def ce_bias0_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t27 = t26.expand(*t26.shape[:-1], d_V)
     t28 = (1/d_V) * t27
     sigma2_N_2 = t28
-    t29 = sigma2_N_2.transpose(-1, -2)
     t30 = (-0.5 * (sigma2_N_2 ** -1.5))
     t31 = t30.transpose(-1, -2)
     t32 = W_1.transpose(-1, -2)
@@ -50203,7 +49941,6 @@ def ce_bias0_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t37 = torch.heaviside(t36, torch.full_like(t36, 0.0))
     t38 = Y.sum(-1, keepdim=True)
     t39 = t38.expand(*t38.shape[:-1], d_V)
-    t40 = t36.transpose(-1, -2)
     t41 = (t36 * torch.heaviside(t36, torch.full_like(t36, 0.0)))
     t42 = t41.transpose(-1, -2)
     t43 = t42 @ W_2
@@ -51502,7 +51239,6 @@ def ce_bias0_causal0__block__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t40 = t39.transpose(-1, -2)
     t41 = t40 @ W_2
@@ -51519,7 +51255,6 @@ def ce_bias0_causal0__block__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t50 = t35 * t49
     t51 = P_N_2.transpose(-1, -2)
     t52 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t53 = sigma2_N_2.transpose(-1, -2)
     t54 = (-0.5 * (sigma2_N_2 ** -1.5))
     t55 = t54.transpose(-1, -2)
     t56 = M_N_2.transpose(-1, -2)
@@ -51624,7 +51359,6 @@ def ce_bias0_causal0__frobenius__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t39 = t38.transpose(-1, -2)
     t40 = t39 @ W_2
@@ -51641,7 +51375,6 @@ def ce_bias0_causal0__frobenius__W_1__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t49 = t34 * t48
     t50 = P_N_2.transpose(-1, -2)
     t51 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t52 = sigma2_N_2.transpose(-1, -2)
     t53 = (-0.5 * (sigma2_N_2 ** -1.5))
     t54 = t53.transpose(-1, -2)
     t55 = M_N_2.transpose(-1, -2)
@@ -51766,7 +51499,6 @@ def ce_bias0_causal0__block__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t40 = t39.transpose(-1, -2)
     t41 = t40 @ W_2
@@ -51783,7 +51515,6 @@ def ce_bias0_causal0__block__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t50 = t35 * t49
     t51 = P_N_2.transpose(-1, -2)
     t52 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t53 = sigma2_N_2.transpose(-1, -2)
     t54 = (-0.5 * (sigma2_N_2 ** -1.5))
     t55 = t54.transpose(-1, -2)
     t56 = M_N_2.transpose(-1, -2)
@@ -51888,7 +51619,6 @@ def ce_bias0_causal0__frobenius__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t39 = t38.transpose(-1, -2)
     t40 = t39 @ W_2
@@ -51905,7 +51635,6 @@ def ce_bias0_causal0__frobenius__W_1__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t49 = t34 * t48
     t50 = P_N_2.transpose(-1, -2)
     t51 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t52 = sigma2_N_2.transpose(-1, -2)
     t53 = (-0.5 * (sigma2_N_2 ** -1.5))
     t54 = t53.transpose(-1, -2)
     t55 = M_N_2.transpose(-1, -2)
@@ -52030,7 +51759,6 @@ def ce_bias0_causal0__block__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = torch.heaviside(t34, torch.full_like(t34, 0.0))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t40 = t39.transpose(-1, -2)
     t41 = t40 @ W_2
@@ -52047,7 +51775,6 @@ def ce_bias0_causal0__block__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t50 = t35 * t49
     t51 = P_N_2.transpose(-1, -2)
     t52 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t53 = sigma2_N_2.transpose(-1, -2)
     t54 = (-0.5 * (sigma2_N_2 ** -1.5))
     t55 = t54.transpose(-1, -2)
     t56 = M_N_2.transpose(-1, -2)
@@ -52146,7 +51873,6 @@ def ce_bias0_causal0__frobenius__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = torch.heaviside(t33, torch.full_like(t33, 0.0))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t39 = t38.transpose(-1, -2)
     t40 = t39 @ W_2
@@ -52163,7 +51889,6 @@ def ce_bias0_causal0__frobenius__W_1__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t49 = t34 * t48
     t50 = P_N_2.transpose(-1, -2)
     t51 = torch.eye(d_V, dtype=X.dtype, device=X.device)
-    t52 = sigma2_N_2.transpose(-1, -2)
     t53 = (-0.5 * (sigma2_N_2 ** -1.5))
     t54 = t53.transpose(-1, -2)
     t55 = M_N_2.transpose(-1, -2)
@@ -52622,7 +52347,6 @@ def ce_bias0_causal0__diag__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = t35.transpose(-1, -2)
     t40 = t39 @ W_2
     t41 = t40 + Y22
@@ -52691,7 +52415,6 @@ def ce_bias0_causal0__trace__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -52760,7 +52483,6 @@ def ce_bias0_causal0__block__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = t35.transpose(-1, -2)
     t40 = t39 @ W_2
     t41 = t40 + Y22
@@ -52807,7 +52529,6 @@ def ce_bias0_causal0__block__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t73
     t74 = G.transpose(-1, -2)
     t75 = P_N_2.transpose(-1, -2)
-    t76 = sigma2_N_2.transpose(-1, -2)
     t77 = t49.transpose(-1, -2)
     t78 = M_N_2.transpose(-1, -2)
     t79 = t77 * t78
@@ -52879,7 +52600,6 @@ def ce_bias0_causal0__frobenius__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -52929,7 +52649,6 @@ def ce_bias0_causal0__frobenius__W_2__W_Q__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t75
     t76 = G.transpose(-1, -2)
     t77 = P_N_2.transpose(-1, -2)
-    t78 = sigma2_N_2.transpose(-1, -2)
     t79 = t48.transpose(-1, -2)
     t80 = M_N_2.transpose(-1, -2)
     t81 = t79 * t80
@@ -53020,7 +52739,6 @@ def ce_bias0_causal0__block__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = t35.transpose(-1, -2)
     t40 = t39 @ W_2
     t41 = t40 + Y22
@@ -53067,7 +52785,6 @@ def ce_bias0_causal0__block__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t73
     t74 = G.transpose(-1, -2)
     t75 = P_N_2.transpose(-1, -2)
-    t76 = sigma2_N_2.transpose(-1, -2)
     t77 = t49.transpose(-1, -2)
     t78 = M_N_2.transpose(-1, -2)
     t79 = t77 * t78
@@ -53139,7 +52856,6 @@ def ce_bias0_causal0__frobenius__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -53189,7 +52905,6 @@ def ce_bias0_causal0__frobenius__W_2__W_K__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t75
     t76 = G.transpose(-1, -2)
     t77 = P_N_2.transpose(-1, -2)
-    t78 = sigma2_N_2.transpose(-1, -2)
     t79 = t48.transpose(-1, -2)
     t80 = M_N_2.transpose(-1, -2)
     t81 = t79 * t80
@@ -53280,7 +52995,6 @@ def ce_bias0_causal0__block__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = t35.transpose(-1, -2)
     t40 = t39 @ W_2
     t41 = t40 + Y22
@@ -53320,7 +53034,6 @@ def ce_bias0_causal0__block__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t68
     t69 = G.transpose(-1, -2)
     t70 = P_N_2.transpose(-1, -2)
-    t71 = sigma2_N_2.transpose(-1, -2)
     t72 = t52.transpose(-1, -2)
     t73 = M_N_2.transpose(-1, -2)
     t74 = t72 * t73
@@ -53393,7 +53106,6 @@ def ce_bias0_causal0__frobenius__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -53437,7 +53149,6 @@ def ce_bias0_causal0__frobenius__W_2__W_V__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t71
     t72 = G.transpose(-1, -2)
     t73 = P_N_2.transpose(-1, -2)
-    t74 = sigma2_N_2.transpose(-1, -2)
     t75 = t53.transpose(-1, -2)
     t76 = M_N_2.transpose(-1, -2)
     t77 = t75 * t76
@@ -53534,7 +53245,6 @@ def ce_bias0_causal0__block__W_2__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = t35.transpose(-1, -2)
     t40 = t39 @ W_2
     t41 = t40 + Y22
@@ -53621,7 +53331,6 @@ def ce_bias0_causal0__frobenius__W_2__W_1__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -53718,7 +53427,6 @@ def ce_bias0_causal0__block__W_2__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t35 = (t34 * torch.heaviside(t34, torch.full_like(t34, 0.0)))
     t36 = Y.sum(-1, keepdim=True)
     t37 = t36.expand(*t36.shape[:-1], d_V)
-    t38 = t34.transpose(-1, -2)
     t39 = t35.transpose(-1, -2)
     t40 = t39 @ W_2
     t41 = t40 + Y22
@@ -53787,7 +53495,6 @@ def ce_bias0_causal0__frobenius__W_2__W_2__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -55564,9 +55271,7 @@ def ce_bias0_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t78 = (t76.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t73.reshape((n_batch, L, L*d_V))).reshape((n_batch, n_batch, L, d_V, L))
     t79 = (t78.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t73.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t80 = (n_batch**(-2)) * (t79 * t77.permute(0, 2, 3, 1)).sum()
-    t81 = sigma2_N_2.transpose(-1, -2)
     t82 = t34.transpose(-1, -2)
-    t83 = t38.transpose(-1, -2)
     t84 = t39.transpose(-1, -2)
     F = t52
     t85 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -55781,9 +55486,7 @@ def ce_bias0_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t78 = (t76.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t73.reshape((n_batch, L, L*d_V))).reshape((n_batch, n_batch, L, d_V, L))
     t79 = (t78.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t73.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t80 = (n_batch**(-2)) * (t79 * t77.permute(0, 2, 3, 1)).sum()
-    t81 = sigma2_N_2.transpose(-1, -2)
     t82 = t34.transpose(-1, -2)
-    t83 = t38.transpose(-1, -2)
     t84 = t39.transpose(-1, -2)
     F = t52
     t85 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -56369,7 +56072,6 @@ def ce_bias0_causal0__frobenius_split__W_1__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t73 = (t70.reshape((n_batch, L*d_ff, L)) @ t68.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_ff, n_batch, L))
     t74 = (t73.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_ff)) @ t72.permute(0, 2, 3, 1).reshape((n_batch, L*d_ff, L))).reshape((n_batch, n_batch, L, L))
     t75 = (1/(L**2*n_batch**2)) * (t74 * t67.permute(0, 2, 3, 1)).sum()
-    t76 = t32.transpose(-1, -2)
     t77 = t33.transpose(-1, -2)
     F = t38
     t78 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -56382,7 +56084,6 @@ def ce_bias0_causal0__frobenius_split__W_1__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t84 = W_2 @ t83
     t85 = t77 * t84
     t86 = P_N_2.transpose(-1, -2)
-    t87 = sigma2_N_2.transpose(-1, -2)
     t88 = t45.transpose(-1, -2)
     t89 = M_N_2.transpose(-1, -2)
     t90 = t88 * t89
@@ -56513,7 +56214,6 @@ def ce_bias0_causal0__frobenius_split__W_1__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t73 = (t70.reshape((n_batch, L*d_ff, L)) @ t68.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_ff, n_batch, L))
     t74 = (t73.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_ff)) @ t72.permute(0, 2, 3, 1).reshape((n_batch, L*d_ff, L))).reshape((n_batch, n_batch, L, L))
     t75 = (1/(L**2*n_batch**2)) * (t74 * t67.permute(0, 2, 3, 1)).sum()
-    t76 = t32.transpose(-1, -2)
     t77 = t33.transpose(-1, -2)
     F = t38
     t78 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -56526,7 +56226,6 @@ def ce_bias0_causal0__frobenius_split__W_1__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t84 = W_2 @ t83
     t85 = t77 * t84
     t86 = P_N_2.transpose(-1, -2)
-    t87 = sigma2_N_2.transpose(-1, -2)
     t88 = t45.transpose(-1, -2)
     t89 = M_N_2.transpose(-1, -2)
     t90 = t88 * t89
@@ -56660,7 +56359,6 @@ def ce_bias0_causal0__frobenius_split__W_1__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t78 = (t77.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_ff)) @ t77.permute(2, 0, 1, 3).reshape((d_ff, L*d_V*n_batch))).reshape((n_batch, L, d_V, n_batch, L, d_V))
     t79 = (t78.permute(0, 1, 3, 4, 2, 5).reshape((L**2*n_batch**2, d_V**2)) @ t71.permute(1, 2, 0).reshape((d_V**2, d_V))).reshape((n_batch, L, n_batch, L, d_V))
     t80 = (1/(L**2*n_batch**2)) * (t51 * W_2).sum() + (2/(L**2*n_batch**2)) * (t70 * t61).sum() + (1/(L**2*n_batch**2)) * (t79 * t61).sum()
-    t81 = t32.transpose(-1, -2)
     t82 = t33.transpose(-1, -2)
     F = t38
     t83 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -56673,7 +56371,6 @@ def ce_bias0_causal0__frobenius_split__W_1__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t89 = W_2 @ t88
     t90 = t82 * t89
     t91 = P_N_2.transpose(-1, -2)
-    t92 = sigma2_N_2.transpose(-1, -2)
     t93 = t54.transpose(-1, -2)
     t94 = M_N_2.transpose(-1, -2)
     t95 = t93 * t94
@@ -56935,7 +56632,6 @@ def ce_bias0_causal0__frobenius_split__W_2__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -56986,7 +56682,6 @@ def ce_bias0_causal0__frobenius_split__W_2__W_Q(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t76
     t77 = G.transpose(-1, -2)
     t78 = P_N_2.transpose(-1, -2)
-    t79 = sigma2_N_2.transpose(-1, -2)
     t80 = t48.transpose(-1, -2)
     t81 = M_N_2.transpose(-1, -2)
     t82 = t80 * t81
@@ -57079,7 +56774,6 @@ def ce_bias0_causal0__frobenius_split__W_2__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -57130,7 +56824,6 @@ def ce_bias0_causal0__frobenius_split__W_2__W_K(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t76
     t77 = G.transpose(-1, -2)
     t78 = P_N_2.transpose(-1, -2)
-    t79 = sigma2_N_2.transpose(-1, -2)
     t80 = t48.transpose(-1, -2)
     t81 = M_N_2.transpose(-1, -2)
     t82 = t80 * t81
@@ -57223,7 +56916,6 @@ def ce_bias0_causal0__frobenius_split__W_2__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -57275,7 +56967,6 @@ def ce_bias0_causal0__frobenius_split__W_2__W_V(X, W_Q, W_K, W_V, W_1, W_2, Y):
     G = t79
     t80 = G.transpose(-1, -2)
     t81 = P_N_2.transpose(-1, -2)
-    t82 = sigma2_N_2.transpose(-1, -2)
     t83 = t53.transpose(-1, -2)
     t84 = M_N_2.transpose(-1, -2)
     t85 = t83 * t84
@@ -57367,7 +57058,6 @@ def ce_bias0_causal0__frobenius_split__W_2__W_1(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21
@@ -57467,7 +57157,6 @@ def ce_bias0_causal0__frobenius_split__W_2__W_2(X, W_Q, W_K, W_V, W_1, W_2, Y):
     t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
     t35 = Y.sum(-1, keepdim=True)
     t36 = t35.expand(*t35.shape[:-1], d_V)
-    t37 = t33.transpose(-1, -2)
     t38 = t34.transpose(-1, -2)
     t39 = t38 @ W_2
     t40 = t39 + Y21

@@ -15,6 +15,7 @@ the batch mean, so the Hessian is too).  Unknown nodes raise: nothing falls back
 """
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 from functools import lru_cache
 
@@ -95,6 +96,28 @@ class Routine:
 
     def line(self, text):
         self.lines.append(text)
+
+    def pruned(self, ret):
+        """The statements without assignments nothing later reads (a half printed for a
+        term and then summed with others through ``_sum_nets`` is one), nor their ``del``."""
+        used = set(_NAME.findall(ret))
+        keep, dropped = [], False
+        for ln in reversed(self.lines):
+            if ln.startswith("#"):              # a comment goes with the statement below it
+                if not dropped:
+                    keep.append(ln)
+                continue
+            m = _ASSIGN.match(ln)
+            dropped = bool(m) and m.group(1) not in used
+            if dropped:
+                continue
+            if ln.startswith("del "):
+                keep.append(ln)
+                continue
+            used.update(_NAME.findall(ln if m is None else ln[m.end():]))
+            keep.append(ln)
+        return [ln for ln in reversed(keep)
+                if not ln.startswith("del ") or ln[4:].strip() in used]
 
     def size(self, d) -> str:
         """A dimension expression as Python code (sizes are bound at the function's top)."""
@@ -461,7 +484,7 @@ class Routine:
             return code
         return self._permuted(code if code.isidentifier() else f"({code})", lab, list(out))
 
-    def split_contract(self, ops, labs, out):
+    def split_contract(self, ops, labs, out, depth=0):
         """A block-sized product whose last GEMM writes straight in the output's layout.
 
         opt_einsum's last step puts the newest intermediate's free indices first, so the
@@ -487,16 +510,17 @@ class Routine:
         both = set(frees[0]) & set(frees[1])
         if not both - set(out) and (len(ops) < 3 or set(frees[0]) == set(frees[1])):
             return None     # no GEMM, and no broadcast product of halves to share
-        names = []
+        names, nets = [], []
         for k in (0, 1):
             h = halves[k]
+            nets.append(([ops[i] for i in h], [labs[i] for i in h], frees[k]))
             if len(h) == 1 and list(labs[h[0]]) == frees[k]:
                 names.append(ops[h[0]])
             else:
-                names.append(self.emit(self.contract([ops[i] for i in h], [labs[i] for i in h],
-                                                     frees[k]), False))
+                names.append(self.emit(self.contract(*nets[-1]), False))
         x, y = (names[0], frees[0]), (names[1], frees[1])
         final = Final(self.product(*x, *y, list(out)), x, y, list(out))
+        final.nets, final.depth = nets, depth
         # stacking halves of several terms copies them: worth it only for small halves
         final.small = STACK_RATIO * sum(_prod(self._label_size(a) for a in f) for f in frees) \
             <= _prod(self._label_size(a) for a in out)
@@ -647,7 +671,11 @@ class Routine:
             order = pre_t + (f.summed + n_t if own else m_t + f.summed)
             raw.append((name, labs, tuple(order.index(a) for a in labs)))
         if len({r[2] for r in raw}) == 1:        # same roles: sum first, arrange once
-            total = self.emit(" + ".join(r[0] for r in raw), False)
+            if finals[0].depth < SUM_DEPTH:       # the sum's own shared factors pulled out
+                total = self._sum_nets([f.nets[_half_index(f, r[0])] for f, r in zip(finals, raw)],
+                                       finals[0].depth + 1)
+            else:
+                total = self.emit(" + ".join(r[0] for r in raw), False)
             f, labs = finals[0], raw[0][1]
             groups = [f.summed, n] if own else [m, f.summed]
             rest = self._grouped(total, labs, pre, groups)
@@ -656,6 +684,26 @@ class Routine:
         op = "@" if finals[0].summed else "*"
         code = f"({xg} {op} {rest})" if own else f"({rest} {op} {yg})"
         return self._finish(code, pre, m, n, finals[0].out)
+
+    def _sum_nets(self, nets, depth):
+        """The name of Σ networks ((ops, labels, out) each, outputs alike), grouped as a dense
+        block's terms are (``_write_groups``): halves that terms share are multiplied once."""
+        codes = []
+        for ops, labs, out in nets:
+            code = self.split_contract(ops, labs, out, depth) if len(ops) > 1 else None
+            if code is None:
+                code = ops[0] if len(ops) == 1 and list(labs[0]) == list(out) else \
+                    self.contract(ops, labs, out)
+            codes.append(code)
+        parts = []
+        for _, how, members in self._write_groups([(None, 1, c) for c in codes]):
+            if how == "alone":
+                parts.append(str(members[0][1]))
+            elif how == "stack":
+                parts.append(self._stacked([c for _, c in members]))
+            else:
+                parts.append(self._shared([c for _, c in members], how))
+        return self.emit(" + ".join(parts), False)
 
     def _stacked(self, finals):
         """One product for Σ_t L_t R_t: each term's halves arranged as (P…, M, K_t) and
@@ -683,6 +731,19 @@ class Routine:
 STACK_RATIO = 8
 
 
+# how deep the halves summed by ``Routine._shared`` are themselves grouped (``_sum_nets``)
+SUM_DEPTH = 3
+
+
+def _half_index(final, name):
+    """Which of a product's two halves (0 or 1) is the operand ``name``."""
+    return 0 if final.halves[0][0] == name else 1
+
+
+_ASSIGN = re.compile(r"^(\w+) = ")
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
 # the contracted axis of stacked halves, in a stacking key
 STACKED = "stacked"
 
@@ -691,6 +752,8 @@ class Final(str):
     """The code of a last pairwise product of two halves ((name, labels) each), with them."""
 
     small = False
+    nets = None         # the halves' networks [(ops, labels, out)], for sums of halves
+    depth = 0
 
     def __new__(cls, code, left, right, out):
         obj = super().__new__(cls, code)
