@@ -620,7 +620,7 @@ class Routine:
         for view, coef, code in printed:
             final = isinstance(code, Final) and coef == 1
             stack = code.stack_key() if final and code.small else None
-            shared = self._shared_keys(code) if final and stack is None else {}
+            shared = self._shared_keys(code) if final else {}
             keys.append((stack, shared))
         count = {}
         for view_code, (_, shared) in zip(printed, keys):
@@ -629,13 +629,12 @@ class Routine:
         groups = {}
         for i, ((view, coef, code), (stack, shared)) in enumerate(zip(printed, keys)):
             key = (view, "alone", i)
-            if stack is not None:
+            # a half shared with another term beats stacking (no copies of it, K not K·T)
+            side = next((sd for sd, k in shared.items() if count[(view, k)] > 1), None)
+            if side is not None:
+                key = (view, side, shared[side])
+            elif stack is not None:
                 key = (view, "stack", stack)
-            else:
-                for side, k in shared.items():
-                    if count[(view, k)] > 1:
-                        key = (view, side, k)
-                        break
             groups.setdefault(key, []).append((coef, code))
         return [(view, how if len(members) > 1 else "alone", members)
                 for (view, how, _), members in groups.items()]
