@@ -187,3 +187,29 @@ def test_pruned_drops_dead_statements_with_their_comments_and_dels():
                               "t[...] = c"]
     # a name read by the result keeps its chain
     assert "b = a * 2" in rt.pruned("(H, b)")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_broadcast_product_is_computed_in_the_requested_layout(backend):
+    """out[a, b, c, e] = X[a, c] Y[b, c, e] (nothing summed): both operands are aligned to the
+    output order, so the product needs no permuted copy after it, for every order; a dense
+    write can then multiply straight into its target (the operands are remembered)."""
+    import itertools
+    rng = np.random.default_rng(2)
+    rt = routine(backend)
+    a, b, c, e = (rt.lw.labels.new(s) for s in (2, 3, 4, 5))
+    x, y = rng.standard_normal((2, 4)), rng.standard_normal((3, 4, 5))
+    full = np.einsum("ac,bce->abce", x, y)
+    for perm in itertools.permutations(range(4)):
+        out = [[a, b, c, e][p] for p in perm]
+        code = rt.product("X_", [a, c], "Y_", [b, c, e], out)
+        assert code in rt.bcast and code.endswith(")"), code
+        got = evaluate(rt, backend, code, {"X_": x, "Y_": y})
+        assert np.allclose(got, full.transpose(perm)), perm
+        target = np.zeros(got.shape) if backend == "numpy" else torch.zeros(got.shape,
+                                                                            dtype=torch.float64)
+        ns = {"np": np, "torch": torch, "X_": x if backend == "numpy" else torch.tensor(x),
+              "Y_": y if backend == "numpy" else torch.tensor(y), "out_": target}
+        exec(rt.fmt("mul_into", *rt.bcast[code], "out_") + "\n" +
+             rt.fmt("addmul_into", *rt.bcast[code], "out_"), ns)
+        assert np.allclose(np.asarray(ns["out_"]), 2 * full.transpose(perm)), perm

@@ -101,7 +101,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -112,13 +112,13 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t16 = (t15 @ t14)
     t17 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t20 = np.reshape(t19, (d_V, d_K, d_V, d_K), copy=False)
     t21 = ((t15 @ t14)).transpose(3, 2, 0, 1)
     t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t23 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(t22, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t20[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t25 = np.reshape(t24, (d_V, d_K, d_V, d_V), copy=False)
@@ -127,7 +127,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t27 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t28 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t29 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t28.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t30 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t30 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t25[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
@@ -137,19 +137,19 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t36 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t37 = ((t36.transpose(1, 2, 0, 3) @ t35.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t38 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t34.transpose(1, 0)), (n_batch, L, d_K))
-    t39 = ((np.reshape(t38, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t39 = (np.reshape(t38.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t32[...] = (np.reshape((np.reshape(t39, (d_K*d_V, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
     t42 = ((t35.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t43 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t38, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t43 = (np.reshape(t22, (1, d_K, n_batch, L)) * np.reshape(t38.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t41[...] = (np.reshape((np.reshape(t42, (d_V**2, L*n_batch)) @ np.reshape(t43.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t44 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t45 = np.reshape(t44, (d_V, d_K, d_V, d_V), copy=False)
     t46 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t33
     t47 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t48 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t46.transpose(1, 0)), (n_batch, L, d_K))
-    t49 = ((np.reshape(t48, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t49 = (np.reshape(t48.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t45[...] = (np.reshape((np.reshape(t49, (d_K*d_V, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t51 = np.reshape(t50, (d_V, d_V, d_V, d_K), copy=False)
@@ -157,12 +157,12 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t53 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t52
     t54 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t55 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t54.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t56 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t56 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t53.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t51[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t58 = np.reshape(t57, (d_V, d_V, d_V, d_K), copy=False)
     t59 = np.reshape((t11 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
-    t60 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t60 = (np.reshape(t22, (1, d_K, n_batch, L)) * np.reshape(t53.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t58[...] = (np.reshape((np.reshape(t59, (d_V**2, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t61[...] = 0
@@ -171,7 +171,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t64 = t52 @ M_1
     t65 = np.ones((d_V,), dtype=X.dtype)
     t66 = (2/(L*d_V*n_batch)) * t65
-    t63 += (np.reshape((np.reshape(t66, (d_V, 1)) * np.reshape(t64.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t63 += np.reshape(t66, (1, d_V, 1)) * np.reshape(t64.sum((0,)), (d_V, 1, d_V))
     return H
 
 
@@ -237,7 +237,7 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -333,7 +333,7 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -365,7 +365,7 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -397,7 +397,7 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -408,7 +408,7 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t15 = (t14 @ t13)
     t16 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t15.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -429,7 +429,7 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -468,7 +468,7 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -479,7 +479,7 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t15 = ((t14 @ t13)).transpose(3, 2, 0, 1)
     t16 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t17 = ((np.reshape(t16.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(t16, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -500,7 +500,7 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -539,7 +539,7 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -548,7 +548,7 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t12 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t13 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t12.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t14 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -569,7 +569,7 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = A @ X
     M_1 = t8
     t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -606,7 +606,7 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -639,7 +639,7 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -672,7 +672,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -683,7 +683,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t16 = ((t15.transpose(1, 2, 0, 3) @ t14.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_K))
-    t18 = ((np.reshape(t17, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t18 = (np.reshape(t17.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t18, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -705,7 +705,7 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -745,7 +745,7 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -756,7 +756,7 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = ((t14.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_K))
     t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t18 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t16, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(t17, (1, d_K, n_batch, L)) * np.reshape(t16.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -778,7 +778,7 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -818,7 +818,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -827,7 +827,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t13 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_K))
-    t15 = ((np.reshape(t14, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t15 = (np.reshape(t14.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -849,7 +849,7 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = A @ X
     M_1 = t9
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -936,14 +936,14 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t14 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t10.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t15 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t13.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -968,7 +968,7 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1006,14 +1006,14 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t14 = np.reshape((t10 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t16 = ((np.reshape(t15.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(t15, (1, d_K, n_batch, L)) * np.reshape(t13.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -1038,7 +1038,7 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1078,7 +1078,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ M_1
     t12 = np.ones((d_V,), dtype=X.dtype)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += (np.reshape((np.reshape(t13, (d_V, 1)) * np.reshape(t11.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t13, (1, d_V, 1)) * np.reshape(t11.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -1136,37 +1136,37 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t18, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t2
     t21 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t22 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
     t26 = np.reshape((t20 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t28 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t28 = (np.reshape(t27, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t29 = np.einsum('abcb->abc', t25)
     t30 = t17 @ X
     t31 = t3 @ t30
     t32 = np.ones((d_K,), dtype=X.dtype)
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
     t25[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t29 += (np.reshape((np.reshape(t33, (d_K, 1)) * np.reshape(t31.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t29 += np.reshape(t33, (1, d_K, 1)) * np.reshape(t31.sum((0,)), (d_V, 1, d_V))
     t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t18, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t36 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t36.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t38 = np.reshape((t37 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t39 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t39 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t35[...] = (np.reshape((np.reshape(t38, (d_K*d_V, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
@@ -1174,34 +1174,34 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t43 = (1/(d_K*n_batch)) * t42
     t44 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t45 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t43.transpose(1, 0)), (n_batch, L, d_K))
-    t46 = ((np.reshape(t45, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t46 = (np.reshape(t45.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t47 = np.einsum('abcb->abc', t41)
     t48 = np.swapaxes(t31, -1, -2)
     t41[...] = (np.reshape((np.reshape(t46, (d_K*d_V, L*n_batch)) @ np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t47 += (np.reshape((np.reshape(t33, (d_K, 1)) * np.reshape(t48.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t47 += np.reshape(t33, (1, d_K, 1)) * np.reshape(t48.sum((0,)), (d_V, 1, d_V))
     t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
     t51 = M_3.transpose(2, 3, 0, 1)
-    t52 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t45, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t52 = (np.reshape(t27, (1, d_K, n_batch, L)) * np.reshape(t45.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t50[...] = (np.reshape((np.reshape(t51, (d_V**2, L*n_batch)) @ np.reshape(t52.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t54 = np.reshape(t53, (d_V, d_K, d_V, d_V), copy=False)
     t55 = (1/(math.sqrt(d_K)*n_batch)) * t42
     t56 = M_2.transpose(3, 2, 0, 1)
     t57 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t55.transpose(1, 0)), (n_batch, L, d_K))
-    t58 = ((np.reshape(t57, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t58 = (np.reshape(t57.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t54[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t58.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t60 = np.reshape(t59, (d_V, d_V, d_V, d_K), copy=False)
     t61 = np.swapaxes(G, -1, -2)
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
-    t63 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t63 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t62.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t64 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t60[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t64.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t66 = np.reshape(t65, (d_V, d_V, d_V, d_K), copy=False)
     t67 = M_2.transpose(2, 3, 0, 1)
-    t68 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t68 = (np.reshape(t27, (1, d_K, n_batch, L)) * np.reshape(t62.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t66[...] = (np.reshape((np.reshape(t67, (d_V**2, L*n_batch)) @ np.reshape(t68.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t69[...] = 0
@@ -1297,7 +1297,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t16, (1, 1, L, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(t15, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1325,7 +1325,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t41 = (n_batch**(-2)) * (t30.sum((0,)) * t30.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t35 * t33).sum() + (1/(d_K**2*n_batch**2)) * (t40 * t37.transpose(0, 2, 3, 1)).sum()
     t42 = np.sqrt(np.maximum(t41, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t16, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t43 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t44 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t45 = t44 * t20
@@ -1405,7 +1405,7 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t17, (1, 1, L, L)) * np.reshape(t16, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t16, (n_batch, L, L, 1))) - (np.reshape(t16, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1445,7 +1445,7 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t16, (1, 1, L, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(t15, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t17 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1485,14 +1485,14 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t17, (1, 1, L, L)) * np.reshape(t16, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t16, (n_batch, L, L, 1))) - (np.reshape(t16, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/(d_K*n_batch)) * t1
     t20 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t20.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -1525,7 +1525,7 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t16, (1, 1, L, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(t15, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1571,21 +1571,21 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t17, (1, 1, L, L)) * np.reshape(t16, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t16, (n_batch, L, L, 1))) - (np.reshape(t16, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/(d_K*n_batch)) * t1
     t20 = np.reshape((t19 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t22 = ((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape(t21, (1, d_K, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t23 = np.einsum('abcb->abc', t0)
     t24 = t16 @ X
     t25 = t2 @ t24
     t26 = np.ones((d_K,), dtype=X.dtype)
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
     t0[...] = (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t23 += (np.reshape((np.reshape(t27, (d_K, 1)) * np.reshape(t25.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t23 += np.reshape(t27, (1, d_K, 1)) * np.reshape(t25.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -1619,7 +1619,7 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t0 @ t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t18, (1, 1, L, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(t15, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.sum((0,))), (n_batch, L, d_V))
     t20 = (t19 @ X.transpose(0, 2, 1))
     t21 = np.reshape((np.reshape(t20, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -1657,7 +1657,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1670,7 +1670,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t15 = np.reshape((t14 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t16 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -1691,7 +1691,7 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -1744,7 +1744,7 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t18, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1786,7 +1786,7 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t17, (1, 1, L, L)) * np.reshape(t16, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t16, (n_batch, L, L, 1))) - (np.reshape(t16, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1828,14 +1828,14 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t18, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t1
     t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t22 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
-    t23 = ((np.reshape(t22, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t23 = (np.reshape(t22.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t24 = np.einsum('abcb->abc', t0)
     t25 = np.swapaxes(t17, -1, -2)
     t26 = t25 @ X
@@ -1843,7 +1843,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t28 = np.ones((d_K,), dtype=X.dtype)
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
     t0[...] = (np.reshape((np.reshape(t23, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t24 += (np.reshape((np.reshape(t29, (d_K, 1)) * np.reshape(t27.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t24 += np.reshape(t29, (1, d_K, 1)) * np.reshape(t27.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -1879,7 +1879,7 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(W_Q, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t20, (1, 1, L, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(t15, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t18.sum((0,))), (n_batch, L, d_V))
     t22 = (t21 @ X.transpose(0, 2, 1))
     t23 = np.reshape((np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -1930,7 +1930,7 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t18, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1938,7 +1938,7 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = M_3.transpose(2, 3, 0, 1)
     t22 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
     t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t24 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t22, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t24 = (np.reshape(t23, (1, d_K, n_batch, L)) * np.reshape(t22.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -1972,7 +1972,7 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t17, (1, 1, L, L)) * np.reshape(t16, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t16, (n_batch, L, L, 1))) - (np.reshape(t16, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t18 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2007,7 +2007,7 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2021,7 +2021,7 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t16 = M_2.transpose(3, 2, 0, 1)
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
-    t18 = ((np.reshape(t17, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t18 = (np.reshape(t17.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -2043,7 +2043,7 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -2112,12 +2112,12 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(G, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t13, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t12
-    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t17 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
@@ -2147,7 +2147,7 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(G, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t12, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t13 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = np.reshape((np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2188,14 +2188,14 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(G, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t13, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t12
     t16 = M_2.transpose(2, 3, 0, 1)
     t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t18 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(t17, (1, d_K, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -2224,7 +2224,7 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(G, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t12, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t13 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = np.reshape((np.reshape(t11.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2279,7 +2279,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2290,7 +2290,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t15 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t16 = (t15 @ t14)
     t17 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t19 = A @ X
     M_1 = t19
     t20 = M_1 @ W_V
@@ -2303,14 +2303,14 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t26, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t26, (n_batch, L, L, 1))) - (np.reshape(t26, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t2
     t29 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t30 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t29.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t31 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t32 = np.reshape(t18, (d_V**2, L*n_batch))
     t33 = np.reshape(t31, (d_V**2, L*n_batch))
     t34 = np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -2322,9 +2322,9 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
     t40 = np.reshape((t28 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t41 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t42 = ((np.reshape(t41.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t42 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t43 = ((t15 @ t14)).transpose(3, 2, 0, 1)
-    t44 = ((np.reshape(t41.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t44 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t45 = np.einsum('abcb->abc', t39)
     t46 = t26 @ X
     t47 = t3 @ t46
@@ -2337,16 +2337,16 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t54 = np.concatenate([t50, t51], axis=-1)
     t55 = np.concatenate([t52, t53], axis=-2)
     t39[...] = (np.reshape((t54 @ t55), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t45 += (np.reshape((np.reshape(t49, (d_K, 1)) * np.reshape(t47.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t45 += np.reshape(t49, (1, d_K, 1)) * np.reshape(t47.sum((0,)), (d_V, 1, d_V))
     t56 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t57 = np.reshape(t56, (d_V, d_K, d_V, d_V), copy=False)
     t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t59 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t58.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t60 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t59.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t61 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t61 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t63 = np.reshape((t62 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t64 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t64 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t57[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t57 += (np.reshape((np.reshape(t63, (d_K*d_V, L*n_batch)) @ np.reshape(t64.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -2355,13 +2355,13 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t68 = (1/(d_K*n_batch)) * t67
     t69 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t70 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t68.transpose(1, 0)), (n_batch, L, d_K))
-    t71 = ((np.reshape(t70, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t71 = (np.reshape(t70.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t72 = (2/(L*d_K*d_V*n_batch)) * t67
     t73 = np.reshape((t12.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t74 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t75 = ((t74.transpose(1, 2, 0, 3) @ t73.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t76 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t72.transpose(1, 0)), (n_batch, L, d_K))
-    t77 = ((np.reshape(t76, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t77 = (np.reshape(t76.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t78 = np.einsum('abcb->abc', t66)
     t79 = np.swapaxes(t47, -1, -2)
     t80 = np.reshape(t71, (d_K*d_V, L*n_batch))
@@ -2371,13 +2371,13 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t84 = np.concatenate([t80, t81], axis=-1)
     t85 = np.concatenate([t82, t83], axis=-2)
     t66[...] = (np.reshape((t84 @ t85), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t78 += (np.reshape((np.reshape(t49, (d_K, 1)) * np.reshape(t79.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t78 += np.reshape(t49, (1, d_K, 1)) * np.reshape(t79.sum((0,)), (d_V, 1, d_V))
     t86 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t87 = np.reshape(t86, (d_V, d_K, d_V, d_K), copy=False)
     t88 = ((t73.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t89 = ((np.reshape(t41.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t76, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t89 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t76.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t90 = M_3.transpose(2, 3, 0, 1)
-    t91 = ((np.reshape(t41.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t70, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t91 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t70.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t92 = np.reshape(t88, (d_V**2, L*n_batch))
     t93 = np.reshape(t90, (d_V**2, L*n_batch))
     t94 = np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -2390,11 +2390,11 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t100 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
     t101 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t102 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t100.transpose(1, 0)), (n_batch, L, d_K))
-    t103 = ((np.reshape(t102, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t103 = (np.reshape(t102.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t104 = (1/(math.sqrt(d_K)*n_batch)) * t67
     t105 = M_2.transpose(3, 2, 0, 1)
     t106 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t104.transpose(1, 0)), (n_batch, L, d_K))
-    t107 = ((np.reshape(t106, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t107 = (np.reshape(t106.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t99[...] = (np.reshape((np.reshape(t103, (d_K*d_V, L*n_batch)) @ np.reshape(t101.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t99 += (np.reshape((np.reshape(t105, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
@@ -2403,19 +2403,19 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t111 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t110
     t112 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t113 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t112.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t114 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t111.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t114 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t111.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t115 = np.swapaxes(G, -1, -2)
     t116 = (1/(math.sqrt(d_K)*n_batch)) * t115
-    t117 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t116.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t117 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t116.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t118 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t109[...] = (np.reshape((np.reshape(t114, (d_V**2, L*n_batch)) @ np.reshape(t113.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t109 += (np.reshape((np.reshape(t117, (d_V**2, L*n_batch)) @ np.reshape(t118.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t119 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t120 = np.reshape(t119, (d_V, d_V, d_V, d_K), copy=False)
     t121 = np.reshape((t11 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
-    t122 = ((np.reshape(t41.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t111.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t122 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t111.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t123 = M_2.transpose(2, 3, 0, 1)
-    t124 = ((np.reshape(t41.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t116.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t124 = (np.reshape(t41, (1, d_K, n_batch, L)) * np.reshape(t116.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t120[...] = (np.reshape((np.reshape(t121, (d_V**2, L*n_batch)) @ np.reshape(t122.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t120 += (np.reshape((np.reshape(t123, (d_V**2, L*n_batch)) @ np.reshape(t124.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t125 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -2425,7 +2425,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t128 = t110 @ M_1
     t129 = np.ones((d_V,), dtype=X.dtype)
     t130 = (2/(L*d_V*n_batch)) * t129
-    t127 += (np.reshape((np.reshape(t130, (d_V, 1)) * np.reshape(t128.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t127 += np.reshape(t130, (1, d_V, 1)) * np.reshape(t128.sum((0,)), (d_V, 1, d_V))
     return H
 
 
@@ -2514,7 +2514,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -2542,7 +2542,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 - (A * t28).sum(-1, keepdims=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t30.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t30, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t30, (n_batch, L, L, 1))) - (np.reshape(t30, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t31 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t33 = t14 * t31
@@ -2597,7 +2597,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t82 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t83 = np.reshape((np.reshape(t75.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t84 = np.reshape((np.reshape(t82.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
-    t85 = np.reshape((np.reshape(t84, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t85 = (t84 * np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t86 = np.reshape((np.reshape(t85.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t83.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t87 = np.reshape((np.reshape(t86.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t88 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2675,7 +2675,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t160 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t151.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t161 = np.reshape((np.reshape(t152, (L*n_batch, d_V)) @ np.reshape(t159.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t162 = np.reshape((np.reshape(t160.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
-    t163 = np.reshape((np.reshape(t162, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t163 = (t162 * np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t164 = np.reshape((np.reshape(t163.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t161.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t165 = np.reshape((np.reshape(t164.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t166 = np.reshape((np.reshape(t159.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t159.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2717,7 +2717,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2741,7 +2741,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t25, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t25, (n_batch, L, L, 1))) - (np.reshape(t25, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2770,7 +2770,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2793,7 +2793,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdims=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(t23, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2820,7 +2820,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2831,7 +2831,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t15 = (t14 @ t13)
     t16 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t15.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t18 = A @ X
     M_1 = t18
     t19 = M_1 @ W_V
@@ -2844,14 +2844,14 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t25, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t25, (n_batch, L, L, 1))) - (np.reshape(t25, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
     t28 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t30 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t31 = np.reshape(t17, (d_V**2, L*n_batch))
     t32 = np.reshape(t30, (d_V**2, L*n_batch))
     t33 = np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -2878,7 +2878,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -2906,7 +2906,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 - (A * t28).sum(-1, keepdims=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t30.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t30, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t30, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t30, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t30, (n_batch, L, L, 1))) - (np.reshape(t30, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t31 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t33 = t14 * t31
@@ -2955,16 +2955,16 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t17, (1, 1, L, L)) * np.reshape(t16, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t16, (n_batch, L, L, 1))) - (np.reshape(t16, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/(d_K*n_batch)) * t1
     t20 = np.reshape((t19 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t22 = ((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape(t21, (1, d_K, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t17, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t23 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2973,7 +2973,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t26 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t27 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t28 = ((t27 @ t26)).transpose(3, 2, 0, 1)
-    t29 = ((np.reshape(t21.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29 = (np.reshape(t21, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t30 = np.einsum('abcb->abc', t0)
     t31 = t16 @ X
     t32 = t2 @ t31
@@ -2986,7 +2986,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t39 = np.concatenate([t35, t36], axis=-1)
     t40 = np.concatenate([t37, t38], axis=-2)
     t0[...] = (np.reshape((t39 @ t40), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t30 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t32.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t30 += np.reshape(t34, (1, d_K, 1)) * np.reshape(t32.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -3020,7 +3020,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = t0 @ t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t18, (1, 1, L, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(t15, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.sum((0,))), (n_batch, L, d_V))
     t20 = (t19 @ X.transpose(0, 2, 1))
     t21 = np.reshape((np.reshape(t20, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -3028,7 +3028,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = (t23.transpose(1, 2, 0) @ t22.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t18, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t25 = W_V @ t11
     t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t17.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
@@ -3082,7 +3082,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3091,7 +3091,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t12 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t13 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t12.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t14 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t15 = M_1 @ W_V
     F = t15
     t16 = F - Y
@@ -3099,7 +3099,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t17
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t19 = np.reshape((t18 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t20 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -3121,7 +3121,7 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = A @ X
     M_1 = t8
     t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -3142,7 +3142,7 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = np.reshape((np.reshape(t10.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = np.reshape((np.reshape(t22.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
-    t25 = np.reshape((np.reshape(t24, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t11.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t25 = (t24 * np.reshape(t11.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(t25.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t23.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t27 = np.reshape((np.reshape(t26.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t28 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3175,7 +3175,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3199,7 +3199,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t26, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t26, (n_batch, L, L, 1))) - (np.reshape(t26, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3229,7 +3229,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3252,7 +3252,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = t22 - (A * t22).sum(-1, keepdims=True)
     t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t24, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t24, (n_batch, L, L, 1))) - (np.reshape(t24, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3293,16 +3293,16 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t18, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t1
     t21 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t22 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
-    t23 = ((np.reshape(t22, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t23 = (np.reshape(t22.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t18, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3312,7 +3312,7 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t28 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t29 = ((t28.transpose(1, 2, 0, 3) @ t27.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t30 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t26.transpose(1, 0)), (n_batch, L, d_K))
-    t31 = ((np.reshape(t30, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t31 = (np.reshape(t30.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t32 = np.einsum('abcb->abc', t0)
     t33 = np.swapaxes(t17, -1, -2)
     t34 = t33 @ X
@@ -3326,7 +3326,7 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t42 = np.concatenate([t38, t39], axis=-1)
     t43 = np.concatenate([t40, t41], axis=-2)
     t0[...] = (np.reshape((t42 @ t43), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t32 += (np.reshape((np.reshape(t37, (d_K, 1)) * np.reshape(t35.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t32 += np.reshape(t37, (1, d_K, 1)) * np.reshape(t35.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -3362,7 +3362,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(W_Q, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t20, (1, 1, L, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(t15, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t18.sum((0,))), (n_batch, L, d_V))
     t22 = (t21 @ X.transpose(0, 2, 1))
     t23 = np.reshape((np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -3370,7 +3370,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t26 = (t25.transpose(1, 2, 0) @ t24.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t20, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t27 = W_V @ t11
     t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t18.sum((0,))), (n_batch, L, d_V))
     t29 = (t28 @ X.transpose(0, 2, 1))
@@ -3426,7 +3426,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3437,7 +3437,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = ((t14.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_K))
     t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t18 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t16, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(t17, (1, d_K, n_batch, L)) * np.reshape(t16.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t19 = A @ X
     M_1 = t19
     t20 = M_1 @ W_V
@@ -3450,14 +3450,14 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t26, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t26, (n_batch, L, L, 1))) - (np.reshape(t26, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t1
     t29 = M_3.transpose(2, 3, 0, 1)
     t30 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_K))
-    t31 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t30, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t31 = (np.reshape(t17, (1, d_K, n_batch, L)) * np.reshape(t30.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t32 = np.reshape(t15, (d_V**2, L*n_batch))
     t33 = np.reshape(t29, (d_V**2, L*n_batch))
     t34 = np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -3485,7 +3485,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -3513,7 +3513,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t31.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t31, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t31, (n_batch, L, L, 1))) - (np.reshape(t31, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = np.reshape((np.reshape(t32, (L*n_batch, d_K)) @ np.reshape(t11.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3551,7 +3551,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3560,7 +3560,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t13 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_K))
-    t15 = ((np.reshape(t14, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t15 = (np.reshape(t14.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t16 = M_1 @ W_V
     F = t16
     t17 = F - Y
@@ -3569,7 +3569,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t20 = M_2.transpose(3, 2, 0, 1)
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_K))
-    t22 = ((np.reshape(t21, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t22 = (np.reshape(t21.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
@@ -3592,7 +3592,7 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = A @ X
     M_1 = t9
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -3696,14 +3696,14 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t14 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t10.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t15 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t13.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t17 = M_1 @ W_V
     F = t17
     t18 = F - Y
@@ -3711,7 +3711,7 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t19
     t20 = np.swapaxes(G, -1, -2)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t21.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t23 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
@@ -3738,7 +3738,7 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3758,7 +3758,7 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t26 = np.reshape((np.reshape(t11, (L*n_batch, d_V)) @ np.reshape(t24.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t27 = np.reshape((np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
-    t28 = np.reshape((np.reshape(t27, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t28 = (t27 * np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t29 = np.reshape((np.reshape(t28.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t26.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t30 = np.reshape((np.reshape(t29.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t31 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t24.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3794,14 +3794,14 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t14 = np.reshape((t10 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t16 = ((np.reshape(t15.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(t15, (1, d_K, n_batch, L)) * np.reshape(t13.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t17 = M_1 @ W_V
     F = t17
     t18 = F - Y
@@ -3810,7 +3810,7 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = np.swapaxes(G, -1, -2)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
     t22 = M_2.transpose(2, 3, 0, 1)
-    t23 = ((np.reshape(t15.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(t15, (1, d_K, n_batch, L)) * np.reshape(t21.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -3836,7 +3836,7 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3894,7 +3894,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ M_1
     t12 = np.ones((d_V,), dtype=X.dtype)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += (np.reshape((np.reshape(t13, (d_V, 1)) * np.reshape(t11.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t13, (1, d_V, 1)) * np.reshape(t11.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -3937,7 +3937,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -3966,7 +3966,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t31.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t31, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t31, (n_batch, L, L, 1))) - (np.reshape(t31, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = t14 * t33
@@ -4005,7 +4005,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4036,7 +4036,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t32 = t31 @ X
     t33 = t1 @ t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t31.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t31, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t31, (n_batch, L, L, 1))) - (np.reshape(t31, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t33.sum((0,))), (n_batch, L, d_V))
     t35 = (t34 @ X.transpose(0, 2, 1))
     t36 = np.reshape((np.reshape(t35, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -4085,7 +4085,7 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = A @ X
     M_1 = t8
     t9 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4114,7 +4114,7 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t30 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t31 = np.reshape((np.reshape(t10.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t32 = np.reshape((np.reshape(t30.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
-    t33 = np.reshape((np.reshape(t32, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t11.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t33 = (t32 * np.reshape(t11.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t34 = np.reshape((np.reshape(t33.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t31.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t35 = np.reshape((np.reshape(t34.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t36 = (4/(L*d_K*d_V*n_batch**2)) * (t35 * t14.transpose(2, 0, 1, 3)).sum()
@@ -4142,7 +4142,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4174,7 +4174,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t34 = t33 @ X
     t35 = t1 @ t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t32.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(t32, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t36 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t35.sum((0,))), (n_batch, L, d_V))
     t37 = (t36 @ X.transpose(0, 2, 1))
     t38 = np.reshape((np.reshape(t37.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -4224,7 +4224,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4253,7 +4253,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t32.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(t32, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t35 = np.reshape((np.reshape(t33, (L*n_batch, d_K)) @ np.reshape(t33.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -4293,7 +4293,7 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = A @ X
     M_1 = t9
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4353,7 +4353,7 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -4381,7 +4381,7 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = np.reshape((np.reshape(t11, (L*n_batch, d_V)) @ np.reshape(t25.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t35 = np.reshape((np.reshape(t33.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
-    t36 = np.reshape((np.reshape(t35, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t36 = (t35 * np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t37 = np.reshape((np.reshape(t36.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t34.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t38 = np.reshape((np.reshape(t37.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t39 = (4/(L*d_K*d_V*n_batch**2)) * (t38 * t17.transpose(2, 0, 1, 3)).sum()
@@ -4412,7 +4412,7 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t9.transpose(1, 0)), (n_batch, L, d_V))
     t12 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t13 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -4499,13 +4499,13 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
     t11 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t12 = (np.reshape(t10, (n_batch, L, d_V, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t12.transpose(0, 3, 2, 1), (n_batch, L*d_V, L)) @ t11.transpose(1, 2, 0)), (n_batch, L, d_V, d_K))
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t2[...] = (np.reshape(X, (n_batch, L, 1, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, d_K)))
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t16 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_V)) @ W_K), (n_batch, L, d_K))
     t17 = (t10.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))
     t18 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t18, (n_batch, L, d_V**2, 1)) * np.reshape(t16, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t2 += (np.reshape(t16, (n_batch, L, 1, 1, d_K)) * np.reshape(t18, (n_batch, L, d_V, d_V, 1)))
     return out
 
 
@@ -4531,13 +4531,13 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t11 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t12 = (np.reshape(t10, (n_batch, L, d_V, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t13 = np.reshape((np.reshape(t12.transpose(0, 3, 2, 1), (n_batch, L*d_V, L)) @ t11.transpose(1, 2, 0)), (n_batch, L, d_V, d_K))
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t2[...] = (np.reshape(X, (n_batch, L, 1, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, d_K)))
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t16 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_V)) @ W_K), (n_batch, L, d_K))
     t17 = (t10.transpose(0, 2, 1) @ t14.transpose(0, 2, 1))
     t18 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t18, (n_batch, L, d_V**2, 1)) * np.reshape(t16, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t2 += (np.reshape(t16, (n_batch, L, 1, 1, d_K)) * np.reshape(t18, (n_batch, L, d_V, d_V, 1)))
     return (J,)
 
 
@@ -4563,13 +4563,13 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t12 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t13 = (np.reshape((t11.transpose(0, 2, 1) @ np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
-    t2[...] = np.reshape((np.reshape(t13, (n_batch, L, d_V**2, 1)) * np.reshape(t10, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t2[...] = (np.reshape(t10, (n_batch, L, 1, 1, d_K)) * np.reshape(t13, (n_batch, L, d_V, d_V, 1)))
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (t14 @ t11)
     t16 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t18 = (np.reshape(t16.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t2 += np.reshape((np.reshape(t15, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
+    t18 = (np.reshape(t17.transpose(1, 2, 0), (n_batch, L, 1, d_K)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+    t2 += (np.reshape(t15, (n_batch, L, d_V, 1, 1)) * np.reshape(t18, (n_batch, L, 1, d_V, d_K)))
     return out
 
 
@@ -4595,13 +4595,13 @@ def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t11 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t12 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t13 = (np.reshape((t11.transpose(0, 2, 1) @ np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
-    t2[...] = np.reshape((np.reshape(t13, (n_batch, L, d_V**2, 1)) * np.reshape(t10, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t2[...] = (np.reshape(t10, (n_batch, L, 1, 1, d_K)) * np.reshape(t13, (n_batch, L, d_V, d_V, 1)))
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (t14 @ t11)
     t16 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t18 = (np.reshape(t16.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t2 += np.reshape((np.reshape(t15, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
+    t18 = (np.reshape(t17.transpose(1, 2, 0), (n_batch, L, 1, d_K)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+    t2 += (np.reshape(t15, (n_batch, L, d_V, 1, 1)) * np.reshape(t18, (n_batch, L, 1, d_V, d_K)))
     return (J,)
 
 
@@ -4736,7 +4736,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4747,13 +4747,13 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
     t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
     t23 = ((t17 @ t16)).transpose(3, 2, 0, 1)
     t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t25 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape(t24, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t22[...] = (np.reshape((np.reshape(t23, (d_K*d_V, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
@@ -4762,7 +4762,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t29 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t30 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t29.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t31 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t30.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t32 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t32 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t27[...] = (np.reshape((np.reshape(t32, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
@@ -4772,19 +4772,19 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t38 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t39 = ((t38.transpose(1, 2, 0, 3) @ t37.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t40 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t36.transpose(1, 0)), (n_batch, L, d_K))
-    t41 = ((np.reshape(t40, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t41 = (np.reshape(t40.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t34[...] = (np.reshape((np.reshape(t41, (d_K*d_V, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
     t44 = ((t37.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t45 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t40, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t45 = (np.reshape(t24, (1, d_K, n_batch, L)) * np.reshape(t40.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t43[...] = (np.reshape((np.reshape(t44, (d_V**2, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t47 = np.reshape(t46, (d_V, d_K, d_V, d_V), copy=False)
     t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
     t49 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t50 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t48.transpose(1, 0)), (n_batch, L, d_K))
-    t51 = ((np.reshape(t50, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t51 = (np.reshape(t50.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t47[...] = (np.reshape((np.reshape(t51, (d_K*d_V, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
@@ -4792,12 +4792,12 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t55 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
     t56 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t57 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t56.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t58 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t55.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t58 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t55.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t53[...] = (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t60 = np.reshape(t59, (d_V, d_V, d_V, d_K), copy=False)
     t61 = np.reshape((t13 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
-    t62 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t55.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t62 = (np.reshape(t24, (1, d_K, n_batch, L)) * np.reshape(t55.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t60[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t63[...] = 0
@@ -4806,7 +4806,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t66 = t54 @ M_1
     t67 = np.ones((d_V,), dtype=X.dtype)
     t68 = (2/(L*d_V*n_batch)) * t67
-    t65 += (np.reshape((np.reshape(t68, (d_V, 1)) * np.reshape(t66.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t65 += np.reshape(t68, (1, d_V, 1)) * np.reshape(t66.sum((0,)), (d_V, 1, d_V))
     return H
 
 
@@ -4876,7 +4876,7 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -4974,7 +4974,7 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5008,7 +5008,7 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5042,7 +5042,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5053,7 +5053,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t17 = (t16 @ t15)
     t18 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t17.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -5076,7 +5076,7 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5117,7 +5117,7 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5128,7 +5128,7 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t17 = ((t16 @ t15)).transpose(3, 2, 0, 1)
     t18 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t19 = ((np.reshape(t18.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape(t18, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -5151,7 +5151,7 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5192,7 +5192,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5201,7 +5201,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t15 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t16 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -5224,7 +5224,7 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = A @ X
     M_1 = t10
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5263,7 +5263,7 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5298,7 +5298,7 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5333,7 +5333,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5344,7 +5344,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t18 = ((t17.transpose(1, 2, 0, 3) @ t16.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
-    t20 = ((np.reshape(t19, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t20 = (np.reshape(t19.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -5368,7 +5368,7 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5410,7 +5410,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5421,7 +5421,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = ((t16.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t20 = ((np.reshape(t19.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t18, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(t19, (1, d_K, n_batch, L)) * np.reshape(t18.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -5445,7 +5445,7 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5487,7 +5487,7 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5496,7 +5496,7 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t15 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_K))
-    t17 = ((np.reshape(t16, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape(t16.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -5520,7 +5520,7 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = A @ X
     M_1 = t11
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -5613,14 +5613,14 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t13, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t17 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -5647,7 +5647,7 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t12, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5687,14 +5687,14 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t13, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t16 = np.reshape((t12 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t18 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(t17, (1, d_K, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -5721,7 +5721,7 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t12, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5763,7 +5763,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ M_1
     t14 = np.ones((d_V,), dtype=X.dtype)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t1 += (np.reshape((np.reshape(t15, (d_V, 1)) * np.reshape(t13.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t15, (1, d_V, 1)) * np.reshape(t13.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -5825,37 +5825,37 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t20, (1, 1, L, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(t19, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t2
     t23 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t23.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
     t28 = np.reshape((t22 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t29 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t30 = ((np.reshape(t29.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t30 = (np.reshape(t29, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t31 = np.einsum('abcb->abc', t27)
     t32 = t19 @ X
     t33 = t3 @ t32
     t34 = np.ones((d_K,), dtype=X.dtype)
     t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
     t27[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t31 += (np.reshape((np.reshape(t35, (d_K, 1)) * np.reshape(t33.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t31 += np.reshape(t35, (1, d_K, 1)) * np.reshape(t33.sum((0,)), (d_V, 1, d_V))
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t20, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t38 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t39 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t40 = np.reshape((t39 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t41 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t41 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t37[...] = (np.reshape((np.reshape(t40, (d_K*d_V, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
@@ -5863,34 +5863,34 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t45 = (1/(d_K*n_batch)) * t44
     t46 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t47 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t45.transpose(1, 0)), (n_batch, L, d_K))
-    t48 = ((np.reshape(t47, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t48 = (np.reshape(t47.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t49 = np.einsum('abcb->abc', t43)
     t50 = np.swapaxes(t33, -1, -2)
     t43[...] = (np.reshape((np.reshape(t48, (d_K*d_V, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t49 += (np.reshape((np.reshape(t35, (d_K, 1)) * np.reshape(t50.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t49 += np.reshape(t35, (1, d_K, 1)) * np.reshape(t50.sum((0,)), (d_V, 1, d_V))
     t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
     t53 = M_3.transpose(2, 3, 0, 1)
-    t54 = ((np.reshape(t29.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t47, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t54 = (np.reshape(t29, (1, d_K, n_batch, L)) * np.reshape(t47.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t52[...] = (np.reshape((np.reshape(t53, (d_V**2, L*n_batch)) @ np.reshape(t54.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t56 = np.reshape(t55, (d_V, d_K, d_V, d_V), copy=False)
     t57 = (1/(math.sqrt(d_K)*n_batch)) * t44
     t58 = M_2.transpose(3, 2, 0, 1)
     t59 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t57.transpose(1, 0)), (n_batch, L, d_K))
-    t60 = ((np.reshape(t59, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t60 = (np.reshape(t59.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t56[...] = (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t62 = np.reshape(t61, (d_V, d_V, d_V, d_K), copy=False)
     t63 = np.swapaxes(G, -1, -2)
     t64 = (1/(math.sqrt(d_K)*n_batch)) * t63
-    t65 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t64.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t65 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t64.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t66 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t62[...] = (np.reshape((np.reshape(t65, (d_V**2, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t68 = np.reshape(t67, (d_V, d_V, d_V, d_K), copy=False)
     t69 = M_2.transpose(2, 3, 0, 1)
-    t70 = ((np.reshape(t29.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t64.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t70 = (np.reshape(t29, (1, d_K, n_batch, L)) * np.reshape(t64.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t68[...] = (np.reshape((np.reshape(t69, (d_V**2, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t71[...] = 0
@@ -5990,7 +5990,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t18, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6018,7 +6018,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t43 = (n_batch**(-2)) * (t32.sum((0,)) * t32.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t37 * t35).sum() + (1/(d_K**2*n_batch**2)) * (t42 * t39.transpose(0, 2, 3, 1)).sum()
     t44 = np.sqrt(np.maximum(t43, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t18, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t45 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t46 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t47 = t46 * t22
@@ -6100,7 +6100,7 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t19, (1, 1, L, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(t18, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6142,7 +6142,7 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t18, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6184,14 +6184,14 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t19, (1, 1, L, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(t18, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t21 = (1/(d_K*n_batch)) * t1
     t22 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t23 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t22.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t24 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -6226,7 +6226,7 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t18, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6274,21 +6274,21 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t19, (1, 1, L, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(t18, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t21 = (1/(d_K*n_batch)) * t1
     t22 = np.reshape((t21 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t24 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t24 = (np.reshape(t23, (1, d_K, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t25 = np.einsum('abcb->abc', t0)
     t26 = t18 @ X
     t27 = t2 @ t26
     t28 = np.ones((d_K,), dtype=X.dtype)
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
     t0[...] = (np.reshape((np.reshape(t22, (d_K*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t25 += (np.reshape((np.reshape(t29, (d_K, 1)) * np.reshape(t27.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t25 += np.reshape(t29, (1, d_K, 1)) * np.reshape(t27.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -6324,7 +6324,7 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t0 @ t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t20, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t19.sum((0,))), (n_batch, L, d_V))
     t22 = (t21 @ X.transpose(0, 2, 1))
     t23 = np.reshape((np.reshape(t22, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -6364,7 +6364,7 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6377,7 +6377,7 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t17 = np.reshape((t16 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t18 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -6400,7 +6400,7 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -6455,7 +6455,7 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t20, (1, 1, L, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(t19, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6499,7 +6499,7 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t19, (1, 1, L, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(t18, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6543,14 +6543,14 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t20, (1, 1, L, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(t19, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t1
     t23 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t24 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
-    t25 = ((np.reshape(t24, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t25 = (np.reshape(t24.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t26 = np.einsum('abcb->abc', t0)
     t27 = np.swapaxes(t19, -1, -2)
     t28 = t27 @ X
@@ -6558,7 +6558,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t30 = np.ones((d_K,), dtype=X.dtype)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
     t0[...] = (np.reshape((np.reshape(t25, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t26 += (np.reshape((np.reshape(t31, (d_K, 1)) * np.reshape(t29.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t26 += np.reshape(t31, (1, d_K, 1)) * np.reshape(t29.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -6596,7 +6596,7 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = np.swapaxes(W_Q, -1, -2)
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t22, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t23 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.sum((0,))), (n_batch, L, d_V))
     t24 = (t23 @ X.transpose(0, 2, 1))
     t25 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -6649,7 +6649,7 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t20, (1, 1, L, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(t19, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6657,7 +6657,7 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = M_3.transpose(2, 3, 0, 1)
     t24 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
     t25 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t26 = ((np.reshape(t25.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t24, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t26 = (np.reshape(t25, (1, d_K, n_batch, L)) * np.reshape(t24.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -6693,7 +6693,7 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t19, (1, 1, L, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(t18, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6730,7 +6730,7 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6744,7 +6744,7 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t18 = M_2.transpose(3, 2, 0, 1)
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_K))
-    t20 = ((np.reshape(t19, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t20 = (np.reshape(t19.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -6768,7 +6768,7 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -6839,12 +6839,12 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t15, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t14
-    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
@@ -6876,7 +6876,7 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t14, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t15 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6919,14 +6919,14 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t15, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t14
     t18 = M_2.transpose(2, 3, 0, 1)
     t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t20 = ((np.reshape(t19.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(t19, (1, d_K, n_batch, L)) * np.reshape(t17.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -6957,7 +6957,7 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t14, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t15 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t16 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7014,7 +7014,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7025,7 +7025,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t17 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
     t19 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t21 = A @ X
     M_1 = t21
     t22 = M_1 @ W_V
@@ -7038,14 +7038,14 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdims=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t28.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t11, (1, 1, L, L)) * np.reshape(t28, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t28, (n_batch, L, L, 1))) - (np.reshape(t28, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t2
     t31 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t32 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t31.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t33 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t33 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t34 = np.reshape(t20, (d_V**2, L*n_batch))
     t35 = np.reshape(t33, (d_V**2, L*n_batch))
     t36 = np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -7057,9 +7057,9 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
     t42 = np.reshape((t30 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t43 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t44 = ((np.reshape(t43.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t44 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t45 = ((t17 @ t16)).transpose(3, 2, 0, 1)
-    t46 = ((np.reshape(t43.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t46 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t47 = np.einsum('abcb->abc', t41)
     t48 = t28 @ X
     t49 = t3 @ t48
@@ -7072,16 +7072,16 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t56 = np.concatenate([t52, t53], axis=-1)
     t57 = np.concatenate([t54, t55], axis=-2)
     t41[...] = (np.reshape((t56 @ t57), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t47 += (np.reshape((np.reshape(t51, (d_K, 1)) * np.reshape(t49.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t47 += np.reshape(t51, (1, d_K, 1)) * np.reshape(t49.sum((0,)), (d_V, 1, d_V))
     t58 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t59 = np.reshape(t58, (d_V, d_K, d_V, d_V), copy=False)
     t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t61 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t60.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t62 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t61.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t63 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t63 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t64 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t65 = np.reshape((t64 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t66 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t66 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t59[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t59 += (np.reshape((np.reshape(t65, (d_K*d_V, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t67 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -7090,13 +7090,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t70 = (1/(d_K*n_batch)) * t69
     t71 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t72 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t70.transpose(1, 0)), (n_batch, L, d_K))
-    t73 = ((np.reshape(t72, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t73 = (np.reshape(t72.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t74 = (2/(L*d_K*d_V*n_batch)) * t69
     t75 = np.reshape((t14.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t76 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t77 = ((t76.transpose(1, 2, 0, 3) @ t75.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t78 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t74.transpose(1, 0)), (n_batch, L, d_K))
-    t79 = ((np.reshape(t78, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t79 = (np.reshape(t78.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t80 = np.einsum('abcb->abc', t68)
     t81 = np.swapaxes(t49, -1, -2)
     t82 = np.reshape(t73, (d_K*d_V, L*n_batch))
@@ -7106,13 +7106,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t86 = np.concatenate([t82, t83], axis=-1)
     t87 = np.concatenate([t84, t85], axis=-2)
     t68[...] = (np.reshape((t86 @ t87), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t80 += (np.reshape((np.reshape(t51, (d_K, 1)) * np.reshape(t81.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t80 += np.reshape(t51, (1, d_K, 1)) * np.reshape(t81.sum((0,)), (d_V, 1, d_V))
     t88 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t89 = np.reshape(t88, (d_V, d_K, d_V, d_K), copy=False)
     t90 = ((t75.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t91 = ((np.reshape(t43.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t78, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t91 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t78.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t92 = M_3.transpose(2, 3, 0, 1)
-    t93 = ((np.reshape(t43.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t72, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t93 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t72.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t94 = np.reshape(t90, (d_V**2, L*n_batch))
     t95 = np.reshape(t92, (d_V**2, L*n_batch))
     t96 = np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -7125,11 +7125,11 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t102 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t69
     t103 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t104 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t102.transpose(1, 0)), (n_batch, L, d_K))
-    t105 = ((np.reshape(t104, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t105 = (np.reshape(t104.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t106 = (1/(math.sqrt(d_K)*n_batch)) * t69
     t107 = M_2.transpose(3, 2, 0, 1)
     t108 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t106.transpose(1, 0)), (n_batch, L, d_K))
-    t109 = ((np.reshape(t108, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t109 = (np.reshape(t108.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t101[...] = (np.reshape((np.reshape(t105, (d_K*d_V, L*n_batch)) @ np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t101 += (np.reshape((np.reshape(t107, (d_V**2, L*n_batch)) @ np.reshape(t109.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
@@ -7138,19 +7138,19 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t113 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t112
     t114 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t115 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t114.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t116 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t113.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t116 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t113.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t117 = np.swapaxes(G, -1, -2)
     t118 = (1/(math.sqrt(d_K)*n_batch)) * t117
-    t119 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t118.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t119 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t118.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t120 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t111[...] = (np.reshape((np.reshape(t116, (d_V**2, L*n_batch)) @ np.reshape(t115.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t111 += (np.reshape((np.reshape(t119, (d_V**2, L*n_batch)) @ np.reshape(t120.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t121 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t122 = np.reshape(t121, (d_V, d_V, d_V, d_K), copy=False)
     t123 = np.reshape((t13 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
-    t124 = ((np.reshape(t43.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t113.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t124 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t113.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t125 = M_2.transpose(2, 3, 0, 1)
-    t126 = ((np.reshape(t43.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t118.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t126 = (np.reshape(t43, (1, d_K, n_batch, L)) * np.reshape(t118.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t122[...] = (np.reshape((np.reshape(t123, (d_V**2, L*n_batch)) @ np.reshape(t124.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t122 += (np.reshape((np.reshape(t125, (d_V**2, L*n_batch)) @ np.reshape(t126.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t127 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -7160,7 +7160,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t130 = t112 @ M_1
     t131 = np.ones((d_V,), dtype=X.dtype)
     t132 = (2/(L*d_V*n_batch)) * t131
-    t129 += (np.reshape((np.reshape(t132, (d_V, 1)) * np.reshape(t130.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t129 += np.reshape(t132, (1, d_V, 1)) * np.reshape(t130.sum((0,)), (d_V, 1, d_V))
     return H
 
 
@@ -7253,7 +7253,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -7281,7 +7281,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t32.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(t32, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t35 = t16 * t33
@@ -7336,7 +7336,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t84 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t85 = np.reshape((np.reshape(t77.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t86 = np.reshape((np.reshape(t84.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
-    t87 = np.reshape((np.reshape(t86, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t87 = (t86 * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t88 = np.reshape((np.reshape(t87.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t85.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t89 = np.reshape((np.reshape(t88.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t90 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7414,7 +7414,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t162 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t153.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t163 = np.reshape((np.reshape(t154, (L*n_batch, d_V)) @ np.reshape(t161.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t164 = np.reshape((np.reshape(t162.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
-    t165 = np.reshape((np.reshape(t164, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t165 = (t164 * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t166 = np.reshape((np.reshape(t165.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t163.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t167 = np.reshape((np.reshape(t166.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t168 = np.reshape((np.reshape(t161.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t161.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7458,7 +7458,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7482,7 +7482,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 - (A * t25).sum(-1, keepdims=True)
     t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t27.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t10, (1, 1, L, L)) * np.reshape(t27, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t27, (n_batch, L, L, 1))) - (np.reshape(t27, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t28 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7513,7 +7513,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7536,7 +7536,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t25, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t25, (n_batch, L, L, 1))) - (np.reshape(t25, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7565,7 +7565,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7576,7 +7576,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t17 = (t16 @ t15)
     t18 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t17.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t20 = A @ X
     M_1 = t20
     t21 = M_1 @ W_V
@@ -7589,14 +7589,14 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 - (A * t25).sum(-1, keepdims=True)
     t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t27.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t27, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t27, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t10, (1, 1, L, L)) * np.reshape(t27, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t27, (n_batch, L, L, 1))) - (np.reshape(t27, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t28 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t29 = (1/(d_K*n_batch)) * t1
     t30 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t29.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t31 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t30.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t32 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t32 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t33 = np.reshape(t19, (d_V**2, L*n_batch))
     t34 = np.reshape(t32, (d_V**2, L*n_batch))
     t35 = np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -7625,7 +7625,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -7653,7 +7653,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t32.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(t32, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t33 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t35 = t16 * t33
@@ -7704,16 +7704,16 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t19, (1, 1, L, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(t18, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t21 = (1/(d_K*n_batch)) * t1
     t22 = np.reshape((t21 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t23 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t24 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t24 = (np.reshape(t23, (1, d_K, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t19, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t25 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7722,7 +7722,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t28 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t29 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t26.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t30 = ((t29 @ t28)).transpose(3, 2, 0, 1)
-    t31 = ((np.reshape(t23.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t31 = (np.reshape(t23, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t32 = np.einsum('abcb->abc', t0)
     t33 = t18 @ X
     t34 = t2 @ t33
@@ -7735,7 +7735,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t41 = np.concatenate([t37, t38], axis=-1)
     t42 = np.concatenate([t39, t40], axis=-2)
     t0[...] = (np.reshape((t41 @ t42), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t32 += (np.reshape((np.reshape(t36, (d_K, 1)) * np.reshape(t34.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t32 += np.reshape(t36, (1, d_K, 1)) * np.reshape(t34.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -7771,7 +7771,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = t0 @ t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t20, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t19.sum((0,))), (n_batch, L, d_V))
     t22 = (t21 @ X.transpose(0, 2, 1))
     t23 = np.reshape((np.reshape(t22, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -7779,7 +7779,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t26 = (t25.transpose(1, 2, 0) @ t24.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t20, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t27 = W_V @ t13
     t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t19.sum((0,))), (n_batch, L, d_V))
     t29 = (t28 @ X.transpose(0, 2, 1))
@@ -7835,7 +7835,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7844,7 +7844,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t15 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_V, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t16 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t17 = M_1 @ W_V
     F = t17
     t18 = F - Y
@@ -7852,7 +7852,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t19
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t21 = np.reshape((t20 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t22 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -7876,7 +7876,7 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = A @ X
     M_1 = t10
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -7897,7 +7897,7 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = np.reshape((np.reshape(t12.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t26 = np.reshape((np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
-    t27 = np.reshape((np.reshape(t26, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t27 = (t26 * np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t28 = np.reshape((np.reshape(t27.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t25.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t29 = np.reshape((np.reshape(t28.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t30 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7932,7 +7932,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7956,7 +7956,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdims=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t28.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t11, (1, 1, L, L)) * np.reshape(t28, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t28, (n_batch, L, L, 1))) - (np.reshape(t28, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7988,7 +7988,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8011,7 +8011,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t10, (1, 1, L, L)) * np.reshape(t26, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t26, (n_batch, L, L, 1))) - (np.reshape(t26, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t27 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8054,16 +8054,16 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t20, (1, 1, L, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(t19, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t1
     t23 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t24 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
-    t25 = ((np.reshape(t24, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t25 = (np.reshape(t24.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t20, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8073,7 +8073,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_K, n_batch, L, d_V))
     t31 = ((t30.transpose(1, 2, 0, 3) @ t29.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t32 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t28.transpose(1, 0)), (n_batch, L, d_K))
-    t33 = ((np.reshape(t32, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t33 = (np.reshape(t32.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t34 = np.einsum('abcb->abc', t0)
     t35 = np.swapaxes(t19, -1, -2)
     t36 = t35 @ X
@@ -8087,7 +8087,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t44 = np.concatenate([t40, t41], axis=-1)
     t45 = np.concatenate([t42, t43], axis=-2)
     t0[...] = (np.reshape((t44 @ t45), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t34 += (np.reshape((np.reshape(t39, (d_K, 1)) * np.reshape(t37.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t34 += np.reshape(t39, (1, d_K, 1)) * np.reshape(t37.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -8125,7 +8125,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t21 = np.swapaxes(W_Q, -1, -2)
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t22, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t23 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t20.sum((0,))), (n_batch, L, d_V))
     t24 = (t23 @ X.transpose(0, 2, 1))
     t25 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -8133,7 +8133,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t28 = (t27.transpose(1, 2, 0) @ t26.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t22, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t29 = W_V @ t13
     t30 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.sum((0,))), (n_batch, L, d_V))
     t31 = (t30 @ X.transpose(0, 2, 1))
@@ -8191,7 +8191,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8202,7 +8202,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = ((t16.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t20 = ((np.reshape(t19.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t18, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(t19, (1, d_K, n_batch, L)) * np.reshape(t18.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t21 = A @ X
     M_1 = t21
     t22 = M_1 @ W_V
@@ -8215,14 +8215,14 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdims=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t28.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t28, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t28, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t11, (1, 1, L, L)) * np.reshape(t28, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t28, (n_batch, L, L, 1))) - (np.reshape(t28, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t29 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t1
     t31 = M_3.transpose(2, 3, 0, 1)
     t32 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_K))
-    t33 = ((np.reshape(t19.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t32, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t33 = (np.reshape(t19, (1, d_K, n_batch, L)) * np.reshape(t32.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t34 = np.reshape(t17, (d_V**2, L*n_batch))
     t35 = np.reshape(t31, (d_V**2, L*n_batch))
     t36 = np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -8252,7 +8252,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8280,7 +8280,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdims=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t33.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t10, (1, 1, L, L)) * np.reshape(t33, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t33, (n_batch, L, L, 1))) - (np.reshape(t33, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t35 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = np.reshape((np.reshape(t34, (L*n_batch, d_K)) @ np.reshape(t13.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8320,7 +8320,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -8329,7 +8329,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t15 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_K))
-    t17 = ((np.reshape(t16, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t17 = (np.reshape(t16.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t18 = M_1 @ W_V
     F = t18
     t19 = F - Y
@@ -8338,7 +8338,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t22 = M_2.transpose(3, 2, 0, 1)
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_K))
-    t24 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t24 = (np.reshape(t23.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_K*d_V, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
@@ -8363,7 +8363,7 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = A @ X
     M_1 = t11
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8473,14 +8473,14 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t13, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t17 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t19 = M_1 @ W_V
     F = t19
     t20 = F - Y
@@ -8488,7 +8488,7 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t21
     t22 = np.swapaxes(G, -1, -2)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t24 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t23.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t25 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
@@ -8517,7 +8517,7 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t12, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8537,7 +8537,7 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t28 = np.reshape((np.reshape(t13, (L*n_batch, d_V)) @ np.reshape(t26.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t29 = np.reshape((np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
-    t30 = np.reshape((np.reshape(t29, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t30 = (t29 * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t31 = np.reshape((np.reshape(t30.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t28.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t32 = np.reshape((np.reshape(t31.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t33 = np.reshape((np.reshape(t26.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t26.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8575,14 +8575,14 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t13, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t14 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t16 = np.reshape((t12 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t17 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t18 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(t17, (1, d_K, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t19 = M_1 @ W_V
     F = t19
     t20 = F - Y
@@ -8591,7 +8591,7 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = np.swapaxes(G, -1, -2)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
     t24 = M_2.transpose(2, 3, 0, 1)
-    t25 = ((np.reshape(t17.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape(t17, (1, d_K, n_batch, L)) * np.reshape(t23.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -8619,7 +8619,7 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t12, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8679,7 +8679,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ M_1
     t14 = np.ones((d_V,), dtype=X.dtype)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t1 += (np.reshape((np.reshape(t15, (d_V, 1)) * np.reshape(t13.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t15, (1, d_V, 1)) * np.reshape(t13.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -8726,7 +8726,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8755,7 +8755,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdims=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t33.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t33, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t33, (n_batch, L, L, 1))) - (np.reshape(t33, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t35 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = t16 * t35
@@ -8796,7 +8796,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8827,7 +8827,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t34 = t33 @ X
     t35 = t1 @ t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t33.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t33, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t33, (n_batch, L, L, 1))) - (np.reshape(t33, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t36 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t35.sum((0,))), (n_batch, L, d_V))
     t37 = (t36 @ X.transpose(0, 2, 1))
     t38 = np.reshape((np.reshape(t37, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -8878,7 +8878,7 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = A @ X
     M_1 = t10
     t11 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8907,7 +8907,7 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t33 = np.reshape((np.reshape(t12.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t34 = np.reshape((np.reshape(t32.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
-    t35 = np.reshape((np.reshape(t34, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t35 = (t34 * np.reshape(t13.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t36 = np.reshape((np.reshape(t35.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t33.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t37 = np.reshape((np.reshape(t36.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t38 = (4/(L*d_K*d_V*n_batch**2)) * (t37 * t16.transpose(2, 0, 1, 3)).sum()
@@ -8937,7 +8937,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -8969,7 +8969,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t36 = t35 @ X
     t37 = t1 @ t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t34.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t10, (1, 1, L, L)) * np.reshape(t34, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t34, (n_batch, L, L, 1))) - (np.reshape(t34, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t38 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t37.sum((0,))), (n_batch, L, d_V))
     t39 = (t38 @ X.transpose(0, 2, 1))
     t40 = np.reshape((np.reshape(t39.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -9021,7 +9021,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -9050,7 +9050,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdims=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t34.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t10, (1, 1, L, L)) * np.reshape(t34, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t34, (n_batch, L, L, 1))) - (np.reshape(t34, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t35 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t36 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t37 = np.reshape((np.reshape(t35, (L*n_batch, d_K)) @ np.reshape(t35.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9092,7 +9092,7 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = A @ X
     M_1 = t11
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -9154,7 +9154,7 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t12, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9182,7 +9182,7 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t35 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = np.reshape((np.reshape(t13, (L*n_batch, d_V)) @ np.reshape(t27.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t37 = np.reshape((np.reshape(t35.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
-    t38 = np.reshape((np.reshape(t37, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t38 = (t37 * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)))
     t39 = np.reshape((np.reshape(t38.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L**2, L)) @ t36.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t40 = np.reshape((np.reshape(t39.transpose(1, 0, 3, 2, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA, (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t41 = (4/(L*d_K*d_V*n_batch**2)) * (t40 * t19.transpose(2, 0, 1, 3)).sum()
@@ -9215,7 +9215,7 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t12, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t11.transpose(1, 0)), (n_batch, L, d_V))
     t14 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t15 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9306,13 +9306,13 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     t13 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 3, 2, 1), (n_batch, L*d_V, L)) @ t13.transpose(1, 2, 0)), (n_batch, L, d_V, d_K))
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t2[...] = (np.reshape(X, (n_batch, L, 1, d_V, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, d_K)))
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t18 = np.reshape((np.reshape(t17.transpose(0, 2, 1), (L*n_batch, d_V)) @ W_K), (n_batch, L, d_K))
     t19 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
     t20 = (np.reshape(t19.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t20, (n_batch, L, d_V**2, 1)) * np.reshape(t18, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t2 += (np.reshape(t18, (n_batch, L, 1, 1, d_K)) * np.reshape(t20, (n_batch, L, d_V, d_V, 1)))
     return out
 
 
@@ -9340,13 +9340,13 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t13 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t14 = (np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 3, 2, 1), (n_batch, L*d_V, L)) @ t13.transpose(1, 2, 0)), (n_batch, L, d_V, d_K))
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t2[...] = (np.reshape(X, (n_batch, L, 1, d_V, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, d_K)))
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t18 = np.reshape((np.reshape(t17.transpose(0, 2, 1), (L*n_batch, d_V)) @ W_K), (n_batch, L, d_K))
     t19 = (t12.transpose(0, 2, 1) @ t16.transpose(0, 2, 1))
     t20 = (np.reshape(t19.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t20, (n_batch, L, d_V**2, 1)) * np.reshape(t18, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t2 += (np.reshape(t18, (n_batch, L, 1, 1, d_K)) * np.reshape(t20, (n_batch, L, d_V, d_V, 1)))
     return (J,)
 
 
@@ -9374,13 +9374,13 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t14 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t15 = (np.reshape((t13.transpose(0, 2, 1) @ np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
-    t2[...] = np.reshape((np.reshape(t15, (n_batch, L, d_V**2, 1)) * np.reshape(t12, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t2[...] = (np.reshape(t12, (n_batch, L, 1, 1, d_K)) * np.reshape(t15, (n_batch, L, d_V, d_V, 1)))
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (t16 @ t13)
     t18 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t20 = (np.reshape(t18.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t2 += np.reshape((np.reshape(t17, (n_batch, L, d_V, 1)) * np.reshape(t20, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
+    t20 = (np.reshape(t19.transpose(1, 2, 0), (n_batch, L, 1, d_K)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+    t2 += (np.reshape(t17, (n_batch, L, d_V, 1, 1)) * np.reshape(t20, (n_batch, L, 1, d_V, d_K)))
     return out
 
 
@@ -9408,13 +9408,13 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t13 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t14 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t15 = (np.reshape((t13.transpose(0, 2, 1) @ np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
-    t2[...] = np.reshape((np.reshape(t15, (n_batch, L, d_V**2, 1)) * np.reshape(t12, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t2[...] = (np.reshape(t12, (n_batch, L, 1, 1, d_K)) * np.reshape(t15, (n_batch, L, d_V, d_V, 1)))
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (t16 @ t13)
     t18 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
     t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t20 = (np.reshape(t18.transpose(0, 2, 1), (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(1, 2, 0), (n_batch, L, 1, d_K)))
-    t2 += np.reshape((np.reshape(t17, (n_batch, L, d_V, 1)) * np.reshape(t20, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))
+    t20 = (np.reshape(t19.transpose(1, 2, 0), (n_batch, L, 1, d_K)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
+    t2 += (np.reshape(t17, (n_batch, L, d_V, 1, 1)) * np.reshape(t20, (n_batch, L, 1, d_V, d_K)))
     return (J,)
 
 
@@ -9553,7 +9553,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9566,23 +9566,23 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t22 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t23 = np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ t19), (n_batch, L, d_V, d_V))
     t24 = (t23 @ M_2)
     t25 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t26 = (t25 @ t24)
     t27 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t26.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t28 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t28 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
     t31 = ((t25 @ t24)).transpose(2, 3, 0, 1)
     t32 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t33 = ((np.reshape(t32.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t33 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t30[...] = (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
@@ -9590,7 +9590,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t37 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t36.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t38 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t39 = ((t38 @ t22)).transpose(2, 3, 0, 1)
-    t40 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t40 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t35[...] = (np.reshape((np.reshape(t40, (d_V**2, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
@@ -9602,40 +9602,40 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t48 = (t47 @ t46)
     t49 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t48.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t50 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t44.transpose(1, 0)), (n_batch, L, d_K))
-    t51 = ((np.reshape(t50, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t51 = (np.reshape(t50.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t42[...] = (np.reshape((np.reshape(t51, (d_K*d_V, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
     t54 = ((t47 @ t46)).transpose(3, 2, 0, 1)
-    t55 = ((np.reshape(t32.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t50, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t55 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t50.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t53[...] = (np.reshape((np.reshape(t54, (d_V**2, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t57 = np.reshape(t56, (d_V, d_K, d_V, d_V), copy=False)
     t58 = (1/(L*math.sqrt(d_K)*n_batch)) * t43
     t59 = ((t22.transpose(0, 1, 3, 2) @ t45.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t60 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t58.transpose(1, 0)), (n_batch, L, d_K))
-    t61 = ((np.reshape(t60, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t61 = (np.reshape(t60.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t57[...] = (np.reshape((np.reshape(t61, (d_K*d_V, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t63 = np.reshape(t62, (d_V, d_V, d_V, d_K), copy=False)
     t64 = np.swapaxes(M_1, -1, -2)
     t65 = (1/(L*math.sqrt(d_K)*n_batch)) * t64
-    t66 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t65.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t66 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t65.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t67 = np.reshape((t19.transpose(1, 0) @ np.reshape(dA18.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t68 = (t67.transpose(1, 2, 3, 0) @ M_2)
     t69 = np.reshape((np.reshape(t68, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t70 = (np.reshape((np.reshape(t69.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t70 = (t69.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t63[...] = (np.reshape((np.reshape(t66, (d_V**2, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t72 = np.reshape(t71, (d_V, d_V, d_V, d_K), copy=False)
     t73 = ((t47 @ t22.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t74 = ((np.reshape(t32.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t65.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t74 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t65.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t72[...] = (np.reshape((np.reshape(t73, (d_V**2, L*n_batch)) @ np.reshape(t74.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t76 = np.reshape(t75, (d_V, d_V, d_V, d_V), copy=False)
     t77 = (1/(L*n_batch)) * t64
-    t78 = (np.reshape((np.reshape(dA18.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t79 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t77.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t78 = (dA18.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t79 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t77.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t76[...] = (np.reshape((np.reshape(t79, (d_V**2, L*n_batch)) @ np.reshape(t78.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -9710,7 +9710,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -9720,9 +9720,9 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
-    t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = (dA15 * np.reshape(t9, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9817,7 +9817,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9830,12 +9830,12 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (X * X).transpose(2, 0, 1)
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t22 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t23 = np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ t18), (n_batch, L, d_V, d_V))
     t24 = (t23 @ M_2)
     t25 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
@@ -9861,7 +9861,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9874,7 +9874,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t19 = (W_K @ t0)
@@ -9905,7 +9905,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -9918,17 +9918,17 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t21 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21, (L*d_V*n_batch, d_V)) @ t18), (n_batch, L, d_V, d_V))
     t23 = (t22 @ M_2)
     t24 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t25 = (t24 @ t23)
     t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t25.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -9949,7 +9949,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -9959,9 +9959,9 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
-    t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = (dA15 * np.reshape(t9, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10003,7 +10003,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10016,17 +10016,17 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t21 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21, (L*d_V*n_batch, d_V)) @ t18), (n_batch, L, d_V, d_V))
     t23 = (t22 @ M_2)
     t24 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t25 = ((t24 @ t23)).transpose(2, 3, 0, 1)
     t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t27 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = (np.reshape(t26, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t25, (d_K*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -10047,7 +10047,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -10057,9 +10057,9 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
-    t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = (dA15 * np.reshape(t9, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10101,7 +10101,7 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10114,13 +10114,13 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t19 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t22 = ((t21 @ t20)).transpose(2, 3, 0, 1)
-    t23 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -10141,7 +10141,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -10151,10 +10151,10 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t18 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA15 * np.reshape(t9, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t17.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t20 = (t19 @ dA)
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10187,7 +10187,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10200,11 +10200,11 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t22 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t23 = (t22.transpose(0, 1, 3, 2) @ t21.transpose(1, 2, 0, 3))
     t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t25 = np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t23.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
@@ -10232,7 +10232,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10245,7 +10245,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t20 = np.reshape((np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
@@ -10277,7 +10277,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10290,17 +10290,17 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t22 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t23 = (t22.transpose(0, 1, 3, 2) @ t21.transpose(1, 2, 0, 3))
     t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t25 = (t24 @ t23)
     t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
-    t28 = ((np.reshape(t27, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t28 = (np.reshape(t27.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -10322,7 +10322,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -10332,9 +10332,9 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
-    t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10377,7 +10377,7 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10390,17 +10390,17 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t22 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t23 = (t22.transpose(0, 1, 3, 2) @ t21.transpose(1, 2, 0, 3))
     t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t25 = ((t24 @ t23)).transpose(3, 2, 0, 1)
     t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
     t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t28 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t26, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t28 = (np.reshape(t27, (1, d_K, n_batch, L)) * np.reshape(t26.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -10422,7 +10422,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -10432,9 +10432,9 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
-    t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10477,7 +10477,7 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -10490,13 +10490,13 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t22 = ((t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_K))
-    t24 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t24 = (np.reshape(t23.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -10518,7 +10518,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -10528,10 +10528,10 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t18.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t21 = (t20 @ dA)
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10571,7 +10571,7 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t16 = (1/(L*n_batch)) * t9
     t17 = (M_1 * t16.transpose(0, 2, 1)).transpose(2, 0, 1)
     t18 = (oe.contract('abcc,abc->abc', dA, t11)).transpose(2, 0, 1)
@@ -10603,7 +10603,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t16 = oe.contract('abcc,abc->ab', dA, t10)
     return (1/(L*n_batch)) * (t16 * t15).sum()
@@ -10635,20 +10635,20 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA18 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA18 = (np.reshape(t17, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(dA18.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t20.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t22 = np.reshape((t16.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t23 = (t22.transpose(1, 2, 3, 0) @ M_2)
     t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t25 = (np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t25 = (t24.transpose(2, 3, 0, 1) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -10677,12 +10677,12 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
-    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA17 = (np.reshape(t16, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    t18 = (dA * np.reshape(t10, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
     t21 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
@@ -10724,20 +10724,20 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA18 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA18 = (np.reshape(t17, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(dA18.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (dA * np.reshape(t11, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t23 = ((t22 @ t21.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t25 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape(t24, (1, d_K, n_batch, L)) * np.reshape(t20.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -10766,12 +10766,12 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
-    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA17 = (np.reshape(t16, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    t18 = (dA * np.reshape(t10, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10813,10 +10813,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t16 = (1/(L*n_batch)) * t9
-    t17 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t18 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (dA.transpose(2, 3, 0, 1) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t18 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t16.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -10845,8 +10845,8 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
-    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
+    t15 = (dA * np.reshape(t10, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t15, (L*n_batch, d_V**2)) @ np.reshape(t15.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10892,37 +10892,37 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t23, (1, 1, L, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(t22, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t2
     t26 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t27 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t26.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t28 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t28 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
     t31 = np.reshape((t25 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t32 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t33 = ((np.reshape(t32.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t33 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t34 = np.einsum('abcb->abc', t30)
     t35 = t22 @ X
     t36 = t3 @ t35
     t37 = np.ones((d_K,), dtype=X.dtype)
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
     t30[...] = (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t34 += (np.reshape((np.reshape(t38, (d_K, 1)) * np.reshape(t36.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t34 += np.reshape(t38, (1, d_K, 1)) * np.reshape(t36.sum((0,)), (d_V, 1, d_V))
     t39 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t40 = np.reshape(t39, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t23, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t41 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t41.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t43 = np.reshape((t42 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t44 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t44 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t40[...] = (np.reshape((np.reshape(t43, (d_K*d_V, L*n_batch)) @ np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t45 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t46 = np.reshape(t45, (d_V, d_K, d_V, d_K), copy=False)
@@ -10930,34 +10930,34 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t48 = (1/(d_K*n_batch)) * t47
     t49 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t50 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t48.transpose(1, 0)), (n_batch, L, d_K))
-    t51 = ((np.reshape(t50, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t51 = (np.reshape(t50.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t52 = np.einsum('abcb->abc', t46)
     t53 = np.swapaxes(t36, -1, -2)
     t46[...] = (np.reshape((np.reshape(t51, (d_K*d_V, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t52 += (np.reshape((np.reshape(t38, (d_K, 1)) * np.reshape(t53.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t52 += np.reshape(t38, (1, d_K, 1)) * np.reshape(t53.sum((0,)), (d_V, 1, d_V))
     t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t55 = np.reshape(t54, (d_V, d_K, d_V, d_K), copy=False)
     t56 = M_3.transpose(2, 3, 0, 1)
-    t57 = ((np.reshape(t32.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t50, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t57 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t50.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t55[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t59 = np.reshape(t58, (d_V, d_K, d_V, d_V), copy=False)
     t60 = (1/(math.sqrt(d_K)*n_batch)) * t47
     t61 = M_2.transpose(3, 2, 0, 1)
     t62 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t60.transpose(1, 0)), (n_batch, L, d_K))
-    t63 = ((np.reshape(t62, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t63 = (np.reshape(t62.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t59[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t63.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t65 = np.reshape(t64, (d_V, d_V, d_V, d_K), copy=False)
     t66 = np.swapaxes(G, -1, -2)
     t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
-    t68 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t67.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t68 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t67.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t69 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t65[...] = (np.reshape((np.reshape(t68, (d_V**2, L*n_batch)) @ np.reshape(t69.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t71 = np.reshape(t70, (d_V, d_V, d_V, d_K), copy=False)
     t72 = M_2.transpose(2, 3, 0, 1)
-    t73 = ((np.reshape(t32.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t67.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t73 = (np.reshape(t32, (1, d_K, n_batch, L)) * np.reshape(t67.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t71[...] = (np.reshape((np.reshape(t72, (d_V**2, L*n_batch)) @ np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t74[...] = 0
@@ -11063,7 +11063,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t21, (1, 1, L, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(t20, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t23 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11091,7 +11091,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t46 = (n_batch**(-2)) * (t35.sum((0,)) * t35.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t40 * t38).sum() + (1/(d_K**2*n_batch**2)) * (t45 * t42.transpose(0, 2, 3, 1)).sum()
     t47 = np.sqrt(np.maximum(t46, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t21, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t48 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t49 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t50 = t49 * t25
@@ -11176,7 +11176,7 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t22, (1, 1, L, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(t21, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11221,7 +11221,7 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t21, (1, 1, L, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(t20, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11266,14 +11266,14 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t22, (1, 1, L, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(t21, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
     t25 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t25.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -11311,7 +11311,7 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t21, (1, 1, L, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(t20, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t23 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11362,21 +11362,21 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t22, (1, 1, L, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(t21, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
     t25 = np.reshape((t24 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t27 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = (np.reshape(t26, (1, d_K, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t28 = np.einsum('abcb->abc', t0)
     t29 = t21 @ X
     t30 = t2 @ t29
     t31 = np.ones((d_K,), dtype=X.dtype)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
     t0[...] = (np.reshape((np.reshape(t25, (d_K*d_V, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t28 += (np.reshape((np.reshape(t32, (d_K, 1)) * np.reshape(t30.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t28 += np.reshape(t32, (1, d_K, 1)) * np.reshape(t30.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -11415,7 +11415,7 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = t0 @ t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t23, (1, 1, L, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(t20, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.sum((0,))), (n_batch, L, d_V))
     t25 = (t24 @ X.transpose(0, 2, 1))
     t26 = np.reshape((np.reshape(t25, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -11453,7 +11453,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11471,7 +11471,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t20 = np.reshape((t19 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t21 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -11492,7 +11492,7 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -11555,7 +11555,7 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t23, (1, 1, L, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(t22, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11602,7 +11602,7 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t22, (1, 1, L, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(t21, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11649,14 +11649,14 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t23, (1, 1, L, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(t22, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
     t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_K))
-    t28 = ((np.reshape(t27, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t28 = (np.reshape(t27.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t29 = np.einsum('abcb->abc', t0)
     t30 = np.swapaxes(t22, -1, -2)
     t31 = t30 @ X
@@ -11664,7 +11664,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t33 = np.ones((d_K,), dtype=X.dtype)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
     t0[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t29 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t32.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t29 += np.reshape(t34, (1, d_K, 1)) * np.reshape(t32.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -11705,7 +11705,7 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = np.swapaxes(W_Q, -1, -2)
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t25, (1, 1, L, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(t20, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t23.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -11761,7 +11761,7 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t23, (1, 1, L, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(t22, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11769,7 +11769,7 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t26 = M_3.transpose(2, 3, 0, 1)
     t27 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_K))
     t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t29 = ((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t27, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t29 = (np.reshape(t28, (1, d_K, n_batch, L)) * np.reshape(t27.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -11808,7 +11808,7 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t22, (1, 1, L, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(t21, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t23 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t25 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11843,7 +11843,7 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -11862,7 +11862,7 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t21 = M_2.transpose(3, 2, 0, 1)
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
-    t23 = ((np.reshape(t22, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t23 = (np.reshape(t22.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -11884,7 +11884,7 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -11963,12 +11963,12 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t18, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t20.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t22 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
@@ -12003,7 +12003,7 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t17, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t18 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t16.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -12049,14 +12049,14 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t18, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t21 = M_2.transpose(2, 3, 0, 1)
     t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t23 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(t22, (1, d_K, n_batch, L)) * np.reshape(t20.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -12090,7 +12090,7 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t17, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t18 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t16.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -12145,7 +12145,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12158,17 +12158,17 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t22 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t23 = np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ t19), (n_batch, L, d_V, d_V))
     t24 = (t23 @ M_2)
     t25 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t26 = (t25 @ t24)
     t27 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t26.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t28 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t28 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t14
     t29 = np.exp(F - F.max(-1, keepdims=True))
     A30 = t29 / t29.sum(-1, keepdims=True)
@@ -12181,14 +12181,14 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(t37, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t39 = (1/(d_K*n_batch)) * t2
     t40 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t39.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t41 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t40.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t42 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t42 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t43 = np.reshape(t28, (d_V**2, L*n_batch))
     t44 = np.reshape(t42, (d_V**2, L*n_batch))
     t45 = np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -12200,9 +12200,9 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
     t51 = np.reshape((t39 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t52 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t53 = ((np.reshape(t52.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t53 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t54 = ((t25 @ t24)).transpose(2, 3, 0, 1)
-    t55 = ((np.reshape(t52.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t55 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t56 = np.einsum('abcb->abc', t50)
     t57 = t37 @ X
     t58 = t3 @ t57
@@ -12215,17 +12215,17 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t65 = np.concatenate([t61, t62], axis=-1)
     t66 = np.concatenate([t63, t64], axis=-2)
     t50[...] = (np.reshape((t65 @ t66), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t56 += (np.reshape((np.reshape(t60, (d_K, 1)) * np.reshape(t58.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t56 += np.reshape(t60, (1, d_K, 1)) * np.reshape(t58.sum((0,)), (d_V, 1, d_V))
     t67 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = np.reshape(t67, (d_V, d_K, d_V, d_V), copy=False)
     t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t70 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t69.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t71 = np.reshape((np.reshape(t70.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t72 = ((t71 @ t22)).transpose(2, 3, 0, 1)
-    t73 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t73 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t74 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t75 = np.reshape((t74 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t76 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t76 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t68[...] = (np.reshape((np.reshape(t73, (d_V**2, L*n_batch)) @ np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t68 += (np.reshape((np.reshape(t75, (d_K*d_V, L*n_batch)) @ np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t77 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -12234,7 +12234,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t80 = (1/(d_K*n_batch)) * t79
     t81 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t82 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t80.transpose(1, 0)), (n_batch, L, d_K))
-    t83 = ((np.reshape(t82, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t83 = (np.reshape(t82.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t84 = (1/(L*d_K*n_batch)) * t79
     t85 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t86 = (t22.transpose(0, 1, 3, 2) @ t85.transpose(1, 2, 0, 3))
@@ -12242,7 +12242,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t88 = (t87 @ t86)
     t89 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t88.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t90 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t84.transpose(1, 0)), (n_batch, L, d_K))
-    t91 = ((np.reshape(t90, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t91 = (np.reshape(t90.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t92 = np.einsum('abcb->abc', t78)
     t93 = np.swapaxes(t58, -1, -2)
     t94 = np.reshape(t83, (d_K*d_V, L*n_batch))
@@ -12252,13 +12252,13 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t98 = np.concatenate([t94, t95], axis=-1)
     t99 = np.concatenate([t96, t97], axis=-2)
     t78[...] = (np.reshape((t98 @ t99), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t92 += (np.reshape((np.reshape(t60, (d_K, 1)) * np.reshape(t93.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t92 += np.reshape(t60, (1, d_K, 1)) * np.reshape(t93.sum((0,)), (d_V, 1, d_V))
     t100 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t101 = np.reshape(t100, (d_V, d_K, d_V, d_K), copy=False)
     t102 = ((t87 @ t86)).transpose(3, 2, 0, 1)
-    t103 = ((np.reshape(t52.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t90, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t103 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t90.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t104 = M_3.transpose(2, 3, 0, 1)
-    t105 = ((np.reshape(t52.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t82, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t105 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t82.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t106 = np.reshape(t102, (d_V**2, L*n_batch))
     t107 = np.reshape(t104, (d_V**2, L*n_batch))
     t108 = np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -12271,41 +12271,41 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t114 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
     t115 = ((t22.transpose(0, 1, 3, 2) @ t85.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t116 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t114.transpose(1, 0)), (n_batch, L, d_K))
-    t117 = ((np.reshape(t116, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t117 = (np.reshape(t116.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t118 = (1/(math.sqrt(d_K)*n_batch)) * t79
     t119 = M_2.transpose(3, 2, 0, 1)
     t120 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t118.transpose(1, 0)), (n_batch, L, d_K))
-    t121 = ((np.reshape(t120, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t121 = (np.reshape(t120.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t113[...] = (np.reshape((np.reshape(t117, (d_K*d_V, L*n_batch)) @ np.reshape(t115.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t113 += (np.reshape((np.reshape(t119, (d_V**2, L*n_batch)) @ np.reshape(t121.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t122 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t123 = np.reshape(t122, (d_V, d_V, d_V, d_K), copy=False)
     t124 = np.swapaxes(G, -1, -2)
     t125 = (1/(math.sqrt(d_K)*n_batch)) * t124
-    t126 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t125.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t126 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t125.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t127 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t128 = np.swapaxes(M_1, -1, -2)
     t129 = (1/(L*math.sqrt(d_K)*n_batch)) * t128
-    t130 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t129.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t130 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t129.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t131 = np.reshape((t19.transpose(1, 0) @ np.reshape(dA18.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t132 = (t131.transpose(1, 2, 3, 0) @ M_2)
     t133 = np.reshape((np.reshape(t132, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t134 = (np.reshape((np.reshape(t133.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t134 = (t133.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t123[...] = (np.reshape((np.reshape(t126, (d_V**2, L*n_batch)) @ np.reshape(t127.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t123 += (np.reshape((np.reshape(t130, (d_V**2, L*n_batch)) @ np.reshape(t134.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t135 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t136 = np.reshape(t135, (d_V, d_V, d_V, d_K), copy=False)
     t137 = M_2.transpose(2, 3, 0, 1)
-    t138 = ((np.reshape(t52.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t125.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t138 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t125.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t139 = ((t87 @ t22.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t140 = ((np.reshape(t52.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t129.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t140 = (np.reshape(t52, (1, d_K, n_batch, L)) * np.reshape(t129.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t136[...] = (np.reshape((np.reshape(t137, (d_V**2, L*n_batch)) @ np.reshape(t138.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t136 += (np.reshape((np.reshape(t139, (d_V**2, L*n_batch)) @ np.reshape(t140.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t141 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t142 = np.reshape(t141, (d_V, d_V, d_V, d_V), copy=False)
     t143 = (1/(L*n_batch)) * t128
-    t144 = (np.reshape((np.reshape(dA18.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t145 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t143.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t144 = (dA18.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t145 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t143.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t142[...] = (np.reshape((np.reshape(t145, (d_V**2, L*n_batch)) @ np.reshape(t144.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -12404,7 +12404,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -12414,9 +12414,9 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
-    t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = (dA15 * np.reshape(t9, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -12447,7 +12447,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t43 = t42 - (A * t42).sum(-1, keepdims=True)
     t44 = A * t43
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t44.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t44, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t44, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t44, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t44, (n_batch, L, L, 1))) - (np.reshape(t44, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t45 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t46 = t20 * t45
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -12507,7 +12507,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t99 = np.reshape((np.reshape(t98.transpose(1, 0, 4, 2, 3), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t83, (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t100 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t101 = np.reshape((np.reshape(t83.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t102 = np.reshape((np.reshape(t101.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t102 = (t101.transpose(0, 1, 3, 4, 2) * np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t103 = np.reshape((np.reshape(t102.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t31.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t104 = np.reshape((np.reshape(t103.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t105 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -12566,7 +12566,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t158 = np.reshape((np.reshape(t83, (n_batch, L*d_V, L)) @ np.reshape(t20, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t159 = np.reshape((np.reshape(t158.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t83.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t160 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t161 = np.reshape((np.reshape(t160.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t137.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t161 = (t160.transpose(0, 1, 3, 4, 2) * np.reshape(t137.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t162 = np.reshape((np.reshape(t161.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t163 = np.reshape((np.reshape(t162.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t164 = t137 * t105
@@ -12584,7 +12584,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t176 = np.reshape((t21 @ np.reshape(t17.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t177 = (t176.transpose(0, 2, 3, 1) @ dA)
     t178 = np.reshape((np.reshape(t177.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t169.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t179 = np.reshape((np.reshape(t178.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t179 = (t178.transpose(0, 1, 3, 4, 2) * np.reshape(t20, (n_batch, L, n_batch, L, 1)))
     t180 = np.reshape((np.reshape(t179.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t32.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
     t181 = np.reshape((np.reshape(t180.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t182 = np.reshape((np.reshape(t174.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t174.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -12594,7 +12594,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t186 = (1/(d_K*n_batch**2)) * (t173 * t32.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t181 * t175.transpose(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t185 * t32.transpose(0, 2, 3, 1)).sum()
     t187 = np.sqrt(np.maximum(t186, 0.0))
     t188 = t76 * t170
-    t189 = np.reshape((np.reshape(t178.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t76, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t189 = (t178.transpose(0, 1, 3, 4, 2) * np.reshape(t76, (n_batch, L, n_batch, L, 1)))
     t190 = np.reshape((np.reshape(t189.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t20.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
     t191 = np.reshape((np.reshape(t190.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t192 = t76 * t182
@@ -12627,7 +12627,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12640,12 +12640,12 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (X * X).transpose(2, 0, 1)
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t22 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t23 = np.reshape((np.reshape(t22, (L*d_V*n_batch, d_V)) @ t18), (n_batch, L, d_V, d_V))
     t24 = (t23 @ M_2)
     t25 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
@@ -12663,7 +12663,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdims=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t36.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t36, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t36, (n_batch, L, L, 1))) - (np.reshape(t36, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t37 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12692,7 +12692,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12705,7 +12705,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t19 = (W_K @ t0)
@@ -12727,7 +12727,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdims=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t34.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t34, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t34, (n_batch, L, L, 1))) - (np.reshape(t34, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t35 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12754,7 +12754,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12767,17 +12767,17 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t21 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21, (L*d_V*n_batch, d_V)) @ t18), (n_batch, L, d_V, d_V))
     t23 = (t22 @ M_2)
     t24 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t25 = (t24 @ t23)
     t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t25.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t13
     t28 = np.exp(F - F.max(-1, keepdims=True))
     A29 = t28 / t28.sum(-1, keepdims=True)
@@ -12790,14 +12790,14 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdims=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t36.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t36, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t36, (n_batch, L, L, 1))) - (np.reshape(t36, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t37 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t38 = (1/(d_K*n_batch)) * t1
     t39 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t38.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t40 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t39.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t41 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t41 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t42 = np.reshape(t27, (d_V**2, L*n_batch))
     t43 = np.reshape(t41, (d_V**2, L*n_batch))
     t44 = np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -12824,7 +12824,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -12834,9 +12834,9 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
-    t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = (dA15 * np.reshape(t9, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -12867,7 +12867,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t43 = t42 - (A * t42).sum(-1, keepdims=True)
     t44 = A * t43
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t44.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t44, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t44, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t44, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t44, (n_batch, L, L, 1))) - (np.reshape(t44, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t45 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t46 = t20 * t45
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -12921,16 +12921,16 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t22, (1, 1, L, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(t21, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
     t25 = np.reshape((t24 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t27 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = (np.reshape(t26, (1, d_K, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t22, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t28 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t28.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -12938,15 +12938,15 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdims=True)
     t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA32 = (np.reshape((np.reshape(A30.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t31, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
+    dA32 = (np.reshape(t31, (1, 1, d_V, d_V)) * np.reshape(A30, (n_batch, L, d_V, 1))) - (np.reshape(A30, (n_batch, L, 1, d_V)) * np.reshape(A30, (n_batch, L, d_V, 1)))
     t33 = (1/(L*d_K*n_batch)) * t1
     t34 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t33.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t35 = np.reshape((np.reshape(dA32, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t35 = (dA32 * np.reshape(t9, (n_batch, L, d_V, 1)))
     t36 = np.reshape((np.reshape(t35, (L*d_V*n_batch, d_V)) @ t17), (n_batch, L, d_V, d_V))
     t37 = (t36 @ M_2)
     t38 = np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t39 = ((t38 @ t37)).transpose(2, 3, 0, 1)
-    t40 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t40 = (np.reshape(t26, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t41 = np.einsum('abcb->abc', t0)
     t42 = t21 @ X
     t43 = t2 @ t42
@@ -12959,7 +12959,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t50 = np.concatenate([t46, t47], axis=-1)
     t51 = np.concatenate([t48, t49], axis=-2)
     t0[...] = (np.reshape((t50 @ t51), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t41 += (np.reshape((np.reshape(t45, (d_K, 1)) * np.reshape(t43.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t41 += np.reshape(t45, (1, d_K, 1)) * np.reshape(t43.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -12998,7 +12998,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = t0 @ t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t23, (1, 1, L, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(t20, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t22.sum((0,))), (n_batch, L, d_V))
     t25 = (t24 @ X.transpose(0, 2, 1))
     t26 = np.reshape((np.reshape(t25, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -13006,7 +13006,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t29 = (t28.transpose(1, 2, 0) @ t27.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t23, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t30 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13014,10 +13014,10 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A32 = t31 / t31.sum(-1, keepdims=True)
     t33 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = (np.reshape((np.reshape(A32.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t33, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A32, (n_batch, L, d_V, 1)) * np.reshape(A32, (n_batch, L, 1, d_V)))
+    dA34 = (np.reshape(t33, (1, 1, d_V, d_V)) * np.reshape(A32, (n_batch, L, d_V, 1))) - (np.reshape(A32, (n_batch, L, 1, d_V)) * np.reshape(A32, (n_batch, L, d_V, 1)))
     t35 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.sum((0,))), (n_batch, L, d_V))
     t36 = np.reshape((np.reshape(t35, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
-    t37 = np.reshape((np.reshape(dA34, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t37 = (dA34 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t38 = (W_Q @ t1)
     t39 = np.reshape((np.reshape(t36, (L*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V))
     t40 = np.reshape((np.reshape(t39, (n_batch, L, 1, d_V)) @ t37.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
@@ -13079,7 +13079,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13092,13 +13092,13 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t19 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t22 = ((t21 @ t20)).transpose(2, 3, 0, 1)
-    t23 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t13
     t24 = np.exp(F - F.max(-1, keepdims=True))
     A25 = t24 / t24.sum(-1, keepdims=True)
@@ -13108,7 +13108,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t28
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t30 = np.reshape((t29 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t31 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t31 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t30, (d_K*d_V, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -13130,7 +13130,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -13140,10 +13140,10 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t18 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA15 * np.reshape(t9, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t17.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t20 = (t19 @ dA)
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13161,7 +13161,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t31
     t32 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t33 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t34 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t34 = (t33.transpose(0, 1, 3, 4, 2) * np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t35 = np.reshape((np.reshape(t34.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t24.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t36 = np.reshape((np.reshape(t35.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t37 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13194,7 +13194,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13207,11 +13207,11 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t22 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t23 = (t22.transpose(0, 1, 3, 2) @ t21.transpose(1, 2, 0, 3))
     t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t25 = np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t23.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
@@ -13230,7 +13230,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(t37, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13260,7 +13260,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13273,7 +13273,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t20 = np.reshape((np.reshape(t19.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
@@ -13295,7 +13295,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t34 = t33 - (A * t33).sum(-1, keepdims=True)
     t35 = A * t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t35.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t35, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t35, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t35, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t35, (n_batch, L, L, 1))) - (np.reshape(t35, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t36 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t36.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13340,16 +13340,16 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t23, (1, 1, L, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(t22, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
     t26 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t27 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_K))
-    t28 = ((np.reshape(t27, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t28 = (np.reshape(t27.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t23, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t29 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13357,16 +13357,16 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdims=True)
     t32 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = (np.reshape((np.reshape(A31.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t32, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
+    dA33 = (np.reshape(t32, (1, 1, d_V, d_V)) * np.reshape(A31, (n_batch, L, d_V, 1))) - (np.reshape(A31, (n_batch, L, 1, d_V)) * np.reshape(A31, (n_batch, L, d_V, 1)))
     t34 = (1/(L*d_K*n_batch)) * t1
     t35 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t36 = np.reshape((np.reshape(dA33, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t36 = (dA33 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t37 = (t36.transpose(0, 1, 3, 2) @ t35.transpose(1, 2, 0, 3))
     t38 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t39 = (t38 @ t37)
     t40 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t39.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t41 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t34.transpose(1, 0)), (n_batch, L, d_K))
-    t42 = ((np.reshape(t41, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t42 = (np.reshape(t41.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t43 = np.einsum('abcb->abc', t0)
     t44 = np.swapaxes(t22, -1, -2)
     t45 = t44 @ X
@@ -13380,7 +13380,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t53 = np.concatenate([t49, t50], axis=-1)
     t54 = np.concatenate([t51, t52], axis=-2)
     t0[...] = (np.reshape((t53 @ t54), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t43 += (np.reshape((np.reshape(t48, (d_K, 1)) * np.reshape(t46.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t43 += np.reshape(t48, (1, d_K, 1)) * np.reshape(t46.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -13421,7 +13421,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = np.swapaxes(W_Q, -1, -2)
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t25, (1, 1, L, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(t20, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t23.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -13429,7 +13429,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t31 = (t30.transpose(1, 2, 0) @ t29.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t25, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t32 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13437,10 +13437,10 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A34 = t33 / t33.sum(-1, keepdims=True)
     t35 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = (np.reshape((np.reshape(A34.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t35, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))
+    dA36 = (np.reshape(t35, (1, 1, d_V, d_V)) * np.reshape(A34, (n_batch, L, d_V, 1))) - (np.reshape(A34, (n_batch, L, 1, d_V)) * np.reshape(A34, (n_batch, L, d_V, 1)))
     t37 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t23.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
     t38 = np.reshape((np.reshape(t37, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
-    t39 = np.reshape((np.reshape(dA36, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t39 = (dA36 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t40 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t24.transpose(1, 0)), (n_batch, L, d_K))
     t41 = np.reshape((np.reshape(t38, (L*n_batch, d_V)) @ W_V), (n_batch, L, d_V))
     t42 = np.reshape((np.reshape(t41, (n_batch, L, 1, d_V)) @ t39), (n_batch, L, d_V))
@@ -13503,7 +13503,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13516,17 +13516,17 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t22 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t23 = (t22.transpose(0, 1, 3, 2) @ t21.transpose(1, 2, 0, 3))
     t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t25 = ((t24 @ t23)).transpose(3, 2, 0, 1)
     t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_K))
     t27 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t28 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t26, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t28 = (np.reshape(t27, (1, d_K, n_batch, L)) * np.reshape(t26.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     F = t14
     t29 = np.exp(F - F.max(-1, keepdims=True))
     A30 = t29 / t29.sum(-1, keepdims=True)
@@ -13539,14 +13539,14 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(t37, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t39 = (1/(d_K*n_batch)) * t1
     t40 = M_3.transpose(2, 3, 0, 1)
     t41 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t39.transpose(1, 0)), (n_batch, L, d_K))
-    t42 = ((np.reshape(t27.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t41, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t42 = (np.reshape(t27, (1, d_K, n_batch, L)) * np.reshape(t41.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t43 = np.reshape(t25, (d_V**2, L*n_batch))
     t44 = np.reshape(t40, (d_V**2, L*n_batch))
     t45 = np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -13574,7 +13574,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -13584,9 +13584,9 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
-    t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13617,7 +13617,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t44 = t43 - (A * t43).sum(-1, keepdims=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t45.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t45, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t45, (n_batch, L, L, 1))) - (np.reshape(t45, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t46 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t48 = np.reshape((np.reshape(t47, (L*n_batch, d_K)) @ np.reshape(t19.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13655,7 +13655,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -13668,13 +13668,13 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t22 = ((t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t19.transpose(1, 0)), (n_batch, L, d_K))
-    t24 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t24 = (np.reshape(t23.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     F = t14
     t25 = np.exp(F - F.max(-1, keepdims=True))
     A26 = t25 / t25.sum(-1, keepdims=True)
@@ -13685,7 +13685,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t30 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t31 = M_2.transpose(3, 2, 0, 1)
     t32 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t30.transpose(1, 0)), (n_batch, L, d_K))
-    t33 = ((np.reshape(t32, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t33 = (np.reshape(t32.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t31, (d_V**2, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
@@ -13708,7 +13708,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -13718,10 +13718,10 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t18.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t21 = (t20 @ dA)
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13741,7 +13741,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t34 = np.reshape((t18.transpose(1, 2, 0) @ np.reshape(t19.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t35 = (t34.transpose(0, 2, 3, 1) @ dA)
     t36 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t37 = np.reshape((np.reshape(t36.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t24.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t37 = (t36.transpose(0, 1, 3, 4, 2) * np.reshape(t24.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t38 = np.reshape((np.reshape(t37.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t39 = np.reshape((np.reshape(t38.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t40 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13781,7 +13781,7 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t16 = (1/(L*n_batch)) * t9
     t17 = (M_1 * t16.transpose(0, 2, 1)).transpose(2, 0, 1)
     t18 = (oe.contract('abcc,abc->abc', dA, t11)).transpose(2, 0, 1)
@@ -13813,7 +13813,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t16 = oe.contract('abcc,abc->ab', dA, t10)
     return (1/(L*n_batch)) * (t16 * t15).sum()
@@ -13850,26 +13850,26 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t18, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t20.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t22 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t23 = np.swapaxes(M_1, -1, -2)
     t24 = np.exp(t11 - t11.max(-1, keepdims=True))
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA27 = (np.reshape((np.reshape(A25.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t26, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
+    dA27 = (np.reshape(t26, (1, 1, d_V, d_V)) * np.reshape(A25, (n_batch, L, d_V, 1))) - (np.reshape(A25, (n_batch, L, 1, d_V)) * np.reshape(A25, (n_batch, L, d_V, 1)))
     t28 = np.swapaxes(W_V, -1, -2)
     t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
-    t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t30 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t29.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t31 = np.reshape((t28.transpose(1, 0) @ np.reshape(dA27.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t32 = (t31.transpose(1, 2, 3, 0) @ M_2)
     t33 = np.reshape((np.reshape(t32, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t34 = (np.reshape((np.reshape(t33.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t34 = (t33.transpose(2, 3, 0, 1) * np.reshape(t2.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -13904,7 +13904,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t17, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t18 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t16.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13919,15 +13919,15 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A29 = t28 / t28.sum(-1, keepdims=True)
     t30 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA31 = (np.reshape((np.reshape(A29.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t30, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A29, (n_batch, L, d_V, 1)) * np.reshape(A29, (n_batch, L, 1, d_V)))
+    dA31 = (np.reshape(t30, (1, 1, d_V, d_V)) * np.reshape(A29, (n_batch, L, d_V, 1))) - (np.reshape(A29, (n_batch, L, 1, d_V)) * np.reshape(A29, (n_batch, L, d_V, 1)))
     t32 = np.swapaxes(W_V, -1, -2)
-    t33 = np.reshape((np.reshape(dA31, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t33 = (dA31 * np.reshape(t1, (n_batch, L, d_V, 1)))
     t34 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t35 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t32.transpose(1, 0)), (n_batch, L, d_V))
     t36 = np.reshape((t35 @ np.reshape(t33.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t37 = (t36.transpose(0, 2, 3, 1) @ dA)
     t38 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t16.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t39 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t39 = (t38.transpose(0, 1, 3, 4, 2) * np.reshape(t21, (n_batch, L, n_batch, L, 1)))
     t40 = np.reshape((np.reshape(t39.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t23.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
     t41 = np.reshape((np.reshape(t40.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t42 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t27.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13970,26 +13970,26 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t18, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t21 = M_2.transpose(2, 3, 0, 1)
     t22 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t23 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(t22, (1, d_K, n_batch, L)) * np.reshape(t20.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t24 = np.swapaxes(M_1, -1, -2)
     t25 = np.exp(t11 - t11.max(-1, keepdims=True))
     A26 = t25 / t25.sum(-1, keepdims=True)
     t27 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA28 = (np.reshape((np.reshape(A26.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t27, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A26, (n_batch, L, d_V, 1)) * np.reshape(A26, (n_batch, L, 1, d_V)))
+    dA28 = (np.reshape(t27, (1, 1, d_V, d_V)) * np.reshape(A26, (n_batch, L, d_V, 1))) - (np.reshape(A26, (n_batch, L, 1, d_V)) * np.reshape(A26, (n_batch, L, d_V, 1)))
     t29 = np.swapaxes(W_V, -1, -2)
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
-    t31 = np.reshape((np.reshape(dA28, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t31 = (dA28 * np.reshape(t2, (n_batch, L, d_V, 1)))
     t32 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t29.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t33 = ((t32 @ t31.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t34 = ((np.reshape(t22.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t30.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t34 = (np.reshape(t22, (1, d_K, n_batch, L)) * np.reshape(t30.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t33, (d_V**2, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
@@ -14024,7 +14024,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t17, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t18 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t19 = np.reshape((np.reshape(t16.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t16.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14039,15 +14039,15 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A29 = t28 / t28.sum(-1, keepdims=True)
     t30 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA31 = (np.reshape((np.reshape(A29.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t30, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A29, (n_batch, L, d_V, 1)) * np.reshape(A29, (n_batch, L, 1, d_V)))
+    dA31 = (np.reshape(t30, (1, 1, d_V, d_V)) * np.reshape(A29, (n_batch, L, d_V, 1))) - (np.reshape(A29, (n_batch, L, 1, d_V)) * np.reshape(A29, (n_batch, L, d_V, 1)))
     t32 = np.swapaxes(W_V, -1, -2)
-    t33 = np.reshape((np.reshape(dA31, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t33 = (dA31 * np.reshape(t1, (n_batch, L, d_V, 1)))
     t34 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t35 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t32.transpose(1, 0)), (n_batch, L, d_V))
     t36 = np.reshape((t35 @ np.reshape(t33.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t37 = (t36.transpose(0, 2, 3, 1) @ dA)
     t38 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t16.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t39 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t39 = (t38.transpose(0, 1, 3, 4, 2) * np.reshape(t22, (n_batch, L, n_batch, L, 1)))
     t40 = np.reshape((np.reshape(t39.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t21.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
     t41 = np.reshape((np.reshape(t40.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t42 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t27.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14085,10 +14085,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t16 = (1/(L*n_batch)) * t9
-    t17 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t18 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (dA.transpose(2, 3, 0, 1) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t18 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t16.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -14117,8 +14117,8 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
-    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
+    t15 = (dA * np.reshape(t10, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t15, (L*n_batch, d_V**2)) @ np.reshape(t15.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14144,7 +14144,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -14154,9 +14154,9 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
-    t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = (dA15 * np.reshape(t9, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14188,7 +14188,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t44 = t43 - (A * t43).sum(-1, keepdims=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t45.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t45, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t45, (n_batch, L, L, 1))) - (np.reshape(t45, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t46 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t48 = t20 * t47
@@ -14227,7 +14227,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -14237,9 +14237,9 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
-    t17 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = (dA15 * np.reshape(t9, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14273,7 +14273,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t46 = t45 @ X
     t47 = t1 @ t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t45.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t45, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t45, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t45, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t45, (n_batch, L, L, 1))) - (np.reshape(t45, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t47.sum((0,))), (n_batch, L, d_V))
     t49 = (t48 @ X.transpose(0, 2, 1))
     t50 = np.reshape((np.reshape(t49, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -14327,7 +14327,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdims=True)
     t9 = np.broadcast_to(t8, t8.shape[:-1] + (d_V,))
     t10 = A @ X
@@ -14337,10 +14337,10 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t18 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA15 * np.reshape(t9, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t17.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t20 = (t19 @ dA)
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14366,7 +14366,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t39 = (1/(d_K*n_batch**2)) * (t38 * t24.transpose(0, 2, 3, 1)).sum()
     t40 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t41 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t42 = np.reshape((np.reshape(t41.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t42 = (t41.transpose(0, 1, 3, 4, 2) * np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t43 = np.reshape((np.reshape(t42.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t24.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t44 = np.reshape((np.reshape(t43.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t45 = (2/(L*d_K*n_batch**2)) * (t44 * t40.transpose(0, 2, 3, 1)).sum()
@@ -14394,7 +14394,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -14404,9 +14404,9 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
-    t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14441,7 +14441,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t48 = t47 @ X
     t49 = t1 @ t48
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t46.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t46, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t46, (n_batch, L, L, 1))) - (np.reshape(t46, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t49.sum((0,))), (n_batch, L, d_V))
     t51 = (t50 @ X.transpose(0, 2, 1))
     t52 = np.reshape((np.reshape(t51.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -14495,7 +14495,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -14505,9 +14505,9 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
-    t18 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14539,7 +14539,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdims=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t46.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t46, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t46, (n_batch, L, L, 1))) - (np.reshape(t46, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t49 = np.reshape((np.reshape(t47, (L*n_batch, d_K)) @ np.reshape(t47.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14579,7 +14579,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdims=True)
     t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
     t11 = A @ X
@@ -14589,10 +14589,10 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t18.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t21 = (t20 @ dA)
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14620,7 +14620,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t42 = np.reshape((t18.transpose(1, 2, 0) @ np.reshape(t19.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t43 = (t42.transpose(0, 2, 3, 1) @ dA)
     t44 = np.reshape((np.reshape(t43.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t45 = np.reshape((np.reshape(t44.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t24.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t45 = (t44.transpose(0, 1, 3, 4, 2) * np.reshape(t24.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t46 = np.reshape((np.reshape(t45.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t47 = np.reshape((np.reshape(t46.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t48 = (2/(L*d_K*n_batch**2)) * (t47 * t41.transpose(0, 2, 3, 1)).sum()
@@ -14655,12 +14655,12 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
-    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA17 = (np.reshape(t16, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    t18 = (dA * np.reshape(t10, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
     t21 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
@@ -14689,7 +14689,7 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t42 = (1/(d_K*n_batch**2)) * (t41 * t26.transpose(0, 2, 3, 1)).sum()
     t43 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t44 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t35.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t45 = np.reshape((np.reshape(t44.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t45 = (t44.transpose(0, 1, 3, 4, 2) * np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t46 = np.reshape((np.reshape(t45.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t26.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t47 = np.reshape((np.reshape(t46.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA17.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t48 = (2/(L*d_K*n_batch**2)) * (t47 * t43.transpose(0, 2, 3, 1)).sum()
@@ -14724,12 +14724,12 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
-    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA17 = (np.reshape(t16, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    t18 = (dA * np.reshape(t10, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14758,7 +14758,7 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t42 = (1/(d_K*n_batch**2)) * (t41 * t38.transpose(0, 2, 3, 1)).sum()
     t43 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t44 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t35.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t45 = np.reshape((np.reshape(t44.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t25.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t45 = (t44.transpose(0, 1, 3, 4, 2) * np.reshape(t25.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t46 = np.reshape((np.reshape(t45.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t47 = np.reshape((np.reshape(t46.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA17.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t48 = (2/(L*d_K*n_batch**2)) * (t47 * t43.transpose(0, 2, 3, 1)).sum()
@@ -14793,8 +14793,8 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
-    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
+    t15 = (dA * np.reshape(t10, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t15, (L*n_batch, d_V**2)) @ np.reshape(t15.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14900,7 +14900,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -14913,23 +14913,23 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1))) - (np.reshape(A18, (n_batch, L, 1, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t24 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t24 = (dA20 * np.reshape(t14, (n_batch, L, d_V, 1)))
     t25 = np.reshape((np.reshape(t24, (L*d_V*n_batch, d_V)) @ t21), (n_batch, L, d_V, d_V))
     t26 = (t25 @ M_2)
     t27 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t28 = (t27 @ t26)
     t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t30 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
     t33 = ((t27 @ t26)).transpose(2, 3, 0, 1)
     t34 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t35 = ((np.reshape(t34.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t35 = (np.reshape(t34, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t32[...] = (np.reshape((np.reshape(t33, (d_K*d_V, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
@@ -14937,7 +14937,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t39 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t38.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t40 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t41 = ((t40 @ t24)).transpose(2, 3, 0, 1)
-    t42 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t42 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t37[...] = (np.reshape((np.reshape(t42, (d_V**2, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
@@ -14949,40 +14949,40 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t50 = (t49 @ t48)
     t51 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t50.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t52 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t46.transpose(1, 0)), (n_batch, L, d_K))
-    t53 = ((np.reshape(t52, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t53 = (np.reshape(t52.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t44[...] = (np.reshape((np.reshape(t53, (d_K*d_V, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t55 = np.reshape(t54, (d_V, d_K, d_V, d_K), copy=False)
     t56 = ((t49 @ t48)).transpose(3, 2, 0, 1)
-    t57 = ((np.reshape(t34.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t52, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t57 = (np.reshape(t34, (1, d_K, n_batch, L)) * np.reshape(t52.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t55[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t59 = np.reshape(t58, (d_V, d_K, d_V, d_V), copy=False)
     t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t45
     t61 = ((t24.transpose(0, 1, 3, 2) @ t47.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t62 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t60.transpose(1, 0)), (n_batch, L, d_K))
-    t63 = ((np.reshape(t62, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t63 = (np.reshape(t62.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t59[...] = (np.reshape((np.reshape(t63, (d_K*d_V, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t65 = np.reshape(t64, (d_V, d_V, d_V, d_K), copy=False)
     t66 = np.swapaxes(M_1, -1, -2)
     t67 = (1/(L*math.sqrt(d_K)*n_batch)) * t66
-    t68 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t67.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t68 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t67.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t69 = np.reshape((t21.transpose(1, 0) @ np.reshape(dA20.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t70 = (t69.transpose(1, 2, 3, 0) @ M_2)
     t71 = np.reshape((np.reshape(t70, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t72 = (np.reshape((np.reshape(t71.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t72 = (t71.transpose(2, 3, 0, 1) * np.reshape(t14.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t65[...] = (np.reshape((np.reshape(t68, (d_V**2, L*n_batch)) @ np.reshape(t72.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t74 = np.reshape(t73, (d_V, d_V, d_V, d_K), copy=False)
     t75 = ((t49 @ t24.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t76 = ((np.reshape(t34.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t67.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t76 = (np.reshape(t34, (1, d_K, n_batch, L)) * np.reshape(t67.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t74[...] = (np.reshape((np.reshape(t75, (d_V**2, L*n_batch)) @ np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t78 = np.reshape(t77, (d_V, d_V, d_V, d_V), copy=False)
     t79 = (1/(L*n_batch)) * t66
-    t80 = (np.reshape((np.reshape(dA20.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t81 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t79.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t80 = (dA20.transpose(2, 3, 0, 1) * np.reshape(t14.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t81 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t79.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t78[...] = (np.reshape((np.reshape(t81, (d_V**2, L*n_batch)) @ np.reshape(t80.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -15061,7 +15061,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -15071,9 +15071,9 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
-    t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -15170,7 +15170,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15183,12 +15183,12 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1))) - (np.reshape(A17, (n_batch, L, 1, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (X * X).transpose(2, 0, 1)
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t24 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t24 = (dA19 * np.reshape(t13, (n_batch, L, d_V, 1)))
     t25 = np.reshape((np.reshape(t24, (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_V))
     t26 = (t25 @ M_2)
     t27 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
@@ -15216,7 +15216,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15229,7 +15229,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t21 = (W_K @ t0)
@@ -15262,7 +15262,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15275,17 +15275,17 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1))) - (np.reshape(A17, (n_batch, L, 1, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t23 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t23 = (dA19 * np.reshape(t13, (n_batch, L, d_V, 1)))
     t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_V))
     t25 = (t24 @ M_2)
     t26 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t27 = (t26 @ t25)
     t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t27.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t29, (d_V**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -15308,7 +15308,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -15318,9 +15318,9 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
-    t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -15364,7 +15364,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15377,17 +15377,17 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1))) - (np.reshape(A17, (n_batch, L, 1, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t23 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t23 = (dA19 * np.reshape(t13, (n_batch, L, d_V, 1)))
     t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_V))
     t25 = (t24 @ M_2)
     t26 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t27 = ((t26 @ t25)).transpose(2, 3, 0, 1)
     t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t29 = ((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29 = (np.reshape(t28, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t27, (d_K*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -15410,7 +15410,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -15420,9 +15420,9 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
-    t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -15466,7 +15466,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15479,13 +15479,13 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1))) - (np.reshape(A17, (n_batch, L, 1, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1)))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t22 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (dA19 * np.reshape(t13, (n_batch, L, d_V, 1)))
     t23 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t24 = ((t23 @ t22)).transpose(2, 3, 0, 1)
-    t25 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -15508,7 +15508,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -15518,10 +15518,10 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t19.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t22 = (t21 @ dA)
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -15556,7 +15556,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15569,11 +15569,11 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1))) - (np.reshape(A18, (n_batch, L, 1, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t24 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t24 = (dA20 * np.reshape(t14, (n_batch, L, d_V, 1)))
     t25 = (t24.transpose(0, 1, 3, 2) @ t23.transpose(1, 2, 0, 3))
     t26 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t27 = np.reshape((np.reshape(t26.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t25.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
@@ -15603,7 +15603,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15616,7 +15616,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1))) - (np.reshape(A17, (n_batch, L, 1, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t22 = np.reshape((np.reshape(t21.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
@@ -15650,7 +15650,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15663,17 +15663,17 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1))) - (np.reshape(A18, (n_batch, L, 1, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t24 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t24 = (dA20 * np.reshape(t14, (n_batch, L, d_V, 1)))
     t25 = (t24.transpose(0, 1, 3, 2) @ t23.transpose(1, 2, 0, 3))
     t26 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t27 = (t26 @ t25)
     t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t27.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t29 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
-    t30 = ((np.reshape(t29, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t30 = (np.reshape(t29.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t30, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -15697,7 +15697,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -15707,9 +15707,9 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.swapaxes(W_V, -1, -2)
-    t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -15754,7 +15754,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15767,17 +15767,17 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1))) - (np.reshape(A18, (n_batch, L, 1, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t24 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t24 = (dA20 * np.reshape(t14, (n_batch, L, d_V, 1)))
     t25 = (t24.transpose(0, 1, 3, 2) @ t23.transpose(1, 2, 0, 3))
     t26 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t27 = ((t26 @ t25)).transpose(3, 2, 0, 1)
     t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
     t29 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t30 = ((np.reshape(t29.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t28, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t30 = (np.reshape(t29, (1, d_K, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -15801,7 +15801,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -15811,9 +15811,9 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.swapaxes(W_V, -1, -2)
-    t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -15858,7 +15858,7 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -15871,13 +15871,13 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1))) - (np.reshape(A18, (n_batch, L, 1, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1)))
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t23 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t23 = (dA20 * np.reshape(t14, (n_batch, L, d_V, 1)))
     t24 = ((t23.transpose(0, 1, 3, 2) @ t22.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t25 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_K))
-    t26 = ((np.reshape(t25, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t26 = (np.reshape(t25.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -15901,7 +15901,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -15911,10 +15911,10 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t20.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t23 = (t22 @ dA)
     t24 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -15956,7 +15956,7 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t18 = (1/(L*n_batch)) * t11
     t19 = (M_1 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
     t20 = (oe.contract('abcc,abc->abc', dA, t13)).transpose(2, 0, 1)
@@ -15990,7 +15990,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t17 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t18 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t18 * t17).sum()
@@ -16024,20 +16024,20 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA20 = (np.reshape(t19, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(dA20.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t22.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t24 = np.reshape((t18.transpose(1, 0) @ np.reshape(dA.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t25 = (t24.transpose(1, 2, 3, 0) @ M_2)
     t26 = np.reshape((np.reshape(t25, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t27 = (np.reshape((np.reshape(t26.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t27 = (t26.transpose(2, 3, 0, 1) * np.reshape(t13.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -16068,12 +16068,12 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
-    t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA19 = (np.reshape(t18, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    t20 = (dA * np.reshape(t12, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V))
     t23 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
@@ -16117,20 +16117,20 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA20 = (np.reshape(t19, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(dA20.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t23 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t23 = (dA * np.reshape(t13, (n_batch, L, d_V, 1)))
     t24 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t25 = ((t24 @ t23.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t27 = ((np.reshape(t26.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = (np.reshape(t26, (1, d_K, n_batch, L)) * np.reshape(t22.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -16161,12 +16161,12 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
-    t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA19 = (np.reshape(t18, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    t20 = (dA * np.reshape(t12, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V))
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -16210,10 +16210,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t18 = (1/(L*n_batch)) * t11
-    t19 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t20 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = (dA.transpose(2, 3, 0, 1) * np.reshape(t13.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t20 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t18.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -16244,8 +16244,8 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
+    t17 = (dA * np.reshape(t12, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t17, (L*n_batch, d_V**2)) @ np.reshape(t17.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -16293,37 +16293,37 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t25, (1, 1, L, L)) * np.reshape(t24, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t24, (n_batch, L, L, 1))) - (np.reshape(t24, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t2
     t28 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t30 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
     t33 = np.reshape((t27 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t34 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t35 = ((np.reshape(t34.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t35 = (np.reshape(t34, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t36 = np.einsum('abcb->abc', t32)
     t37 = t24 @ X
     t38 = t3 @ t37
     t39 = np.ones((d_K,), dtype=X.dtype)
     t40 = (1/(math.sqrt(d_K)*n_batch)) * t39
     t32[...] = (np.reshape((np.reshape(t33, (d_K*d_V, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t36 += (np.reshape((np.reshape(t40, (d_K, 1)) * np.reshape(t38.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t36 += np.reshape(t40, (1, d_K, 1)) * np.reshape(t38.sum((0,)), (d_V, 1, d_V))
     t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t42 = np.reshape(t41, (d_V, d_K, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t25, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t43 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t43.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t44 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t45 = np.reshape((t44 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t46 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t46 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t42[...] = (np.reshape((np.reshape(t45, (d_K*d_V, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
@@ -16331,34 +16331,34 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t50 = (1/(d_K*n_batch)) * t49
     t51 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t52 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t50.transpose(1, 0)), (n_batch, L, d_K))
-    t53 = ((np.reshape(t52, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t53 = (np.reshape(t52.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t54 = np.einsum('abcb->abc', t48)
     t55 = np.swapaxes(t38, -1, -2)
     t48[...] = (np.reshape((np.reshape(t53, (d_K*d_V, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t54 += (np.reshape((np.reshape(t40, (d_K, 1)) * np.reshape(t55.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t54 += np.reshape(t40, (1, d_K, 1)) * np.reshape(t55.sum((0,)), (d_V, 1, d_V))
     t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t57 = np.reshape(t56, (d_V, d_K, d_V, d_K), copy=False)
     t58 = M_3.transpose(2, 3, 0, 1)
-    t59 = ((np.reshape(t34.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t52, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t59 = (np.reshape(t34, (1, d_K, n_batch, L)) * np.reshape(t52.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t57[...] = (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t60 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t61 = np.reshape(t60, (d_V, d_K, d_V, d_V), copy=False)
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t49
     t63 = M_2.transpose(3, 2, 0, 1)
     t64 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t62.transpose(1, 0)), (n_batch, L, d_K))
-    t65 = ((np.reshape(t64, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t65 = (np.reshape(t64.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t61[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t67 = np.reshape(t66, (d_V, d_V, d_V, d_K), copy=False)
     t68 = np.swapaxes(G, -1, -2)
     t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
-    t70 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t70 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t69.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t71 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t67[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t73 = np.reshape(t72, (d_V, d_V, d_V, d_K), copy=False)
     t74 = M_2.transpose(2, 3, 0, 1)
-    t75 = ((np.reshape(t34.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t75 = (np.reshape(t34, (1, d_K, n_batch, L)) * np.reshape(t69.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t73[...] = (np.reshape((np.reshape(t74, (d_V**2, L*n_batch)) @ np.reshape(t75.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t76[...] = 0
@@ -16468,7 +16468,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t23, (1, 1, L, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(t22, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t25 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t26 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -16496,7 +16496,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t48 = (n_batch**(-2)) * (t37.sum((0,)) * t37.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t42 * t40).sum() + (1/(d_K**2*n_batch**2)) * (t47 * t44.transpose(0, 2, 3, 1)).sum()
     t49 = np.sqrt(np.maximum(t48, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t23, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t50 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t51 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t52 = t51 * t27
@@ -16583,7 +16583,7 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t24, (1, 1, L, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(t23, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16630,7 +16630,7 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t23, (1, 1, L, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(t22, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16677,14 +16677,14 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t24, (1, 1, L, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(t23, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t26 = (1/(d_K*n_batch)) * t1
     t27 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t26.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t27.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t29, (d_V**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -16724,7 +16724,7 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t23, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t23, (1, 1, L, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(t22, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t25 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t26 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -16777,21 +16777,21 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t24, (1, 1, L, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(t23, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t26 = (1/(d_K*n_batch)) * t1
     t27 = np.reshape((t26 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t29 = ((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29 = (np.reshape(t28, (1, d_K, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t30 = np.einsum('abcb->abc', t0)
     t31 = t23 @ X
     t32 = t2 @ t31
     t33 = np.ones((d_K,), dtype=X.dtype)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
     t0[...] = (np.reshape((np.reshape(t27, (d_K*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t30 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t32.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t30 += np.reshape(t34, (1, d_K, 1)) * np.reshape(t32.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -16832,7 +16832,7 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = t0 @ t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t25, (1, 1, L, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(t22, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t24.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -16872,7 +16872,7 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -16890,7 +16890,7 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t20
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t22 = np.reshape((t21 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t23 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t22, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -16913,7 +16913,7 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -16978,7 +16978,7 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t25, (1, 1, L, L)) * np.reshape(t24, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t24, (n_batch, L, L, 1))) - (np.reshape(t24, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17027,7 +17027,7 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t24, (1, 1, L, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(t23, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17076,14 +17076,14 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t25, (1, 1, L, L)) * np.reshape(t24, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t24, (n_batch, L, L, 1))) - (np.reshape(t24, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
     t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t29 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_K))
-    t30 = ((np.reshape(t29, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t30 = (np.reshape(t29.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t31 = np.einsum('abcb->abc', t0)
     t32 = np.swapaxes(t24, -1, -2)
     t33 = t32 @ X
@@ -17091,7 +17091,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t35 = np.ones((d_K,), dtype=X.dtype)
     t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
     t0[...] = (np.reshape((np.reshape(t30, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t31 += (np.reshape((np.reshape(t36, (d_K, 1)) * np.reshape(t34.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t31 += np.reshape(t36, (1, d_K, 1)) * np.reshape(t34.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -17134,7 +17134,7 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t26 = np.swapaxes(W_Q, -1, -2)
     t27 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t27, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t27, (1, 1, L, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(t22, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t28 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.sum((0,))), (n_batch, L, d_V))
     t29 = (t28 @ X.transpose(0, 2, 1))
     t30 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -17192,7 +17192,7 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t25, (1, 1, L, L)) * np.reshape(t24, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t24, (n_batch, L, L, 1))) - (np.reshape(t24, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17200,7 +17200,7 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t28 = M_3.transpose(2, 3, 0, 1)
     t29 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_K))
     t30 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t31 = ((np.reshape(t30.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t29, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t31 = (np.reshape(t30, (1, d_K, n_batch, L)) * np.reshape(t29.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -17241,7 +17241,7 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t24, (1, 1, L, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(t23, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t25 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t26 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t27 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17278,7 +17278,7 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17297,7 +17297,7 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t23 = M_2.transpose(3, 2, 0, 1)
     t24 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
-    t25 = ((np.reshape(t24, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t25 = (np.reshape(t24.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -17321,7 +17321,7 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -17402,12 +17402,12 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(G, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t20, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t22.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
@@ -17444,7 +17444,7 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t19, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t20 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17492,14 +17492,14 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(G, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t20, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t23 = M_2.transpose(2, 3, 0, 1)
     t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t25 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape(t24, (1, d_K, n_batch, L)) * np.reshape(t22.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -17535,7 +17535,7 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t19, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t20 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17592,7 +17592,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -17605,17 +17605,17 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1))) - (np.reshape(A18, (n_batch, L, 1, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t24 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t24 = (dA20 * np.reshape(t14, (n_batch, L, d_V, 1)))
     t25 = np.reshape((np.reshape(t24, (L*d_V*n_batch, d_V)) @ t21), (n_batch, L, d_V, d_V))
     t26 = (t25 @ M_2)
     t27 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t28 = (t27 @ t26)
     t29 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t28.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t30 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t16
     t31 = np.exp(F - F.max(-1, keepdims=True))
     A32 = t31 / t31.sum(-1, keepdims=True)
@@ -17628,14 +17628,14 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t39.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t11, (1, 1, L, L)) * np.reshape(t39, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t39, (n_batch, L, L, 1))) - (np.reshape(t39, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t40 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t41 = (1/(d_K*n_batch)) * t2
     t42 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t41.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t43 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t42.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t44 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t44 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t45 = np.reshape(t30, (d_V**2, L*n_batch))
     t46 = np.reshape(t44, (d_V**2, L*n_batch))
     t47 = np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -17647,9 +17647,9 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
     t53 = np.reshape((t41 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t54 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t55 = ((np.reshape(t54.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t55 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t56 = ((t27 @ t26)).transpose(2, 3, 0, 1)
-    t57 = ((np.reshape(t54.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t57 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t58 = np.einsum('abcb->abc', t52)
     t59 = t39 @ X
     t60 = t3 @ t59
@@ -17662,17 +17662,17 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t67 = np.concatenate([t63, t64], axis=-1)
     t68 = np.concatenate([t65, t66], axis=-2)
     t52[...] = (np.reshape((t67 @ t68), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t58 += (np.reshape((np.reshape(t62, (d_K, 1)) * np.reshape(t60.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t58 += np.reshape(t62, (1, d_K, 1)) * np.reshape(t60.sum((0,)), (d_V, 1, d_V))
     t69 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t70 = np.reshape(t69, (d_V, d_K, d_V, d_V), copy=False)
     t71 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t72 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t71.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t73 = np.reshape((np.reshape(t72.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t74 = ((t73 @ t24)).transpose(2, 3, 0, 1)
-    t75 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t75 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t76 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t77 = np.reshape((t76 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t78 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t78 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t70[...] = (np.reshape((np.reshape(t75, (d_V**2, L*n_batch)) @ np.reshape(t74.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t70 += (np.reshape((np.reshape(t77, (d_K*d_V, L*n_batch)) @ np.reshape(t78.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t79 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -17681,7 +17681,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t82 = (1/(d_K*n_batch)) * t81
     t83 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t84 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t82.transpose(1, 0)), (n_batch, L, d_K))
-    t85 = ((np.reshape(t84, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t85 = (np.reshape(t84.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t86 = (1/(L*d_K*n_batch)) * t81
     t87 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t88 = (t24.transpose(0, 1, 3, 2) @ t87.transpose(1, 2, 0, 3))
@@ -17689,7 +17689,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t90 = (t89 @ t88)
     t91 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t90.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t92 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t86.transpose(1, 0)), (n_batch, L, d_K))
-    t93 = ((np.reshape(t92, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t93 = (np.reshape(t92.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t94 = np.einsum('abcb->abc', t80)
     t95 = np.swapaxes(t60, -1, -2)
     t96 = np.reshape(t85, (d_K*d_V, L*n_batch))
@@ -17699,13 +17699,13 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t100 = np.concatenate([t96, t97], axis=-1)
     t101 = np.concatenate([t98, t99], axis=-2)
     t80[...] = (np.reshape((t100 @ t101), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t94 += (np.reshape((np.reshape(t62, (d_K, 1)) * np.reshape(t95.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t94 += np.reshape(t62, (1, d_K, 1)) * np.reshape(t95.sum((0,)), (d_V, 1, d_V))
     t102 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t103 = np.reshape(t102, (d_V, d_K, d_V, d_K), copy=False)
     t104 = ((t89 @ t88)).transpose(3, 2, 0, 1)
-    t105 = ((np.reshape(t54.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t92, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t105 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t92.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t106 = M_3.transpose(2, 3, 0, 1)
-    t107 = ((np.reshape(t54.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t84, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t107 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t84.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t108 = np.reshape(t104, (d_V**2, L*n_batch))
     t109 = np.reshape(t106, (d_V**2, L*n_batch))
     t110 = np.reshape(t105.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -17718,41 +17718,41 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t116 = (1/(L*math.sqrt(d_K)*n_batch)) * t81
     t117 = ((t24.transpose(0, 1, 3, 2) @ t87.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t118 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t116.transpose(1, 0)), (n_batch, L, d_K))
-    t119 = ((np.reshape(t118, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t119 = (np.reshape(t118.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t120 = (1/(math.sqrt(d_K)*n_batch)) * t81
     t121 = M_2.transpose(3, 2, 0, 1)
     t122 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t120.transpose(1, 0)), (n_batch, L, d_K))
-    t123 = ((np.reshape(t122, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t123 = (np.reshape(t122.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t115[...] = (np.reshape((np.reshape(t119, (d_K*d_V, L*n_batch)) @ np.reshape(t117.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t115 += (np.reshape((np.reshape(t121, (d_V**2, L*n_batch)) @ np.reshape(t123.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t125 = np.reshape(t124, (d_V, d_V, d_V, d_K), copy=False)
     t126 = np.swapaxes(G, -1, -2)
     t127 = (1/(math.sqrt(d_K)*n_batch)) * t126
-    t128 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t127.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t128 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t127.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t129 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t130 = np.swapaxes(M_1, -1, -2)
     t131 = (1/(L*math.sqrt(d_K)*n_batch)) * t130
-    t132 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t131.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t132 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t131.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t133 = np.reshape((t21.transpose(1, 0) @ np.reshape(dA20.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t134 = (t133.transpose(1, 2, 3, 0) @ M_2)
     t135 = np.reshape((np.reshape(t134, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t136 = (np.reshape((np.reshape(t135.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t136 = (t135.transpose(2, 3, 0, 1) * np.reshape(t14.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t125[...] = (np.reshape((np.reshape(t128, (d_V**2, L*n_batch)) @ np.reshape(t129.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t125 += (np.reshape((np.reshape(t132, (d_V**2, L*n_batch)) @ np.reshape(t136.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t137 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t138 = np.reshape(t137, (d_V, d_V, d_V, d_K), copy=False)
     t139 = M_2.transpose(2, 3, 0, 1)
-    t140 = ((np.reshape(t54.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t127.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t140 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t127.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t141 = ((t89 @ t24.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t142 = ((np.reshape(t54.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t131.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t142 = (np.reshape(t54, (1, d_K, n_batch, L)) * np.reshape(t131.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t138[...] = (np.reshape((np.reshape(t139, (d_V**2, L*n_batch)) @ np.reshape(t140.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t138 += (np.reshape((np.reshape(t141, (d_V**2, L*n_batch)) @ np.reshape(t142.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t143 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t144 = np.reshape(t143, (d_V, d_V, d_V, d_V), copy=False)
     t145 = (1/(L*n_batch)) * t130
-    t146 = (np.reshape((np.reshape(dA20.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t14.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t147 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t145.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t146 = (dA20.transpose(2, 3, 0, 1) * np.reshape(t14.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t147 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t145.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t144[...] = (np.reshape((np.reshape(t147, (d_V**2, L*n_batch)) @ np.reshape(t146.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -17855,7 +17855,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -17865,9 +17865,9 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
-    t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -17898,7 +17898,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdims=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t46.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t46, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t46, (n_batch, L, L, 1))) - (np.reshape(t46, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t48 = t22 * t47
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -17958,7 +17958,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t101 = np.reshape((np.reshape(t100.transpose(1, 0, 4, 2, 3), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t85, (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t102 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t103 = np.reshape((np.reshape(t85.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t104 = np.reshape((np.reshape(t103.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t104 = (t103.transpose(0, 1, 3, 4, 2) * np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t105 = np.reshape((np.reshape(t104.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t33.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t106 = np.reshape((np.reshape(t105.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t107 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -18017,7 +18017,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t160 = np.reshape((np.reshape(t85, (n_batch, L*d_V, L)) @ np.reshape(t22, (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t161 = np.reshape((np.reshape(t160.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t85.transpose(0, 2, 3, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t162 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t163 = np.reshape((np.reshape(t162.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t139.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t163 = (t162.transpose(0, 1, 3, 4, 2) * np.reshape(t139.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t164 = np.reshape((np.reshape(t163.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t165 = np.reshape((np.reshape(t164.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t166 = t139 * t107
@@ -18035,7 +18035,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t178 = np.reshape((t23 @ np.reshape(t19.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t179 = (t178.transpose(0, 2, 3, 1) @ dA)
     t180 = np.reshape((np.reshape(t179.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t171.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t181 = np.reshape((np.reshape(t180.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t181 = (t180.transpose(0, 1, 3, 4, 2) * np.reshape(t22, (n_batch, L, n_batch, L, 1)))
     t182 = np.reshape((np.reshape(t181.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t34.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
     t183 = np.reshape((np.reshape(t182.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t184 = np.reshape((np.reshape(t176.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t176.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -18045,7 +18045,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t188 = (1/(d_K*n_batch**2)) * (t175 * t34.transpose(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t183 * t177.transpose(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t187 * t34.transpose(0, 2, 3, 1)).sum()
     t189 = np.sqrt(np.maximum(t188, 0.0))
     t190 = t78 * t172
-    t191 = np.reshape((np.reshape(t180.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t78, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t191 = (t180.transpose(0, 1, 3, 4, 2) * np.reshape(t78, (n_batch, L, n_batch, L, 1)))
     t192 = np.reshape((np.reshape(t191.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t22.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
     t193 = np.reshape((np.reshape(t192.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t194 = t78 * t184
@@ -18080,7 +18080,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18093,12 +18093,12 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1))) - (np.reshape(A17, (n_batch, L, 1, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (X * X).transpose(2, 0, 1)
     t23 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t24 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t24 = (dA19 * np.reshape(t13, (n_batch, L, d_V, 1)))
     t25 = np.reshape((np.reshape(t24, (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_V))
     t26 = (t25 @ M_2)
     t27 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
@@ -18116,7 +18116,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t38.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t10, (1, 1, L, L)) * np.reshape(t38, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t38, (n_batch, L, L, 1))) - (np.reshape(t38, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t39 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18147,7 +18147,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18160,7 +18160,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t21 = (W_K @ t0)
@@ -18182,7 +18182,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdims=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t36.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t36, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t36, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t36, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t36, (n_batch, L, L, 1))) - (np.reshape(t36, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t37 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18211,7 +18211,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18224,17 +18224,17 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1))) - (np.reshape(A17, (n_batch, L, 1, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t23 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t23 = (dA19 * np.reshape(t13, (n_batch, L, d_V, 1)))
     t24 = np.reshape((np.reshape(t23, (L*d_V*n_batch, d_V)) @ t20), (n_batch, L, d_V, d_V))
     t25 = (t24 @ M_2)
     t26 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t27 = (t26 @ t25)
     t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t27.transpose(3, 2, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t15
     t30 = np.exp(F - F.max(-1, keepdims=True))
     A31 = t30 / t30.sum(-1, keepdims=True)
@@ -18247,14 +18247,14 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t38.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t10, (1, 1, L, L)) * np.reshape(t38, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t38, (n_batch, L, L, 1))) - (np.reshape(t38, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t39 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t40 = (1/(d_K*n_batch)) * t1
     t41 = np.reshape((np.reshape(M_3.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t40.transpose(1, 0)), (n_batch, L, d_V, d_K))
     t42 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t41.transpose(2, 3, 0, 1), (d_V, L*d_K*n_batch))), (d_K, d_K, n_batch, L))).transpose(1, 0, 2, 3)
-    t43 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t43 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t44 = np.reshape(t29, (d_V**2, L*n_batch))
     t45 = np.reshape(t43, (d_V**2, L*n_batch))
     t46 = np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -18283,7 +18283,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -18293,9 +18293,9 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
-    t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -18326,7 +18326,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdims=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t46.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t46, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t46, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t46, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t46, (n_batch, L, L, 1))) - (np.reshape(t46, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t47 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t48 = t22 * t47
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
@@ -18382,16 +18382,16 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t24, (1, 1, L, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(t23, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t25 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t26 = (1/(d_K*n_batch)) * t1
     t27 = np.reshape((t26 @ np.reshape(M_3.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
     t28 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t29 = ((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29 = (np.reshape(t28, (1, d_K, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t24, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t24, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t30 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18399,15 +18399,15 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A32 = t31 / t31.sum(-1, keepdims=True)
     t33 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = (np.reshape((np.reshape(A32.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t33, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A32, (n_batch, L, d_V, 1)) * np.reshape(A32, (n_batch, L, 1, d_V)))
+    dA34 = (np.reshape(t33, (1, 1, d_V, d_V)) * np.reshape(A32, (n_batch, L, d_V, 1))) - (np.reshape(A32, (n_batch, L, 1, d_V)) * np.reshape(A32, (n_batch, L, d_V, 1)))
     t35 = (1/(L*d_K*n_batch)) * t1
     t36 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t35.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t37 = np.reshape((np.reshape(dA34, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t37 = (dA34 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t38 = np.reshape((np.reshape(t37, (L*d_V*n_batch, d_V)) @ t19), (n_batch, L, d_V, d_V))
     t39 = (t38 @ M_2)
     t40 = np.reshape((np.reshape(t36.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t41 = ((t40 @ t39)).transpose(2, 3, 0, 1)
-    t42 = ((np.reshape(t28.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t42 = (np.reshape(t28, (1, d_K, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t43 = np.einsum('abcb->abc', t0)
     t44 = t23 @ X
     t45 = t2 @ t44
@@ -18420,7 +18420,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t52 = np.concatenate([t48, t49], axis=-1)
     t53 = np.concatenate([t50, t51], axis=-2)
     t0[...] = (np.reshape((t52 @ t53), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t43 += (np.reshape((np.reshape(t47, (d_K, 1)) * np.reshape(t45.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t43 += np.reshape(t47, (1, d_K, 1)) * np.reshape(t45.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -18461,7 +18461,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = t0 @ t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t25, (1, 1, L, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(t22, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t24.sum((0,))), (n_batch, L, d_V))
     t27 = (t26 @ X.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -18469,7 +18469,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t31 = (t30.transpose(1, 2, 0) @ t29.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t25, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t32 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18477,10 +18477,10 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A34 = t33 / t33.sum(-1, keepdims=True)
     t35 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = (np.reshape((np.reshape(A34.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t35, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A34, (n_batch, L, d_V, 1)) * np.reshape(A34, (n_batch, L, 1, d_V)))
+    dA36 = (np.reshape(t35, (1, 1, d_V, d_V)) * np.reshape(A34, (n_batch, L, d_V, 1))) - (np.reshape(A34, (n_batch, L, 1, d_V)) * np.reshape(A34, (n_batch, L, d_V, 1)))
     t37 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t24.sum((0,))), (n_batch, L, d_V))
     t38 = np.reshape((np.reshape(t37, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
-    t39 = np.reshape((np.reshape(dA36, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t39 = (dA36 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t40 = (W_Q @ t1)
     t41 = np.reshape((np.reshape(t38, (L*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V))
     t42 = np.reshape((np.reshape(t41, (n_batch, L, 1, d_V)) @ t39.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
@@ -18544,7 +18544,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18557,13 +18557,13 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1))) - (np.reshape(A17, (n_batch, L, 1, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1)))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = np.reshape((np.reshape(M_2, (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_K))
-    t22 = np.reshape((np.reshape(dA19, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t22 = (dA19 * np.reshape(t13, (n_batch, L, d_V, 1)))
     t23 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L*d_K*n_batch, d_V)) @ W_V), (n_batch, L, d_K, d_V))
     t24 = ((t23 @ t22)).transpose(2, 3, 0, 1)
-    t25 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t15
     t26 = np.exp(F - F.max(-1, keepdims=True))
     A27 = t26 / t26.sum(-1, keepdims=True)
@@ -18573,7 +18573,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t30
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t32 = np.reshape((t31 @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))
-    t33 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t33 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t32, (d_K*d_V, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -18597,7 +18597,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -18607,10 +18607,10 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t19.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t22 = (t21 @ dA)
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -18628,7 +18628,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t33
     t34 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t35 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t36 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t23.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t36 = (t35.transpose(0, 1, 3, 4, 2) * np.reshape(t23.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t37 = np.reshape((np.reshape(t36.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t26.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t38 = np.reshape((np.reshape(t37.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t39 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -18663,7 +18663,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18676,11 +18676,11 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1))) - (np.reshape(A18, (n_batch, L, 1, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t24 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t24 = (dA20 * np.reshape(t14, (n_batch, L, d_V, 1)))
     t25 = (t24.transpose(0, 1, 3, 2) @ t23.transpose(1, 2, 0, 3))
     t26 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t27 = np.reshape((np.reshape(t26.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t25.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
@@ -18699,7 +18699,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t39.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t11, (1, 1, L, L)) * np.reshape(t39, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t39, (n_batch, L, L, 1))) - (np.reshape(t39, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t40 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18731,7 +18731,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18744,7 +18744,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = (np.reshape((np.reshape(A17.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t18, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A17, (n_batch, L, d_V, 1)) * np.reshape(A17, (n_batch, L, 1, d_V)))
+    dA19 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1))) - (np.reshape(A17, (n_batch, L, 1, d_V)) * np.reshape(A17, (n_batch, L, d_V, 1)))
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t22 = np.reshape((np.reshape(t21.transpose(1, 2, 0), (L*n_batch, d_K)) @ t0), (n_batch, L, d_V))
@@ -18766,7 +18766,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t10, (1, 1, L, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(t37, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t38 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18813,16 +18813,16 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t25, (1, 1, L, L)) * np.reshape(t24, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t24, (n_batch, L, L, 1))) - (np.reshape(t24, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
     t28 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_3.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t29 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_K))
-    t30 = ((np.reshape(t29, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t30 = (np.reshape(t29.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t25, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t25, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t31 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t31.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18830,16 +18830,16 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A33 = t32 / t32.sum(-1, keepdims=True)
     t34 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA35 = (np.reshape((np.reshape(A33.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t34, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A33, (n_batch, L, d_V, 1)) * np.reshape(A33, (n_batch, L, 1, d_V)))
+    dA35 = (np.reshape(t34, (1, 1, d_V, d_V)) * np.reshape(A33, (n_batch, L, d_V, 1))) - (np.reshape(A33, (n_batch, L, 1, d_V)) * np.reshape(A33, (n_batch, L, d_V, 1)))
     t36 = (1/(L*d_K*n_batch)) * t1
     t37 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t38 = np.reshape((np.reshape(dA35, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t38 = (dA35 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t39 = (t38.transpose(0, 1, 3, 2) @ t37.transpose(1, 2, 0, 3))
     t40 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t20.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t41 = (t40 @ t39)
     t42 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(t41.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t43 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t36.transpose(1, 0)), (n_batch, L, d_K))
-    t44 = ((np.reshape(t43, (n_batch, L, d_K, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t44 = (np.reshape(t43.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t45 = np.einsum('abcb->abc', t0)
     t46 = np.swapaxes(t24, -1, -2)
     t47 = t46 @ X
@@ -18853,7 +18853,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t55 = np.concatenate([t51, t52], axis=-1)
     t56 = np.concatenate([t53, t54], axis=-2)
     t0[...] = (np.reshape((t55 @ t56), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t45 += (np.reshape((np.reshape(t50, (d_K, 1)) * np.reshape(t48.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t45 += np.reshape(t50, (1, d_K, 1)) * np.reshape(t48.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -18896,7 +18896,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = np.swapaxes(W_Q, -1, -2)
     t27 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t27, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t27, (1, 1, L, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(t22, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t28 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t25.sum((0,))), (n_batch, L, d_V))
     t29 = (t28 @ X.transpose(0, 2, 1))
     t30 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -18904,7 +18904,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t32 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t33 = (t32.transpose(1, 2, 0) @ t31.transpose(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t27, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t27, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t34 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18912,10 +18912,10 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A36 = t35 / t35.sum(-1, keepdims=True)
     t37 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = (np.reshape((np.reshape(A36.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t37, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A36, (n_batch, L, d_V, 1)) * np.reshape(A36, (n_batch, L, 1, d_V)))
+    dA38 = (np.reshape(t37, (1, 1, d_V, d_V)) * np.reshape(A36, (n_batch, L, d_V, 1))) - (np.reshape(A36, (n_batch, L, 1, d_V)) * np.reshape(A36, (n_batch, L, d_V, 1)))
     t39 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t25.sum((0,)).transpose(1, 0)), (n_batch, L, d_V))
     t40 = np.reshape((np.reshape(t39, (n_batch, L, 1, d_V)) @ M_2.transpose(0, 1, 3, 2)), (n_batch, L, d_V))
-    t41 = np.reshape((np.reshape(dA38, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t41 = (dA38 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t42 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t26.transpose(1, 0)), (n_batch, L, d_K))
     t43 = np.reshape((np.reshape(t40, (L*n_batch, d_V)) @ W_V), (n_batch, L, d_V))
     t44 = np.reshape((np.reshape(t43, (n_batch, L, 1, d_V)) @ t41), (n_batch, L, d_V))
@@ -18980,7 +18980,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -18993,17 +18993,17 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1))) - (np.reshape(A18, (n_batch, L, 1, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1)))
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t24 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t24 = (dA20 * np.reshape(t14, (n_batch, L, d_V, 1)))
     t25 = (t24.transpose(0, 1, 3, 2) @ t23.transpose(1, 2, 0, 3))
     t26 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t27 = ((t26 @ t25)).transpose(3, 2, 0, 1)
     t28 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t22.transpose(1, 0)), (n_batch, L, d_K))
     t29 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t30 = ((np.reshape(t29.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t28, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t30 = (np.reshape(t29, (1, d_K, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     F = t16
     t31 = np.exp(F - F.max(-1, keepdims=True))
     A32 = t31 / t31.sum(-1, keepdims=True)
@@ -19016,14 +19016,14 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t39.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t11, (1, 1, L, L)) * np.reshape(t39, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t39, (n_batch, L, L, 1))) - (np.reshape(t39, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t40 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t41 = (1/(d_K*n_batch)) * t1
     t42 = M_3.transpose(2, 3, 0, 1)
     t43 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t41.transpose(1, 0)), (n_batch, L, d_K))
-    t44 = ((np.reshape(t29.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t43, (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t44 = (np.reshape(t29, (1, d_K, n_batch, L)) * np.reshape(t43.transpose(2, 0, 1), (d_K, 1, n_batch, L)))
     t45 = np.reshape(t27, (d_V**2, L*n_batch))
     t46 = np.reshape(t42, (d_V**2, L*n_batch))
     t47 = np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))
@@ -19053,7 +19053,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -19063,9 +19063,9 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.swapaxes(W_V, -1, -2)
-    t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19096,7 +19096,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t46 = t45 - (A * t45).sum(-1, keepdims=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t47.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t10, (1, 1, L, L)) * np.reshape(t47, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t47, (n_batch, L, L, 1))) - (np.reshape(t47, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t50 = np.reshape((np.reshape(t49, (L*n_batch, d_K)) @ np.reshape(t21.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19136,7 +19136,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -19149,13 +19149,13 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = (np.reshape((np.reshape(A18.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t19, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A18, (n_batch, L, d_V, 1)) * np.reshape(A18, (n_batch, L, 1, d_V)))
+    dA20 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1))) - (np.reshape(A18, (n_batch, L, 1, d_V)) * np.reshape(A18, (n_batch, L, d_V, 1)))
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t23 = np.reshape((np.reshape(dA20, (n_batch, L, d_V, d_V, 1)) * np.reshape(t14, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t23 = (dA20 * np.reshape(t14, (n_batch, L, d_V, 1)))
     t24 = ((t23.transpose(0, 1, 3, 2) @ t22.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
     t25 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t21.transpose(1, 0)), (n_batch, L, d_K))
-    t26 = ((np.reshape(t25, (n_batch, L, d_K, 1)) * np.reshape(M_1, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t26 = (np.reshape(t25.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     F = t16
     t27 = np.exp(F - F.max(-1, keepdims=True))
     A28 = t27 / t27.sum(-1, keepdims=True)
@@ -19166,7 +19166,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t33 = M_2.transpose(3, 2, 0, 1)
     t34 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t32.transpose(1, 0)), (n_batch, L, d_K))
-    t35 = ((np.reshape(t34, (n_batch, L, d_K, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t35 = (np.reshape(t34.transpose(2, 0, 1), (d_K, 1, n_batch, L)) * np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t26, (d_K*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t33, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
@@ -19191,7 +19191,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -19201,10 +19201,10 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t20.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t23 = (t22 @ dA)
     t24 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19224,7 +19224,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t36 = np.reshape((t20.transpose(1, 2, 0) @ np.reshape(t21.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t37 = (t36.transpose(0, 2, 3, 1) @ dA)
     t38 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t39 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t26.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t39 = (t38.transpose(0, 1, 3, 4, 2) * np.reshape(t26.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t40 = np.reshape((np.reshape(t39.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t24.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t41 = np.reshape((np.reshape(t40.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t42 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19266,7 +19266,7 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t18 = (1/(L*n_batch)) * t11
     t19 = (M_1 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
     t20 = (oe.contract('abcc,abc->abc', dA, t13)).transpose(2, 0, 1)
@@ -19300,7 +19300,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t17 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t10.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t18 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t18 * t17).sum()
@@ -19339,26 +19339,26 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(G, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t20, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t22.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t24 = (np.reshape((W_K.transpose(1, 0) @ np.reshape(M_2.transpose(3, 2, 0, 1), (d_V, L*d_V*n_batch))), (d_K, d_V, n_batch, L))).transpose(1, 0, 2, 3)
     t25 = np.swapaxes(M_1, -1, -2)
     t26 = np.exp(t13 - t13.max(-1, keepdims=True))
     A27 = t26 / t26.sum(-1, keepdims=True)
     t28 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA29 = (np.reshape((np.reshape(A27.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t28, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A27, (n_batch, L, d_V, 1)) * np.reshape(A27, (n_batch, L, 1, d_V)))
+    dA29 = (np.reshape(t28, (1, 1, d_V, d_V)) * np.reshape(A27, (n_batch, L, d_V, 1))) - (np.reshape(A27, (n_batch, L, 1, d_V)) * np.reshape(A27, (n_batch, L, d_V, 1)))
     t30 = np.swapaxes(W_V, -1, -2)
     t31 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
-    t32 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t32 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t31.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t33 = np.reshape((t30.transpose(1, 0) @ np.reshape(dA29.transpose(3, 0, 1, 2), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t34 = (t33.transpose(1, 2, 3, 0) @ M_2)
     t35 = np.reshape((np.reshape(t34, (L*d_V*n_batch, d_V)) @ W_K), (n_batch, L, d_V, d_K))
-    t36 = (np.reshape((np.reshape(t35.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t36 = (t35.transpose(2, 3, 0, 1) * np.reshape(t2.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t32, (d_V**2, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -19395,7 +19395,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t19, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t20 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19410,15 +19410,15 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdims=True)
     t32 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = (np.reshape((np.reshape(A31.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t32, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
+    dA33 = (np.reshape(t32, (1, 1, d_V, d_V)) * np.reshape(A31, (n_batch, L, d_V, 1))) - (np.reshape(A31, (n_batch, L, 1, d_V)) * np.reshape(A31, (n_batch, L, d_V, 1)))
     t34 = np.swapaxes(W_V, -1, -2)
-    t35 = np.reshape((np.reshape(dA33, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t35 = (dA33 * np.reshape(t1, (n_batch, L, d_V, 1)))
     t36 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t37 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t34.transpose(1, 0)), (n_batch, L, d_V))
     t38 = np.reshape((t37 @ np.reshape(t35.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t39 = (t38.transpose(0, 2, 3, 1) @ dA)
     t40 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t41 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t41 = (t40.transpose(0, 1, 3, 4, 2) * np.reshape(t23, (n_batch, L, n_batch, L, 1)))
     t42 = np.reshape((np.reshape(t41.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t25.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
     t43 = np.reshape((np.reshape(t42.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t44 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t29.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19463,26 +19463,26 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = np.swapaxes(G, -1, -2)
     t20 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t20, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t23 = M_2.transpose(2, 3, 0, 1)
     t24 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
-    t25 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape(t24, (1, d_K, n_batch, L)) * np.reshape(t22.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t26 = np.swapaxes(M_1, -1, -2)
     t27 = np.exp(t13 - t13.max(-1, keepdims=True))
     A28 = t27 / t27.sum(-1, keepdims=True)
     t29 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA30 = (np.reshape((np.reshape(A28.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t29, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A28, (n_batch, L, d_V, 1)) * np.reshape(A28, (n_batch, L, 1, d_V)))
+    dA30 = (np.reshape(t29, (1, 1, d_V, d_V)) * np.reshape(A28, (n_batch, L, d_V, 1))) - (np.reshape(A28, (n_batch, L, 1, d_V)) * np.reshape(A28, (n_batch, L, d_V, 1)))
     t31 = np.swapaxes(W_V, -1, -2)
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
-    t33 = np.reshape((np.reshape(dA30, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t33 = (dA30 * np.reshape(t2, (n_batch, L, d_V, 1)))
     t34 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t31.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t35 = ((t34 @ t33.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
-    t36 = ((np.reshape(t24.transpose(1, 2, 0), (n_batch, L, d_K, 1)) * np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t36 = (np.reshape(t24, (1, d_K, n_batch, L)) * np.reshape(t32.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t35, (d_V**2, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
@@ -19519,7 +19519,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     t19 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t19, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t20 = np.reshape((W_Q.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
     t21 = np.reshape((np.reshape(t18.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19534,15 +19534,15 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdims=True)
     t32 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = (np.reshape((np.reshape(A31.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t32, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A31, (n_batch, L, d_V, 1)) * np.reshape(A31, (n_batch, L, 1, d_V)))
+    dA33 = (np.reshape(t32, (1, 1, d_V, d_V)) * np.reshape(A31, (n_batch, L, d_V, 1))) - (np.reshape(A31, (n_batch, L, 1, d_V)) * np.reshape(A31, (n_batch, L, d_V, 1)))
     t34 = np.swapaxes(W_V, -1, -2)
-    t35 = np.reshape((np.reshape(dA33, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t35 = (dA33 * np.reshape(t1, (n_batch, L, d_V, 1)))
     t36 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t3.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t37 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_V)) @ t34.transpose(1, 0)), (n_batch, L, d_V))
     t38 = np.reshape((t37 @ np.reshape(t35.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t39 = (t38.transpose(0, 2, 3, 1) @ dA)
     t40 = np.reshape((np.reshape(t39.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t18.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t41 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t41 = (t40.transpose(0, 1, 3, 4, 2) * np.reshape(t24, (n_batch, L, n_batch, L, 1)))
     t42 = np.reshape((np.reshape(t41.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t23.transpose(0, 2, 1, 3)), (n_batch, n_batch, L, L, L))
     t43 = np.reshape((np.reshape(t42.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t44 = np.reshape((np.reshape(t29.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t29.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19582,10 +19582,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t18 = (1/(L*n_batch)) * t11
-    t19 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t13.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t20 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = (dA.transpose(2, 3, 0, 1) * np.reshape(t13.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t20 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t18.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -19616,8 +19616,8 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
+    t17 = (dA * np.reshape(t12, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t17, (L*n_batch, d_V**2)) @ np.reshape(t17.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19645,7 +19645,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -19655,9 +19655,9 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
-    t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19689,7 +19689,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t46 = t45 - (A * t45).sum(-1, keepdims=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t47.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t47, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t47, (n_batch, L, L, 1))) - (np.reshape(t47, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t48 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t50 = t22 * t49
@@ -19730,7 +19730,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -19740,9 +19740,9 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
-    t19 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t21 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19776,7 +19776,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t48 = t47 @ X
     t49 = t1 @ t48
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t47.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t47, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t47, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t9, (1, 1, L, L)) * np.reshape(t47, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t47, (n_batch, L, L, 1))) - (np.reshape(t47, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t49.sum((0,))), (n_batch, L, d_V))
     t51 = (t50 @ X.transpose(0, 2, 1))
     t52 = np.reshape((np.reshape(t51, (n_batch, L, 1, L)) @ d2A.transpose(0, 1, 3, 2)), (n_batch, L, L))
@@ -19832,7 +19832,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdims=True)
     t11 = np.broadcast_to(t10, t10.shape[:-1] + (d_V,))
     t12 = A @ X
@@ -19842,10 +19842,10 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t20 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t19.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t22 = (t21 @ dA)
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19871,7 +19871,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t41 = (1/(d_K*n_batch**2)) * (t40 * t26.transpose(0, 2, 3, 1)).sum()
     t42 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t43 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t44 = np.reshape((np.reshape(t43.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t23.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t44 = (t43.transpose(0, 1, 3, 4, 2) * np.reshape(t23.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t45 = np.reshape((np.reshape(t44.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t26.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t46 = np.reshape((np.reshape(t45.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t47 = (2/(L*d_K*n_batch**2)) * (t46 * t42.transpose(0, 2, 3, 1)).sum()
@@ -19901,7 +19901,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -19911,9 +19911,9 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.swapaxes(W_V, -1, -2)
-    t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -19948,7 +19948,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t50 = t49 @ X
     t51 = t1 @ t50
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t48.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t10, (1, 1, L, L)) * np.reshape(t48, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t48, (n_batch, L, L, 1))) - (np.reshape(t48, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t52 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t51.sum((0,))), (n_batch, L, d_V))
     t53 = (t52 @ X.transpose(0, 2, 1))
     t54 = np.reshape((np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, L)) @ d2A), (n_batch, L, L))
@@ -20004,7 +20004,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -20014,9 +20014,9 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.swapaxes(W_V, -1, -2)
-    t20 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -20048,7 +20048,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t47 = t46 - (A * t46).sum(-1, keepdims=True)
     t48 = A * t47
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t48.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t48, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t48, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t10, (1, 1, L, L)) * np.reshape(t48, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t48, (n_batch, L, L, 1))) - (np.reshape(t48, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t49 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t50 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t51 = np.reshape((np.reshape(t49, (L*n_batch, d_K)) @ np.reshape(t49.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -20090,7 +20090,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdims=True)
     t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
     t13 = A @ X
@@ -20100,10 +20100,10 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = (np.reshape((np.reshape(A16.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A16, (n_batch, L, d_V, 1)) * np.reshape(A16, (n_batch, L, 1, d_V)))
+    dA18 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1))) - (np.reshape(A16, (n_batch, L, 1, d_V)) * np.reshape(A16, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_K))
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t21 = np.reshape((np.reshape(dA18, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (dA18 * np.reshape(t12, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t20.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t23 = (t22 @ dA)
     t24 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -20131,7 +20131,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t44 = np.reshape((t20.transpose(1, 2, 0) @ np.reshape(t21.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t45 = (t44.transpose(0, 2, 3, 1) @ dA)
     t46 = np.reshape((np.reshape(t45.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t47 = np.reshape((np.reshape(t46.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t26.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t47 = (t46.transpose(0, 1, 3, 4, 2) * np.reshape(t26.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t48 = np.reshape((np.reshape(t47.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t24.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t49 = np.reshape((np.reshape(t48.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t50 = (2/(L*d_K*n_batch**2)) * (t49 * t43.transpose(0, 2, 3, 1)).sum()
@@ -20168,12 +20168,12 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
-    t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA19 = (np.reshape(t18, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    t20 = (dA * np.reshape(t12, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V))
     t23 = np.reshape((W_K.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_K, n_batch, L))
@@ -20202,7 +20202,7 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t44 = (1/(d_K*n_batch**2)) * (t43 * t28.transpose(0, 2, 3, 1)).sum()
     t45 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t46 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t37.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t47 = np.reshape((np.reshape(t46.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t24.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t47 = (t46.transpose(0, 1, 3, 4, 2) * np.reshape(t24.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t48 = np.reshape((np.reshape(t47.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t28.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t49 = np.reshape((np.reshape(t48.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA19.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t50 = (2/(L*d_K*n_batch**2)) * (t49 * t45.transpose(0, 2, 3, 1)).sum()
@@ -20239,12 +20239,12 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
-    t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA19 = (np.reshape(t18, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    t20 = (dA * np.reshape(t12, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V))
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -20273,7 +20273,7 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t44 = (1/(d_K*n_batch**2)) * (t43 * t40.transpose(0, 2, 3, 1)).sum()
     t45 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t46 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t37.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t47 = np.reshape((np.reshape(t46.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t27.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t47 = (t46.transpose(0, 1, 3, 4, 2) * np.reshape(t27.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t48 = np.reshape((np.reshape(t47.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t23.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t49 = np.reshape((np.reshape(t48.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA19.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t50 = (2/(L*d_K*n_batch**2)) * (t49 * t45.transpose(0, 2, 3, 1)).sum()
@@ -20310,8 +20310,8 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t12, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
+    t17 = (dA * np.reshape(t12, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t17, (L*n_batch, d_V**2)) @ np.reshape(t17.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))

@@ -74,23 +74,23 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = W_2 @ t5
     t7 = (2/(L*d_V*n_batch)) * t2
-    t8 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t9 = np.reshape((np.reshape(t6, (d_ff, d_ff, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_ff, n_batch, L))
-    t10 = (np.reshape((np.reshape(t9.transpose(1, 2, 3, 0), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_ff))).transpose(3, 0, 1, 2)
+    t8 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t7.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t9 = (np.reshape(t6, (d_ff, d_ff, 1, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
+    t10 = (t9 * np.reshape(t4.transpose(2, 0, 1), (1, d_ff, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t8, (d_V**2, L*n_batch)) @ np.reshape(t10.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t12 = np.reshape(t11, (d_V, d_ff, d_ff, d_V), copy=False)
     t13 = (t3 * np.heaviside(t3, 0.0))
     t14 = (np.reshape(t4, (n_batch, L, d_ff, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
     t15 = np.reshape((np.reshape(t14.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t13, (L*n_batch, d_ff))), (d_V, d_ff, d_ff))
-    t12[...] = (np.reshape((np.reshape(t15.transpose(1, 0, 2), (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
+    np.multiply(np.reshape(W_2, (1, d_ff, 1, d_V)), np.reshape(t15, (d_V, d_ff, d_ff, 1)), out=t12)
     t16 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t17 = np.reshape(t16, (d_ff, d_V, d_V, d_ff), copy=False)
     t19 = np.swapaxes(t13, -1, -2)
     t20 = (2/(L*d_V*n_batch)) * X
     t21 = (np.reshape(t20, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
     t22 = np.reshape((np.reshape(t21.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
-    t17[...] = (np.reshape((np.reshape(t5.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(t22.transpose(2, 0, 1), (d_ff, 1, d_V*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(2, 1, 3, 0)
+    np.multiply(np.reshape(t5, (1, d_V, 1, d_ff)), np.reshape(t22, (d_ff, 1, d_V, d_ff)), out=t17)
     t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t23[...] = 0
     t24 = np.reshape(t23, (d_ff, d_V, d_ff, d_V), copy=False)
@@ -98,7 +98,7 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t26 = t19 @ t13
     t27 = np.ones((d_V,), dtype=X.dtype)
     t28 = (2/(L*d_V*n_batch)) * t27
-    t25 += (np.reshape((np.reshape(t28, (d_V, 1)) * np.reshape(t26.sum((0,)), (1, d_ff**2))), (d_V, d_ff, d_ff))).transpose(1, 0, 2)
+    t25 += np.reshape(t28, (1, d_V, 1)) * np.reshape(t26.sum((0,)), (d_ff, 1, d_ff))
     return H
 
 
@@ -142,15 +142,15 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(t9.transpose(1, 2, 3, 4, 0), (n_batch, L, n_batch, L, d_ff, 1)) * np.reshape(t8, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, d_ff))
+    t9 = (np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, 1, n_batch, L)))
+    t10 = (t9.transpose(1, 2, 3, 4, 0) * np.reshape(t8, (n_batch, L, n_batch, L, 1)))
     t11 = (np.reshape(t9, (d_ff, L**2*n_batch**2)) @ np.reshape(t10, (L**2*n_batch**2, d_ff)))
     t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.transpose(1, 0)).sum()
     t13 = np.sqrt(np.maximum(t12, 0.0))
     t14 = (t1 * np.heaviside(t1, 0.0))
     t15 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
     t16 = np.reshape((np.reshape(t14, (L*n_batch, d_ff)) @ np.reshape(t14.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t17 = np.reshape((np.reshape(t15, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t17 = (np.reshape(t15, (d_ff, 1, 1)) * t2.transpose(2, 0, 1))
     t18 = np.reshape((np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = t18 * t16.transpose(2, 3, 0, 1)
     t20 = (4/(L**2*d_V**2*n_batch**2)) * (t6 * t19.transpose(2, 3, 0, 1)).sum()
@@ -158,7 +158,7 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t23 = np.swapaxes(t14, -1, -2)
     t24 = np.reshape((np.reshape(t3.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t3.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
     t25 = np.reshape((np.reshape(t23.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t23.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t26 = np.reshape((np.reshape(t24, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t26 = (np.reshape(t24, (d_ff, 1, 1)) * t2.transpose(2, 0, 1))
     t27 = np.reshape((np.reshape(t26.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t28 = t27 * t25.transpose(2, 3, 0, 1)
     t29 = (4/(L**2*d_V**2*n_batch**2)) * (t7 * t28.transpose(2, 3, 0, 1)).sum()
@@ -187,7 +187,7 @@ def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t8 = X * t6.transpose(0, 2, 1)
     t9 = t3 * t3
     t10 = (np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t9, (L*n_batch, d_ff)))
-    t0[...] = (np.reshape((np.reshape(t7, (d_ff, 1, 1)) * np.reshape(t10.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_V))).transpose(1, 0)
+    np.multiply(np.reshape(t7, (1, d_ff)), t10, out=t0)
     return out
 
 
@@ -222,9 +222,9 @@ def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t7 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t8 = np.reshape((np.reshape(t5, (d_ff, d_ff, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_ff, n_batch, L))
-    t9 = (np.reshape((np.reshape(t8.transpose(1, 2, 3, 0), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_ff))).transpose(3, 0, 1, 2)
+    t7 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t6.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t8 = (np.reshape(t5, (d_ff, d_ff, 1, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
+    t9 = (t8 * np.reshape(t3.transpose(2, 0, 1), (1, d_ff, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t7, (d_V**2, L*n_batch)) @ np.reshape(t9.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     return out
 
@@ -244,8 +244,8 @@ def mse_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(t9.transpose(1, 2, 3, 4, 0), (n_batch, L, n_batch, L, d_ff, 1)) * np.reshape(t8, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, d_ff))
+    t9 = (np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, 1, n_batch, L)))
+    t10 = (t9.transpose(1, 2, 3, 4, 0) * np.reshape(t8, (n_batch, L, n_batch, L, 1)))
     t11 = (np.reshape(t9, (d_ff, L**2*n_batch**2)) @ np.reshape(t10, (L**2*n_batch**2, d_ff)))
     t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.transpose(1, 0)).sum()
     t13 = np.sqrt(np.maximum(t12, 0.0))
@@ -267,7 +267,7 @@ def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t5 = (2/(L*d_V*n_batch)) * t1
     t6 = (np.reshape(t3, (n_batch, L, d_ff, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
     t7 = np.reshape((np.reshape(t6.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t4, (L*n_batch, d_ff))), (d_V, d_ff, d_ff))
-    t0[...] = (np.reshape((np.reshape(t7.transpose(1, 0, 2), (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
+    np.multiply(np.reshape(W_2, (1, d_ff, 1, d_V)), np.reshape(t7, (d_V, d_ff, d_ff, 1)), out=t0)
     return out
 
 
@@ -283,7 +283,7 @@ def mse_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     t3 = (t1 * np.heaviside(t1, 0.0))
     t4 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
     t5 = np.reshape((np.reshape(t3, (L*n_batch, d_ff)) @ np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t6 = np.reshape((np.reshape(t4, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t6 = (np.reshape(t4, (d_ff, 1, 1)) * t2.transpose(2, 0, 1))
     t7 = np.reshape((np.reshape(t6.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t8 = t7 * t5.transpose(2, 3, 0, 1)
     t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -345,7 +345,7 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t9 = (2/(L*d_V*n_batch)) * X
     t10 = (np.reshape(t9, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))
     t11 = np.reshape((np.reshape(t10.transpose(3, 2, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t8, (L*n_batch, d_ff))), (d_ff, d_V, d_ff))
-    t0[...] = (np.reshape((np.reshape(t5.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_ff, 1, d_V*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(2, 1, 3, 0)
+    np.multiply(np.reshape(t5, (1, d_V, 1, d_ff)), np.reshape(t11, (d_ff, 1, d_V, d_ff)), out=t0)
     return out
 
 
@@ -364,7 +364,7 @@ def mse_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t7 = np.swapaxes(t6, -1, -2)
     t8 = np.reshape((np.reshape(t4.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t4.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
     t9 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(t8, (d_ff, 1, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t10 = (np.reshape(t8, (d_ff, 1, 1)) * t7.transpose(2, 0, 1))
     t11 = np.reshape((np.reshape(t10.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = t11 * t9.transpose(2, 3, 0, 1)
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -391,7 +391,7 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t1 += (np.reshape((np.reshape(t10, (d_V, 1)) * np.reshape(t8.sum((0,)), (1, d_ff**2))), (d_V, d_ff, d_ff))).transpose(1, 0, 2)
+    t1 += np.reshape(t10, (1, d_V, 1)) * np.reshape(t8.sum((0,)), (d_ff, 1, d_ff))
     return out
 
 
@@ -436,7 +436,7 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     G = t10
     t11 = (1/n_batch) * t4
     t12 = t6.transpose(2, 0, 1)
-    t13 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t13 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t11.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t3 += (np.reshape((np.reshape(t12, (d_ff, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     t14 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t14[...] = 0
@@ -446,7 +446,7 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t19 = np.swapaxes(t6, -1, -2)
     t20 = (1/n_batch) * t17
     t21 = t19.transpose(1, 0, 2)
-    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t20.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t16 += np.reshape((np.reshape(t21, (d_ff, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t23[...] = 0
@@ -576,7 +576,7 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     G = t8
     t9 = (1/n_batch) * t2
     t10 = t4.transpose(2, 0, 1)
-    t11 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t9.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t11 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t9.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t1 += (np.reshape((np.reshape(t10, (d_ff, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -648,7 +648,7 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t10 = np.swapaxes(t9, -1, -2)
     t11 = (1/n_batch) * t7
     t12 = t10.transpose(1, 0, 2)
-    t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t13 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t11.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t1 += np.reshape((np.reshape(t12, (d_ff, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     return out
 
@@ -717,22 +717,22 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t6 = np.swapaxes(W_2, -1, -2)
         t7 = W_2 @ t6
         t8 = (2/(L*d_V)) * X
-        t9 = (np.reshape((np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t7, (d_ff, 1, d_ff))), (d_ff, n_batch, L, d_ff))).transpose(1, 2, 0, 3)
+        t9 = (np.reshape(t7, (1, 1, d_ff, d_ff)) * np.reshape(t5, (n_batch, L, d_ff, 1)))
         t10 = (np.reshape(t8, (n_batch, L, d_V, 1)) * np.reshape(t5, (n_batch, L, 1, d_ff)))
-        t3[...] = ((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_ff, 1)) * np.reshape(t10.transpose(0, 1, 3, 2), (n_batch, L, d_ff, 1, d_V)))).transpose(0, 1, 3, 4, 2)
+        np.multiply(np.reshape(t9, (n_batch, L, d_ff, 1, d_ff)), np.reshape(t10, (n_batch, L, 1, d_V, d_ff)), out=t3)
         t11 = t1[..., d_V*d_ff:2*d_V*d_ff]
         t12 = np.reshape(t11, (n_batch, L, d_ff, d_ff, d_V), copy=False)
         t13 = (t4 * np.heaviside(t4, 0.0))
         t14 = (2/(L*d_V)) * t5
-        t15 = (np.reshape((np.reshape(t14.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+        t15 = (np.reshape(W_2, (1, 1, d_ff, d_V)) * np.reshape(t14, (n_batch, L, d_ff, 1)))
         t16 = np.einsum('abccd->abcd', t12)
         t17 = t13 @ W_2
         F = t17
         t18 = F - Y
         t19 = (2/(L*d_V)) * t18
         G = t19
-        t12[...] = (np.reshape((np.reshape(t13, (n_batch, L, d_ff, 1)) * np.reshape(t15, (n_batch, L, 1, d_V*d_ff))), (n_batch, L, d_ff, d_ff, d_V))).transpose(0, 1, 3, 2, 4)
-        t16 += (np.reshape(t5, (n_batch, L, d_ff, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))
+        np.multiply(np.reshape(t13, (n_batch, L, 1, d_ff, 1)), np.reshape(t15, (n_batch, L, d_ff, 1, d_V)), out=t12)
+        t16 += np.reshape(G, (n_batch, L, 1, d_V)) * np.reshape(t5, (n_batch, L, d_ff, 1))
         t20 = t0.transpose(1, 0, 2)
         t21 = np.reshape(t20, (d_V, L*n_batch))
         t22 = (1/n_batch) * t21
@@ -751,8 +751,8 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t34 = np.swapaxes(t5, -1, -2)
         t35 = (1/n_batch) * t33
         t36 = t34.transpose(1, 0, 2)
-        t37 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t35.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-        t26[...] = (np.reshape((np.reshape(t6.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(t31.transpose(2, 0, 1), (d_ff, 1, d_V*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(2, 1, 3, 0)
+        t37 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t35.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+        np.multiply(np.reshape(t6, (1, d_V, 1, d_ff)), np.reshape(t31, (d_ff, 1, d_V, d_ff)), out=t26)
         t32 += np.reshape((np.reshape(t36, (d_ff, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
         t38 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
         t38[...] = 0
@@ -761,7 +761,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t41 = t28 @ t13
         t42 = np.ones((d_V,), dtype=X.dtype)
         t43 = (2/(L*d_V*n_batch)) * t42
-        t40 += (np.reshape((np.reshape(t43, (d_V, 1)) * np.reshape(t41.sum((0,)), (1, d_ff**2))), (d_V, d_ff, d_ff))).transpose(1, 0, 2)
+        t40 += np.reshape(t43, (1, d_V, 1)) * np.reshape(t41.sum((0,)), (d_ff, 1, d_ff))
         return H
     H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype)
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
@@ -772,9 +772,9 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = W_2 @ t5
     t7 = (2/(L*d_V*n_batch)) * t2
-    t8 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t9 = np.reshape((np.reshape(t6, (d_ff, d_ff, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_ff, n_batch, L))
-    t10 = (np.reshape((np.reshape(t9.transpose(1, 2, 3, 0), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_ff))).transpose(3, 0, 1, 2)
+    t8 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t7.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t9 = (np.reshape(t6, (d_ff, d_ff, 1, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
+    t10 = (t9 * np.reshape(t4.transpose(2, 0, 1), (1, d_ff, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t8, (d_V**2, L*n_batch)) @ np.reshape(t10.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t12 = np.reshape(t11, (d_V, d_ff, d_ff, d_V), copy=False)
@@ -789,8 +789,8 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     G = t19
     t20 = (1/n_batch) * t2
     t21 = t4.transpose(2, 0, 1)
-    t22 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t12[...] = (np.reshape((np.reshape(t15.transpose(1, 0, 2), (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
+    t22 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t20.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    np.multiply(np.reshape(W_2, (1, d_ff, 1, d_V)), np.reshape(t15, (d_V, d_ff, d_ff, 1)), out=t12)
     t16 += (np.reshape((np.reshape(t21, (d_ff, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     t23 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t24 = np.reshape(t23, (d_ff, d_V, d_V, d_ff), copy=False)
@@ -803,8 +803,8 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t32 = np.swapaxes(t4, -1, -2)
     t33 = (1/n_batch) * t31
     t34 = t32.transpose(1, 0, 2)
-    t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t24[...] = (np.reshape((np.reshape(t5.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(t29.transpose(2, 0, 1), (d_ff, 1, d_V*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(2, 1, 3, 0)
+    t35 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t33.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    np.multiply(np.reshape(t5, (1, d_V, 1, d_ff)), np.reshape(t29, (d_ff, 1, d_V, d_ff)), out=t24)
     t30 += np.reshape((np.reshape(t34, (d_ff, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     t36 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t36[...] = 0
@@ -813,7 +813,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t39 = t26 @ t13
     t40 = np.ones((d_V,), dtype=X.dtype)
     t41 = (2/(L*d_V*n_batch)) * t40
-    t38 += (np.reshape((np.reshape(t41, (d_V, 1)) * np.reshape(t39.sum((0,)), (1, d_ff**2))), (d_V, d_ff, d_ff))).transpose(1, 0, 2)
+    t38 += np.reshape(t41, (1, d_V, 1)) * np.reshape(t39.sum((0,)), (d_ff, 1, d_ff))
     return H
 
 
@@ -869,15 +869,15 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(t9.transpose(1, 2, 3, 4, 0), (n_batch, L, n_batch, L, d_ff, 1)) * np.reshape(t8, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, d_ff))
+    t9 = (np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, 1, n_batch, L)))
+    t10 = (t9.transpose(1, 2, 3, 4, 0) * np.reshape(t8, (n_batch, L, n_batch, L, 1)))
     t11 = (np.reshape(t9, (d_ff, L**2*n_batch**2)) @ np.reshape(t10, (L**2*n_batch**2, d_ff)))
     t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.transpose(1, 0)).sum()
     t13 = np.sqrt(np.maximum(t12, 0.0))
     t14 = (t1 * np.heaviside(t1, 0.0))
     t15 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
     t16 = np.reshape((np.reshape(t14, (L*n_batch, d_ff)) @ np.reshape(t14.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t17 = np.reshape((np.reshape(t15, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t17 = (np.reshape(t15, (d_ff, 1, 1)) * t2.transpose(2, 0, 1))
     t18 = np.reshape((np.reshape(t17.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = t18 * t16.transpose(2, 3, 0, 1)
     t20 = t14 @ W_2
@@ -897,7 +897,7 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t33 = np.swapaxes(t14, -1, -2)
     t34 = np.reshape((np.reshape(t3.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t3.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
     t35 = np.reshape((np.reshape(t33.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t33.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t36 = np.reshape((np.reshape(t34, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t36 = (np.reshape(t34, (d_ff, 1, 1)) * t2.transpose(2, 0, 1))
     t37 = np.reshape((np.reshape(t36.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t38 = t37 * t35.transpose(2, 3, 0, 1)
     t39 = np.swapaxes(G, -1, -2)
@@ -935,7 +935,7 @@ def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t8 = X * t6.transpose(0, 2, 1)
     t9 = t3 * t3
     t10 = (np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(t9, (L*n_batch, d_ff)))
-    t0[...] = (np.reshape((np.reshape(t7, (d_ff, 1, 1)) * np.reshape(t10.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, d_V))).transpose(1, 0)
+    np.multiply(np.reshape(t7, (1, d_ff)), t10, out=t0)
     return out
 
 
@@ -970,9 +970,9 @@ def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t7 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t8 = np.reshape((np.reshape(t5, (d_ff, d_ff, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_ff, n_batch, L))
-    t9 = (np.reshape((np.reshape(t8.transpose(1, 2, 3, 0), (d_ff, n_batch, L, d_ff, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_ff))).transpose(3, 0, 1, 2)
+    t7 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t6.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t8 = (np.reshape(t5, (d_ff, d_ff, 1, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
+    t9 = (t8 * np.reshape(t3.transpose(2, 0, 1), (1, d_ff, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t7, (d_V**2, L*n_batch)) @ np.reshape(t9.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     return out
 
@@ -992,8 +992,8 @@ def mse_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(t9.transpose(1, 2, 3, 4, 0), (n_batch, L, n_batch, L, d_ff, 1)) * np.reshape(t8, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, d_ff))
+    t9 = (np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, 1, n_batch, L)))
+    t10 = (t9.transpose(1, 2, 3, 4, 0) * np.reshape(t8, (n_batch, L, n_batch, L, 1)))
     t11 = (np.reshape(t9, (d_ff, L**2*n_batch**2)) @ np.reshape(t10, (L**2*n_batch**2, d_ff)))
     t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.transpose(1, 0)).sum()
     t13 = np.sqrt(np.maximum(t12, 0.0))
@@ -1023,8 +1023,8 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     G = t11
     t12 = (1/n_batch) * t1
     t13 = t3.transpose(2, 0, 1)
-    t14 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t7.transpose(1, 0, 2), (d_ff, d_V*d_ff, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, d_V, d_ff, d_V))).transpose(1, 0, 2, 3)
+    t14 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t12.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    np.multiply(np.reshape(W_2, (1, d_ff, 1, d_V)), np.reshape(t7, (d_V, d_ff, d_ff, 1)), out=t0)
     t8 += (np.reshape((np.reshape(t13, (d_ff, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -1041,7 +1041,7 @@ def mse_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t3 = (t1 * np.heaviside(t1, 0.0))
     t4 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
     t5 = np.reshape((np.reshape(t3, (L*n_batch, d_ff)) @ np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t6 = np.reshape((np.reshape(t4, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t6 = (np.reshape(t4, (d_ff, 1, 1)) * t2.transpose(2, 0, 1))
     t7 = np.reshape((np.reshape(t6.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t8 = t7 * t5.transpose(2, 3, 0, 1)
     t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1125,8 +1125,8 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = (1/n_batch) * t17
     t19 = t7.transpose(1, 0, 2)
-    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t0[...] = (np.reshape((np.reshape(t5.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_ff, 1, d_V*d_ff))), (d_ff, d_V, d_ff, d_V))).transpose(2, 1, 3, 0)
+    t20 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t18.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    np.multiply(np.reshape(t5, (1, d_V, 1, d_ff)), np.reshape(t11, (d_ff, 1, d_V, d_ff)), out=t0)
     t12 += np.reshape((np.reshape(t19, (d_ff, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     return out
 
@@ -1146,7 +1146,7 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t7 = np.swapaxes(t6, -1, -2)
     t8 = np.reshape((np.reshape(t4.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t4.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
     t9 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(t8, (d_ff, 1, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t10 = (np.reshape(t8, (d_ff, 1, 1)) * t7.transpose(2, 0, 1))
     t11 = np.reshape((np.reshape(t10.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = t11 * t9.transpose(2, 3, 0, 1)
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1187,7 +1187,7 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t1 += (np.reshape((np.reshape(t10, (d_V, 1)) * np.reshape(t8.sum((0,)), (1, d_ff**2))), (d_V, d_ff, d_ff))).transpose(1, 0, 2)
+    t1 += np.reshape(t10, (1, d_V, 1)) * np.reshape(t8.sum((0,)), (d_ff, 1, d_ff))
     return out
 
 
@@ -1223,8 +1223,8 @@ def mse_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     t6 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t7 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(t9.transpose(1, 2, 3, 4, 0), (n_batch, L, n_batch, L, d_ff, 1)) * np.reshape(t8, (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, d_ff))
+    t9 = (np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, 1, n_batch, L)))
+    t10 = (t9.transpose(1, 2, 3, 4, 0) * np.reshape(t8, (n_batch, L, n_batch, L, 1)))
     t11 = (np.reshape(t9, (d_ff, L**2*n_batch**2)) @ np.reshape(t10, (L**2*n_batch**2, d_ff)))
     t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.transpose(1, 0)).sum()
     t13 = t12
@@ -1246,7 +1246,7 @@ def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     t3 = (t1 * np.heaviside(t1, 0.0))
     t4 = np.reshape((np.reshape(W_2, (d_ff, 1, d_V)) @ np.reshape(W_2, (d_ff, d_V, 1))), (d_ff,))
     t5 = np.reshape((np.reshape(t3, (L*n_batch, d_ff)) @ np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t6 = np.reshape((np.reshape(t4, (d_ff, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t6 = (np.reshape(t4, (d_ff, 1, 1)) * t2.transpose(2, 0, 1))
     t7 = np.reshape((np.reshape(t6.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t8 = t7 * t5.transpose(2, 3, 0, 1)
     t9 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1287,7 +1287,7 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t7 = np.swapaxes(t6, -1, -2)
     t8 = np.reshape((np.reshape(t4.transpose(1, 0), (d_ff, 1, d_V)) @ np.reshape(t4.transpose(1, 0), (d_ff, d_V, 1))), (d_ff,))
     t9 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(t8, (d_ff, 1, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, n_batch, L))
+    t10 = (np.reshape(t8, (d_ff, 1, 1)) * t7.transpose(2, 0, 1))
     t11 = np.reshape((np.reshape(t10.transpose(1, 2, 0), (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = t11 * t9.transpose(2, 3, 0, 1)
     t13 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1462,34 +1462,34 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t10, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t15 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
-    t16 = np.reshape((np.reshape(t4.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t13 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t12.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t14 = (dA * np.reshape(t6, (n_batch, L, d_V, 1)))
+    t15 = (np.reshape(W_2, (d_ff, d_V, 1, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
+    t16 = (np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, 1, d_V)))
     t17 = (t15.transpose(2, 3, 0, 1) @ t14)
     t18 = ((t17 @ t16.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
     t1[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     t19 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t20 = np.reshape(t19, (d_V, d_ff, d_ff, d_V), copy=False)
-    t21 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(t7.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t12.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t22 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t23 = (np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t23 = (t22.transpose(3, 2, 0, 1) * np.reshape(t4.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
     t20[...] = (np.reshape((np.reshape(t21, (d_V*d_ff, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))).transpose(0, 2, 1, 3)
     t24 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t25 = np.reshape(t24, (d_ff, d_V, d_V, d_ff), copy=False)
     t27 = np.swapaxes(t7, -1, -2)
     t28 = (1/(L*n_batch)) * t6
-    t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t30 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t28, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t29 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t27.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
+    t30 = (dA * np.reshape(t28, (n_batch, L, d_V, 1)))
     t31 = ((t16.transpose(1, 2, 0, 3) @ t30.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t25[...] = (np.reshape((np.reshape(t29, (d_V*d_ff, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
     t32 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t33 = np.reshape(t32, (d_ff, d_V, d_ff, d_V), copy=False)
-    t34 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t28.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t35 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t34 = (dA.transpose(2, 3, 0, 1) * np.reshape(t28.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t35 = (np.reshape(t7.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t27.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
     t33[...] = (np.reshape((np.reshape(t35, (d_ff**2, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -1545,15 +1545,15 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t8, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t9 = np.swapaxes(W_2, -1, -2)
-    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t10 = (dA * np.reshape(t4, (n_batch, L, d_V, 1)))
     t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = t12 * t11
     t14 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
-    t16 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t15 = (t14.transpose(0, 1, 3, 2) * np.reshape(t2, (n_batch, L, d_ff, 1)))
+    t16 = (np.reshape(W_2, (d_ff, d_V, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
     t17 = (t16.transpose(2, 3, 0, 1) @ t15.transpose(0, 1, 3, 2))
     t18 = np.reshape((np.reshape(t17.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_ff, n_batch, L))
     t19 = (t18.transpose(2, 3, 0, 1) @ t15)
@@ -1562,7 +1562,7 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t22 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t11 * t22
     t24 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t25 = (t24.transpose(0, 1, 3, 2) * np.reshape(t2, (n_batch, L, d_ff, 1)))
     t26 = np.reshape((np.reshape(t25.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
     t27 = (t26.transpose(2, 3, 0, 1) @ t10.transpose(0, 1, 3, 2))
     t28 = np.reshape((np.reshape(t27.transpose(2, 3, 0, 1), (d_ff, d_V, L*n_batch)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1))), (d_ff, d_V))
@@ -1602,12 +1602,12 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = (X * t11.transpose(0, 2, 1)).transpose(2, 0, 1)
     t13 = t3 * t3
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t15 = (np.reshape(t10.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(W_2, (d_ff, 1, d_V)))
     t16 = np.reshape((np.reshape(t15, (d_ff, d_V**2)) @ np.reshape(t14.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
     t17 = t16 * t13.transpose(2, 0, 1)
@@ -1632,11 +1632,11 @@ def ce_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t8, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t11 = t2 * t2
-    t12 = np.reshape((np.reshape(t11.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t9.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t12 = (np.reshape(t11.transpose(2, 0, 1), (d_ff, n_batch, L, 1)) * np.reshape(t9.transpose(1, 0), (d_ff, 1, 1, d_V)))
     t13 = np.reshape((np.reshape(t12.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ W_2), (n_batch, L, d_V, d_V))
     t14 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, d_V, 1, d_V)) @ np.reshape(dA, (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))
     t15 = np.reshape((np.reshape(t14, (n_batch, L, 1, d_V)) @ np.reshape(t4, (n_batch, L, d_V, 1))), (n_batch, L))
@@ -1662,13 +1662,13 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t13 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t14 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
-    t15 = np.reshape((np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t10.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t12 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t11.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t13 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
+    t14 = (np.reshape(W_2, (d_ff, d_V, 1, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
+    t15 = (np.reshape(t3.transpose(2, 0, 1), (d_ff, n_batch, L, 1)) * np.reshape(t10.transpose(1, 0), (d_ff, 1, 1, d_V)))
     t16 = (t14.transpose(2, 3, 0, 1) @ t13)
     t17 = ((t16 @ t15.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
     t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
@@ -1692,15 +1692,15 @@ def ce_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t8, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t9 = np.swapaxes(W_2, -1, -2)
-    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t10 = (dA * np.reshape(t4, (n_batch, L, d_V, 1)))
     t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = t12 * t11
     t14 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
-    t16 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t15 = (t14.transpose(0, 1, 3, 2) * np.reshape(t2, (n_batch, L, d_ff, 1)))
+    t16 = (np.reshape(W_2, (d_ff, d_V, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
     t17 = (t16.transpose(2, 3, 0, 1) @ t15.transpose(0, 1, 3, 2))
     t18 = np.reshape((np.reshape(t17.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_ff, n_batch, L))
     t19 = (t18.transpose(2, 3, 0, 1) @ t15)
@@ -1728,12 +1728,12 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t10 = (1/(L*n_batch)) * t1
-    t11 = ((np.reshape(t6, (n_batch, L, d_ff, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t11 = (np.reshape(t6.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t10.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t12 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t13 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t14 = (np.reshape((np.reshape(t13.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t14 = (t13.transpose(3, 2, 0, 1) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t11, (d_V*d_ff, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -1755,13 +1755,13 @@ def ce_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t8, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t9 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t10 = (dA * np.reshape(t4, (n_batch, L, d_V, 1)))
     t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = t11 * t9
     t13 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t14 = (t13.transpose(0, 1, 3, 2) * np.reshape(t2, (n_batch, L, d_ff, 1)))
     t15 = np.reshape((np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
     t16 = (t15.transpose(2, 3, 0, 1) @ t10.transpose(0, 1, 3, 2))
     t17 = np.reshape((np.reshape(t16.transpose(2, 3, 0, 1), (d_ff, d_V, L*n_batch)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1))), (d_ff, d_V))
@@ -1790,7 +1790,7 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t12 = (1/(L*n_batch)) * t6
     t13 = (t8 * t4.transpose(0, 2, 1)).transpose(2, 0, 1)
     t14 = (oe.contract('abcc,abc->abc', dA, t12)).transpose(2, 0, 1)
@@ -1816,7 +1816,7 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t10, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t11 = np.reshape((np.reshape(t7, (n_batch, L, 1, d_ff)) @ np.reshape(t3.transpose(0, 2, 1), (n_batch, L, d_ff, 1))), (n_batch, L))
     t12 = oe.contract('abcc,abc->ab', dA, t5)
     return (1/(L*n_batch)) * (t12 * t11).sum()
@@ -1842,14 +1842,14 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t12 = np.swapaxes(W_2, -1, -2)
     t13 = np.heaviside(t3, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
     t15 = (1/(L*n_batch)) * t6
-    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t18 = np.reshape((np.reshape(t14.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t12.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t16 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t4.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
+    t17 = (dA * np.reshape(t15, (n_batch, L, d_V, 1)))
+    t18 = (np.reshape(t14.transpose(2, 0, 1), (d_ff, n_batch, L, 1)) * np.reshape(t12.transpose(1, 0), (d_ff, 1, 1, d_V)))
     t19 = ((t18.transpose(1, 2, 0, 3) @ t17.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t16, (d_V*d_ff, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
     return out
@@ -1873,16 +1873,16 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t10, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
     t14 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = t16 * t14
     t18 = np.reshape((np.reshape(t15, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t13, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t19 = (t18.transpose(0, 1, 3, 2) * np.reshape(t13, (n_batch, L, d_ff, 1)))
     t20 = np.reshape((np.reshape(t19.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
     t21 = (t20.transpose(2, 3, 0, 1) @ t15)
     t22 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (d_ff, L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0), (d_ff, d_V, 1))), (d_ff, n_batch, L))
@@ -1911,10 +1911,10 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t12 = (1/(L*n_batch)) * t6
-    t13 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t14 = ((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t13 = (dA.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t14 = (np.reshape(t8.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t4.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t14, (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -1937,11 +1937,11 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t10, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t11 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = t12 * t11
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
     t17 = np.sqrt(np.maximum(t16, 0.0))
@@ -1977,7 +1977,7 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     G = t14
     t15 = (1/n_batch) * t4
     t16 = t6.transpose(2, 0, 1)
-    t17 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t3 += (np.reshape((np.reshape(t16, (d_ff, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t18[...] = 0
@@ -1987,7 +1987,7 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t23 = np.swapaxes(t6, -1, -2)
     t24 = (1/n_batch) * t21
     t25 = t23.transpose(1, 0, 2)
-    t26 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t26 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t24.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t20 += np.reshape((np.reshape(t25, (d_ff, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t27[...] = 0
@@ -2132,7 +2132,7 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     G = t12
     t13 = (1/n_batch) * t2
     t14 = t4.transpose(2, 0, 1)
-    t15 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t15 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t13.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t1 += (np.reshape((np.reshape(t14, (d_ff, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     return out
 
@@ -2214,7 +2214,7 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t14 = np.swapaxes(t13, -1, -2)
     t15 = (1/n_batch) * t11
     t16 = t14.transpose(1, 0, 2)
-    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t1 += np.reshape((np.reshape(t16, (d_ff, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     return out
 
@@ -2293,19 +2293,19 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         A = t10 / t10.sum(-1, keepdims=True)
         t11 = np.eye(d_V, dtype=X.dtype)
         # dA: compact tensor ('L', 'd_V', 'd_V')
-        dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+        dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
         t12 = np.swapaxes(W_2, -1, -2)
         t13 = (1/L) * t7
-        t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t13, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-        t15 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t5.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
-        t16 = np.reshape((np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t12.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+        t14 = (dA * np.reshape(t13, (n_batch, L, d_V, 1)))
+        t15 = (np.reshape(W_2, (d_ff, d_V, 1, 1)) * np.reshape(t5.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
+        t16 = (np.reshape(t5.transpose(2, 0, 1), (d_ff, n_batch, L, 1)) * np.reshape(t12.transpose(1, 0), (d_ff, 1, 1, d_V)))
         t17 = (t15.transpose(2, 3, 0, 1) @ t14)
         t18 = (t17 @ t16.transpose(1, 2, 3, 0))
-        t3[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_ff**2))), (n_batch, L, d_V, d_ff, d_ff))).transpose(0, 1, 3, 2, 4)
+        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t18, (n_batch, L, d_ff, 1, d_ff)), out=t3)
         t19 = t1[..., d_V*d_ff:2*d_V*d_ff]
         t20 = np.reshape(t19, (n_batch, L, d_ff, d_ff, d_V), copy=False)
         t21 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-        t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t5, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+        t22 = (t21.transpose(0, 1, 3, 2) * np.reshape(t5, (n_batch, L, d_ff, 1)))
         t23 = np.einsum('abccd->abcd', t20)
         F = t9
         t24 = np.exp(F - F.max(-1, keepdims=True))
@@ -2314,8 +2314,8 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t27 = t26 - Y
         t28 = (1/L) * t27
         G = t28
-        t20[...] = (np.reshape((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t22, (n_batch, L, 1, d_V*d_ff))), (n_batch, L, d_ff, d_ff, d_V))).transpose(0, 1, 3, 2, 4)
-        t23 += (np.reshape(t5, (n_batch, L, d_ff, 1)) * np.reshape(G, (n_batch, L, 1, d_V)))
+        np.multiply(np.reshape(t8, (n_batch, L, 1, d_ff, 1)), np.reshape(t22, (n_batch, L, d_ff, 1, d_V)), out=t20)
+        t23 += np.reshape(G, (n_batch, L, 1, d_V)) * np.reshape(t5, (n_batch, L, d_ff, 1))
         t29 = t0.transpose(1, 0, 2)
         t30 = np.reshape(t29, (d_V, L*n_batch))
         t31 = (1/n_batch) * t30
@@ -2327,21 +2327,21 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t35 = np.reshape(t34, (d_ff, d_V, d_V, d_ff), copy=False)
         t37 = np.swapaxes(t8, -1, -2)
         t38 = (1/(L*n_batch)) * t7
-        t39 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t37.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-        t40 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t38, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+        t39 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t37.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
+        t40 = (dA * np.reshape(t38, (n_batch, L, d_V, 1)))
         t41 = ((t16.transpose(1, 2, 0, 3) @ t40.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
         t42 = np.einsum('abca->abc', t35)
         t43 = np.swapaxes(G, -1, -2)
         t44 = np.swapaxes(t5, -1, -2)
         t45 = (1/n_batch) * t43
         t46 = t44.transpose(1, 0, 2)
-        t47 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t45.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+        t47 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t45.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
         t35[...] = (np.reshape((np.reshape(t39, (d_V*d_ff, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
         t42 += np.reshape((np.reshape(t46, (d_ff, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
         t48 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
         t49 = np.reshape(t48, (d_ff, d_V, d_ff, d_V), copy=False)
-        t50 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t38.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-        t51 = ((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t37.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+        t50 = (dA.transpose(2, 3, 0, 1) * np.reshape(t38.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t51 = (np.reshape(t8.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t37.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
         t49[...] = (np.reshape((np.reshape(t51, (d_ff**2, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
     H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype)
@@ -2358,21 +2358,21 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t10, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t15 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
-    t16 = np.reshape((np.reshape(t4.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t13 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t12.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t14 = (dA * np.reshape(t6, (n_batch, L, d_V, 1)))
+    t15 = (np.reshape(W_2, (d_ff, d_V, 1, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
+    t16 = (np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, 1, d_V)))
     t17 = (t15.transpose(2, 3, 0, 1) @ t14)
     t18 = ((t17 @ t16.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
     t1[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
     t19 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t20 = np.reshape(t19, (d_V, d_ff, d_ff, d_V), copy=False)
-    t21 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(t7.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t12.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t22 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t23 = (np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t4.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t23 = (t22.transpose(3, 2, 0, 1) * np.reshape(t4.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
     t24 = np.einsum('abbc->abc', t20)
     F = t8
     t25 = np.exp(F - F.max(-1, keepdims=True))
@@ -2383,28 +2383,28 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     G = t29
     t30 = (1/n_batch) * t2
     t31 = t4.transpose(2, 0, 1)
-    t32 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t30.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t32 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t30.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t20[...] = (np.reshape((np.reshape(t21, (d_V*d_ff, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))).transpose(0, 2, 1, 3)
     t24 += (np.reshape((np.reshape(t31, (d_ff, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t34 = np.reshape(t33, (d_ff, d_V, d_V, d_ff), copy=False)
     t36 = np.swapaxes(t7, -1, -2)
     t37 = (1/(L*n_batch)) * t6
-    t38 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t39 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t37, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t38 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t36.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
+    t39 = (dA * np.reshape(t37, (n_batch, L, d_V, 1)))
     t40 = ((t16.transpose(1, 2, 0, 3) @ t39.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t41 = np.einsum('abca->abc', t34)
     t42 = np.swapaxes(G, -1, -2)
     t43 = np.swapaxes(t4, -1, -2)
     t44 = (1/n_batch) * t42
     t45 = t43.transpose(1, 0, 2)
-    t46 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t46 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t44.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t34[...] = (np.reshape((np.reshape(t38, (d_V*d_ff, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
     t41 += np.reshape((np.reshape(t45, (d_ff, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     t47 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t48 = np.reshape(t47, (d_ff, d_V, d_ff, d_V), copy=False)
-    t49 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t37.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t50 = ((np.reshape(t7, (n_batch, L, d_ff, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t49 = (dA.transpose(2, 3, 0, 1) * np.reshape(t37.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t50 = (np.reshape(t7.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t36.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
     t48[...] = (np.reshape((np.reshape(t50, (d_ff**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -2472,15 +2472,15 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t8, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t9 = np.swapaxes(W_2, -1, -2)
-    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t10 = (dA * np.reshape(t4, (n_batch, L, d_V, 1)))
     t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = t12 * t11
     t14 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
-    t16 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t15 = (t14.transpose(0, 1, 3, 2) * np.reshape(t2, (n_batch, L, d_ff, 1)))
+    t16 = (np.reshape(W_2, (d_ff, d_V, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
     t17 = (t16.transpose(2, 3, 0, 1) @ t15.transpose(0, 1, 3, 2))
     t18 = np.reshape((np.reshape(t17.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_ff, n_batch, L))
     t19 = (t18.transpose(2, 3, 0, 1) @ t15)
@@ -2489,7 +2489,7 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t22 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t11 * t22
     t24 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t25 = (t24.transpose(0, 1, 3, 2) * np.reshape(t2, (n_batch, L, d_ff, 1)))
     t26 = np.reshape((np.reshape(t25.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
     t27 = (t26.transpose(2, 3, 0, 1) @ t10.transpose(0, 1, 3, 2))
     t28 = np.reshape((np.reshape(t27.transpose(2, 3, 0, 1), (d_ff, d_V, L*n_batch)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1))), (d_ff, d_V))
@@ -2501,8 +2501,8 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t33 = (1/L) * t32
     G = t33
     t34 = t5 * t2
-    t35 = np.reshape((np.reshape(t11, (n_batch, L, L*n_batch, 1)) * np.reshape(G, (n_batch, L, 1, d_V))), (n_batch, L, n_batch, L, d_V))
-    t36 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t35 = (np.reshape(t11, (n_batch, L, n_batch, L, 1)) * np.reshape(G, (n_batch, L, 1, 1, d_V)))
+    t36 = (np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1)) * np.reshape(W_2, (d_ff, 1, 1, d_V)))
     t37 = np.reshape((np.reshape(t36.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ np.reshape(t34.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t38 = np.reshape((np.reshape(t35.transpose(2, 3, 0, 1, 4), (n_batch, L, L*n_batch, d_V)) @ t10.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, d_V))
     t39 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2519,8 +2519,8 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t51 = np.swapaxes(G, -1, -2)
     t52 = np.swapaxes(t2, -1, -2)
     t53 = t2 * t45.transpose(0, 2, 1)
-    t54 = np.reshape((np.reshape(t12, (n_batch, L, L*n_batch, 1)) * np.reshape(t51.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, n_batch, L, d_V))
-    t55 = np.reshape((np.reshape(t52.transpose(1, 0, 2), (d_ff, L*n_batch, 1)) * np.reshape(t9.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t54 = (np.reshape(t12, (n_batch, L, n_batch, L, 1)) * np.reshape(t51.transpose(0, 2, 1), (n_batch, L, 1, 1, d_V)))
+    t55 = (np.reshape(t52.transpose(1, 0, 2), (d_ff, n_batch, L, 1)) * np.reshape(t9.transpose(1, 0), (d_ff, 1, 1, d_V)))
     t56 = np.reshape((np.reshape(t55.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ np.reshape(t53.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t57 = np.reshape((np.reshape(t54.transpose(2, 3, 0, 1, 4), (n_batch, L, L*n_batch, d_V)) @ t10), (n_batch, L, n_batch, L, d_V))
     t58 = np.reshape((np.reshape(t52.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t52.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2554,12 +2554,12 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = (X * t11.transpose(0, 2, 1)).transpose(2, 0, 1)
     t13 = t3 * t3
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t15 = (np.reshape(t10.transpose(1, 0), (d_ff, d_V, 1)) * np.reshape(W_2, (d_ff, 1, d_V)))
     t16 = np.reshape((np.reshape(t15, (d_ff, d_V**2)) @ np.reshape(t14.transpose(3, 2, 0, 1), (d_V**2, L*n_batch))), (d_ff, n_batch, L))
     t17 = t16 * t13.transpose(2, 0, 1)
@@ -2584,11 +2584,11 @@ def ce_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t8, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t11 = t2 * t2
-    t12 = np.reshape((np.reshape(t11.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t9.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t12 = (np.reshape(t11.transpose(2, 0, 1), (d_ff, n_batch, L, 1)) * np.reshape(t9.transpose(1, 0), (d_ff, 1, 1, d_V)))
     t13 = np.reshape((np.reshape(t12.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ W_2), (n_batch, L, d_V, d_V))
     t14 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, d_V, 1, d_V)) @ np.reshape(dA, (n_batch, L, d_V, d_V, 1))), (n_batch, L, d_V))
     t15 = np.reshape((np.reshape(t14, (n_batch, L, 1, d_V)) @ np.reshape(t4, (n_batch, L, d_V, 1))), (n_batch, L))
@@ -2614,13 +2614,13 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t13 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t14 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
-    t15 = np.reshape((np.reshape(t3.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t10.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t12 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t11.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t13 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
+    t14 = (np.reshape(W_2, (d_ff, d_V, 1, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
+    t15 = (np.reshape(t3.transpose(2, 0, 1), (d_ff, n_batch, L, 1)) * np.reshape(t10.transpose(1, 0), (d_ff, 1, 1, d_V)))
     t16 = (t14.transpose(2, 3, 0, 1) @ t13)
     t17 = ((t16 @ t15.transpose(1, 2, 3, 0))).transpose(2, 3, 0, 1)
     t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_ff**2))), (d_V, d_V, d_ff, d_ff))).transpose(0, 2, 1, 3)
@@ -2644,15 +2644,15 @@ def ce_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t8, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t9 = np.swapaxes(W_2, -1, -2)
-    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t10 = (dA * np.reshape(t4, (n_batch, L, d_V, 1)))
     t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = t12 * t11
     t14 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
-    t16 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t15 = (t14.transpose(0, 1, 3, 2) * np.reshape(t2, (n_batch, L, d_ff, 1)))
+    t16 = (np.reshape(W_2, (d_ff, d_V, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
     t17 = (t16.transpose(2, 3, 0, 1) @ t15.transpose(0, 1, 3, 2))
     t18 = np.reshape((np.reshape(t17.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_ff, n_batch, L))
     t19 = (t18.transpose(2, 3, 0, 1) @ t15)
@@ -2680,12 +2680,12 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t9, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t10 = (1/(L*n_batch)) * t1
-    t11 = ((np.reshape(t6, (n_batch, L, d_ff, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t11 = (np.reshape(t6.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t10.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t12 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t13 = np.reshape((np.reshape(t12.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t14 = (np.reshape((np.reshape(t13.transpose(3, 0, 1, 2), (d_ff, n_batch, L, d_V, 1)) * np.reshape(t3.transpose(2, 0, 1), (d_ff, n_batch, L, 1, 1))), (d_ff, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t14 = (t13.transpose(3, 2, 0, 1) * np.reshape(t3.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
     t15 = np.einsum('abbc->abc', t0)
     F = t7
     t16 = np.exp(F - F.max(-1, keepdims=True))
@@ -2696,7 +2696,7 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     G = t20
     t21 = (1/n_batch) * t1
     t22 = t3.transpose(2, 0, 1)
-    t23 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t21.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t11, (d_V*d_ff, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_V, d_ff, d_ff, d_V))).transpose(0, 2, 1, 3)
     t15 += (np.reshape((np.reshape(t22, (d_ff, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))).transpose(1, 0, 2)
     return out
@@ -2719,13 +2719,13 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t8, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t9 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t10 = (dA * np.reshape(t4, (n_batch, L, d_V, 1)))
     t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = t11 * t9
     t13 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t14 = (t13.transpose(0, 1, 3, 2) * np.reshape(t2, (n_batch, L, d_ff, 1)))
     t15 = np.reshape((np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
     t16 = (t15.transpose(2, 3, 0, 1) @ t10.transpose(0, 1, 3, 2))
     t17 = np.reshape((np.reshape(t16.transpose(2, 3, 0, 1), (d_ff, d_V, L*n_batch)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1))), (d_ff, d_V))
@@ -2737,8 +2737,8 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t22 = (1/L) * t21
     G = t22
     t23 = t5 * t2
-    t24 = np.reshape((np.reshape(t11, (n_batch, L, L*n_batch, 1)) * np.reshape(G, (n_batch, L, 1, d_V))), (n_batch, L, n_batch, L, d_V))
-    t25 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t24 = (np.reshape(t11, (n_batch, L, n_batch, L, 1)) * np.reshape(G, (n_batch, L, 1, 1, d_V)))
+    t25 = (np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1)) * np.reshape(W_2, (d_ff, 1, 1, d_V)))
     t26 = np.reshape((np.reshape(t25.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ np.reshape(t23.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t27 = np.reshape((np.reshape(t24.transpose(2, 3, 0, 1, 4), (n_batch, L, L*n_batch, d_V)) @ t10.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, d_V))
     t28 = np.reshape((np.reshape(t2, (L*n_batch, d_ff)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2769,7 +2769,7 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t12 = (1/(L*n_batch)) * t6
     t13 = (t8 * t4.transpose(0, 2, 1)).transpose(2, 0, 1)
     t14 = (oe.contract('abcc,abc->abc', dA, t12)).transpose(2, 0, 1)
@@ -2795,7 +2795,7 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t10, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t11 = np.reshape((np.reshape(t7, (n_batch, L, 1, d_ff)) @ np.reshape(t3.transpose(0, 2, 1), (n_batch, L, d_ff, 1))), (n_batch, L))
     t12 = oe.contract('abcc,abc->ab', dA, t5)
     return (1/(L*n_batch)) * (t12 * t11).sum()
@@ -2821,14 +2821,14 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t12 = np.swapaxes(W_2, -1, -2)
     t13 = np.heaviside(t3, 0.0)
     t14 = np.swapaxes(t13, -1, -2)
     t15 = (1/(L*n_batch)) * t6
-    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t15, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
-    t18 = np.reshape((np.reshape(t14.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(t12.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t16 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t4.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
+    t17 = (dA * np.reshape(t15, (n_batch, L, d_V, 1)))
+    t18 = (np.reshape(t14.transpose(2, 0, 1), (d_ff, n_batch, L, 1)) * np.reshape(t12.transpose(1, 0), (d_ff, 1, 1, d_V)))
     t19 = ((t18.transpose(1, 2, 0, 3) @ t17.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t20 = np.einsum('abca->abc', t0)
     F = t9
@@ -2841,7 +2841,7 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t26 = np.swapaxes(G, -1, -2)
     t27 = (1/n_batch) * t26
     t28 = t13.transpose(1, 0, 2)
-    t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t27.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t27.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t16, (d_V*d_ff, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V*d_ff))), (d_ff, d_V, d_V, d_ff))).transpose(0, 2, 1, 3)
     t20 += np.reshape((np.reshape(t28, (d_ff, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_V, d_V))
     return out
@@ -2865,16 +2865,16 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t10, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
     t14 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = t16 * t14
     t18 = np.reshape((np.reshape(t15, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t13, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t19 = (t18.transpose(0, 1, 3, 2) * np.reshape(t13, (n_batch, L, d_ff, 1)))
     t20 = np.reshape((np.reshape(t19.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
     t21 = (t20.transpose(2, 3, 0, 1) @ t15)
     t22 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (d_ff, L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0), (d_ff, d_V, 1))), (d_ff, n_batch, L))
@@ -2887,8 +2887,8 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     G = t27
     t28 = np.swapaxes(G, -1, -2)
     t29 = t13 * t3.transpose(0, 2, 1)
-    t30 = np.reshape((np.reshape(t16, (n_batch, L, L*n_batch, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, n_batch, L, d_V))
-    t31 = np.reshape((np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t30 = (np.reshape(t16, (n_batch, L, n_batch, L, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, 1, d_V)))
+    t31 = (np.reshape(t12.transpose(1, 0, 2), (d_ff, n_batch, L, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, 1, d_V)))
     t32 = np.reshape((np.reshape(t31.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ np.reshape(t29.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t33 = np.reshape((np.reshape(t30.transpose(2, 3, 0, 1, 4), (n_batch, L, L*n_batch, d_V)) @ t15), (n_batch, L, n_batch, L, d_V))
     t34 = np.reshape((np.reshape(t12.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2919,10 +2919,10 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t12 = (1/(L*n_batch)) * t6
-    t13 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t14 = ((np.reshape(t8, (n_batch, L, d_ff, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_ff)))).transpose(3, 2, 0, 1)
+    t13 = (dA.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t14 = (np.reshape(t8.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t4.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t14, (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -2945,11 +2945,11 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t10, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t11 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = t12 * t11
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
     t17 = np.sqrt(np.maximum(t16, 0.0))
@@ -2973,15 +2973,15 @@ def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t8, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t9 = np.swapaxes(W_2, -1, -2)
-    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t10 = (dA * np.reshape(t4, (n_batch, L, d_V, 1)))
     t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = t12 * t11
     t14 = np.reshape((np.reshape(t10, (L*d_V*n_batch, d_V)) @ t9), (n_batch, L, d_V, d_ff))
-    t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
-    t16 = np.reshape((np.reshape(W_2, (d_ff, d_V, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, L*n_batch))), (d_ff, d_V, n_batch, L))
+    t15 = (t14.transpose(0, 1, 3, 2) * np.reshape(t2, (n_batch, L, d_ff, 1)))
+    t16 = (np.reshape(W_2, (d_ff, d_V, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (d_ff, 1, n_batch, L)))
     t17 = (t16.transpose(2, 3, 0, 1) @ t15.transpose(0, 1, 3, 2))
     t18 = np.reshape((np.reshape(t17.transpose(2, 3, 0, 1), (d_ff**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_ff, n_batch, L))
     t19 = (t18.transpose(2, 3, 0, 1) @ t15)
@@ -3010,13 +3010,13 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t8, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t8, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t9 = np.reshape((np.reshape(t5, (L*n_batch, d_ff)) @ np.reshape(t5.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t10 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t10 = (dA * np.reshape(t4, (n_batch, L, d_V, 1)))
     t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = t11 * t9
     t13 = np.reshape((np.reshape(t10.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ W_2.transpose(1, 0)), (n_batch, L, d_V, d_ff))
-    t14 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t2, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t14 = (t13.transpose(0, 1, 3, 2) * np.reshape(t2, (n_batch, L, d_ff, 1)))
     t15 = np.reshape((np.reshape(t14.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
     t16 = (t15.transpose(2, 3, 0, 1) @ t10.transpose(0, 1, 3, 2))
     t17 = np.reshape((np.reshape(t16.transpose(2, 3, 0, 1), (d_ff, d_V, L*n_batch)) @ np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1))), (d_ff, d_V))
@@ -3033,8 +3033,8 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     t26 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t27 = (n_batch**(-2)) * (t26 * t25).sum()
     t28 = t5 * t2
-    t29 = np.reshape((np.reshape(t11, (n_batch, L, L*n_batch, 1)) * np.reshape(G, (n_batch, L, 1, d_V))), (n_batch, L, n_batch, L, d_V))
-    t30 = np.reshape((np.reshape(t2.transpose(2, 0, 1), (d_ff, L*n_batch, 1)) * np.reshape(W_2, (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t29 = (np.reshape(t11, (n_batch, L, n_batch, L, 1)) * np.reshape(G, (n_batch, L, 1, 1, d_V)))
+    t30 = (np.reshape(t2.transpose(2, 0, 1), (d_ff, n_batch, L, 1)) * np.reshape(W_2, (d_ff, 1, 1, d_V)))
     t31 = np.reshape((np.reshape(t30.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ np.reshape(t28.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t32 = np.reshape((np.reshape(t29.transpose(2, 3, 0, 1, 4), (n_batch, L, L*n_batch, d_V)) @ t10.transpose(0, 1, 3, 2)), (n_batch, L, n_batch, L, d_V))
     t33 = (2/(L*n_batch**2)) * (t32 * t31.transpose(3, 4, 0, 1, 2)).sum()
@@ -3063,16 +3063,16 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t10, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t2, 0.0)
     t13 = np.swapaxes(t12, -1, -2)
     t14 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
-    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = t16 * t14
     t18 = np.reshape((np.reshape(t15, (L*d_V*n_batch, d_V)) @ t11), (n_batch, L, d_V, d_ff))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L, d_ff, d_V, 1)) * np.reshape(t13, (n_batch, L, d_ff, 1, 1))), (n_batch, L, d_ff, d_V))
+    t19 = (t18.transpose(0, 1, 3, 2) * np.reshape(t13, (n_batch, L, d_ff, 1)))
     t20 = np.reshape((np.reshape(t19.transpose(2, 3, 0, 1), (d_V*d_ff, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, L*n_batch))), (d_ff, d_V, n_batch, L))
     t21 = (t20.transpose(2, 3, 0, 1) @ t15)
     t22 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (d_ff, L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0), (d_ff, d_V, 1))), (d_ff, n_batch, L))
@@ -3090,8 +3090,8 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t32 = t31 * t30
     t33 = (n_batch**(-2)) * (t16 * t32).sum()
     t34 = t13 * t3.transpose(0, 2, 1)
-    t35 = np.reshape((np.reshape(t16, (n_batch, L, L*n_batch, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_V))), (n_batch, L, n_batch, L, d_V))
-    t36 = np.reshape((np.reshape(t12.transpose(1, 0, 2), (d_ff, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, d_V))), (d_ff, n_batch, L, d_V))
+    t35 = (np.reshape(t16, (n_batch, L, n_batch, L, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, 1, d_V)))
+    t36 = (np.reshape(t12.transpose(1, 0, 2), (d_ff, n_batch, L, 1)) * np.reshape(t11.transpose(1, 0), (d_ff, 1, 1, d_V)))
     t37 = np.reshape((np.reshape(t36.transpose(1, 2, 3, 0), (L*d_V*n_batch, d_ff)) @ np.reshape(t34.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t38 = np.reshape((np.reshape(t35.transpose(2, 3, 0, 1, 4), (n_batch, L, L*n_batch, d_V)) @ t15), (n_batch, L, n_batch, L, d_V))
     t39 = (2/(L*n_batch**2)) * (t38 * t37.transpose(3, 4, 0, 1, 2)).sum()
@@ -3120,11 +3120,11 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t10, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t10, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t11 = np.reshape((np.reshape(t3.transpose(0, 2, 1), (L*n_batch, d_ff)) @ np.reshape(t3.transpose(1, 0, 2), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(t7, (L*n_batch, d_ff)) @ np.reshape(t7.transpose(2, 0, 1), (d_ff, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = t12 * t11
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
     t17 = t16

@@ -175,7 +175,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t77 = t76 @ t29
     t78 = np.ones((d_V,), dtype=X.dtype)
     t79 = (2/(L*d_V*n_batch)) * t78
-    t75 += (np.reshape((np.reshape(t79, (d_V, 1)) * np.reshape(t77.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t75 += np.reshape(t79, (1, d_V, 1)) * np.reshape(t77.sum((0,)), (d_V, 1, d_V))
     return H
 
 
@@ -875,7 +875,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = np.ones((d_V,), dtype=X.dtype)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += (np.reshape((np.reshape(t13, (d_V, 1)) * np.reshape(t11.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t13, (1, d_V, 1)) * np.reshape(t11.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -933,7 +933,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t17 = t4 @ t16
     t18 = np.ones((d_K,), dtype=X.dtype)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t3 += (np.reshape((np.reshape(t19, (d_K, 1)) * np.reshape(t17.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t3 += np.reshape(t19, (1, d_K, 1)) * np.reshape(t17.sum((0,)), (d_V, 1, d_V))
     t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t21 = np.reshape(t20, (d_V, d_K, d_V, d_V), copy=False)
     t22 = t4 @ G
@@ -947,7 +947,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
     t29 = np.einsum('abcb->abc', t28)
     t30 = np.swapaxes(t17, -1, -2)
-    t29 += (np.reshape((np.reshape(t19, (d_K, 1)) * np.reshape(t30.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t29 += np.reshape(t19, (1, d_K, 1)) * np.reshape(t30.sum((0,)), (d_V, 1, d_V))
     t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t31[...] = 0
     t32 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -1155,7 +1155,7 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = t2 @ t14
     t16 = np.ones((d_K,), dtype=X.dtype)
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t1 += (np.reshape((np.reshape(t17, (d_K, 1)) * np.reshape(t15.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t17, (1, d_K, 1)) * np.reshape(t15.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -1296,7 +1296,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = t2 @ t15
     t17 = np.ones((d_K,), dtype=X.dtype)
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t1 += (np.reshape((np.reshape(t18, (d_K, 1)) * np.reshape(t16.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t18, (1, d_K, 1)) * np.reshape(t16.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -1625,7 +1625,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
         t35 = (np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t32, (L*n_batch, d_V)))
         t17[...] = (np.reshape((np.reshape(t22, (d_K*d_V, n_batch)) @ np.reshape(t23.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t24 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t35, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+        t24 += np.reshape(t34, (1, d_K, 1)) * np.reshape(t35, (d_V, 1, d_V))
         t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
         t38 = t5 @ X
@@ -1652,7 +1652,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t57 = t56 @ X
         t58 = (np.reshape(t48.transpose(1, 0, 2), (d_V, d_V*n_batch)) @ np.reshape(t57, (d_V*n_batch, d_V)))
         t47[...] = (np.reshape((np.reshape(t53, (d_K*d_V, n_batch)) @ np.reshape(t54.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t55 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t58, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+        t55 += np.reshape(t34, (1, d_K, 1)) * np.reshape(t58, (d_V, 1, d_V))
         t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
         t60 = np.reshape(t59, (d_V, d_K, d_V, d_K), copy=False)
         t61 = t9 @ X
@@ -1680,8 +1680,8 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t79 = t78 @ X
         t80 = (2/(L*math.sqrt(d_K)*d_V)) * t79
         t81 = (1/math.sqrt(d_K)) * t10
-        t77[...] = (np.reshape((np.reshape(t80, (n_batch, L*d_V, 1)) * np.reshape(t49, (n_batch, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
-        t77 += (np.reshape((np.reshape(t57, (n_batch, d_V**2, 1)) * np.reshape(t81, (n_batch, 1, L*d_K))), (n_batch, d_V, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
+        np.multiply(np.reshape(t49, (n_batch, 1, d_V, 1, d_K)), np.reshape(t80, (n_batch, L, 1, d_V, 1)), out=t77)
+        t77 += np.reshape(t57, (n_batch, 1, d_V, d_V, 1)) * np.reshape(t81, (n_batch, L, 1, 1, d_K))
         t82 = t75[..., d_K*d_V:2*d_K*d_V]
         t83 = np.reshape(t82, (n_batch, L, d_V, d_V, d_K), copy=False)
         t84 = t56 @ t18
@@ -1689,8 +1689,8 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t86 = t78 @ t18
         t87 = np.swapaxes(t48, -1, -2)
         t88 = (2/(L*math.sqrt(d_K)*d_V)) * t86
-        t83[...] = (np.reshape((np.reshape(t85, (n_batch, L*d_V, 1)) * np.reshape(t84, (n_batch, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
-        t83 += (np.reshape((np.reshape(t87, (n_batch, d_V**2, 1)) * np.reshape(t88, (n_batch, 1, L*d_K))), (n_batch, d_V, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
+        np.multiply(np.reshape(t84, (n_batch, 1, d_V, 1, d_K)), np.reshape(t85, (n_batch, L, 1, d_V, 1)), out=t83)
+        t83 += np.reshape(t87, (n_batch, 1, d_V, d_V, 1)) * np.reshape(t88, (n_batch, L, 1, 1, d_K))
         t89 = t75[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t89[...] = 0
         t90 = t2.transpose(1, 0, 2)
@@ -1707,7 +1707,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t99 = t98 @ t39
         t100 = np.ones((d_V,), dtype=X.dtype)
         t101 = (2/(L*d_V*n_batch)) * t100
-        t97 += (np.reshape((np.reshape(t101, (d_V, 1)) * np.reshape(t99.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+        t97 += np.reshape(t101, (1, d_V, 1)) * np.reshape(t99.sum((0,)), (d_V, 1, d_V))
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -1751,7 +1751,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
     t35 = (np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t32, (L*n_batch, d_V)))
     t17[...] = (np.reshape((np.reshape(t22, (d_K*d_V, n_batch)) @ np.reshape(t23.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t24 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t35, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t24 += np.reshape(t34, (1, d_K, 1)) * np.reshape(t35, (d_V, 1, d_V))
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
     t38 = t5 @ X
@@ -1778,7 +1778,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t57 = t56 @ X
     t58 = (np.reshape(t48.transpose(1, 0, 2), (d_V, d_V*n_batch)) @ np.reshape(t57, (d_V*n_batch, d_V)))
     t47[...] = (np.reshape((np.reshape(t53, (d_K*d_V, n_batch)) @ np.reshape(t54.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t55 += (np.reshape((np.reshape(t34, (d_K, 1)) * np.reshape(t58, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t55 += np.reshape(t34, (1, d_K, 1)) * np.reshape(t58, (d_V, 1, d_V))
     t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t60 = np.reshape(t59, (d_V, d_K, d_V, d_K), copy=False)
     t61 = t9 @ X
@@ -1827,7 +1827,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t96 = t95 @ t39
     t97 = np.ones((d_V,), dtype=X.dtype)
     t98 = (2/(L*d_V*n_batch)) * t97
-    t94 += (np.reshape((np.reshape(t98, (d_V, 1)) * np.reshape(t96.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t94 += np.reshape(t98, (1, d_V, 1)) * np.reshape(t96.sum((0,)), (d_V, 1, d_V))
     return H
 
 
@@ -2154,7 +2154,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
     t25 = (np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t22, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t12, (d_K*d_V, n_batch)) @ np.reshape(t13.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t14 += (np.reshape((np.reshape(t24, (d_K, 1)) * np.reshape(t25, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t14 += np.reshape(t24, (1, d_K, 1)) * np.reshape(t25, (d_V, 1, d_V))
     return out
 
 
@@ -2350,7 +2350,7 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
     t25 = (np.reshape(t3.transpose(1, 0, 2), (d_V, d_V*n_batch)) @ np.reshape(t22, (d_V*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t11, (d_K*d_V, n_batch)) @ np.reshape(t12.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t13 += (np.reshape((np.reshape(t24, (d_K, 1)) * np.reshape(t25, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t13 += np.reshape(t24, (1, d_K, 1)) * np.reshape(t25, (d_V, 1, d_V))
     return out
 
 
@@ -2749,7 +2749,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = np.ones((d_V,), dtype=X.dtype)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += (np.reshape((np.reshape(t13, (d_V, 1)) * np.reshape(t11.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t13, (1, d_V, 1)) * np.reshape(t11.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -3312,13 +3312,13 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t14 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
-    t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t15 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
     t18 = X @ W_Q
     t19 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
-    t20 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(t18.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t17[...] = (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t22 = np.reshape(t21, (d_V, d_K, d_V, d_V), copy=False)
@@ -3329,9 +3329,9 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t26 = t25 @ X
     t27 = np.swapaxes(t6, -1, -2)
     t28 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t29 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t29 = (np.reshape(t28, (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t30 = (np.reshape((t26.transpose(0, 2, 1) @ np.reshape(t29.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t31 = ((np.reshape(t27, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t31 = (np.reshape(t27.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t4.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t22[...] = (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
@@ -3342,31 +3342,31 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t38 = (np.reshape(t37.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t39 = np.reshape((np.reshape(t38.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t40 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t41 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t41 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t34.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t33[...] = (np.reshape((np.reshape(t41, (d_K*d_V, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
     t44 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t39.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t45 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t45 = (np.reshape(t18.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t34.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t43[...] = (np.reshape((np.reshape(t44, (d_V**2, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t47 = np.reshape(t46, (d_V, d_K, d_V, d_V), copy=False)
     t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
-    t49 = np.reshape((np.reshape(t48, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t49 = (np.reshape(t48, (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t50 = (np.reshape((t27.transpose(0, 2, 1) @ np.reshape(t49.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t51 = ((np.reshape(t26, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t51 = (np.reshape(t26.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t34.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t47[...] = (np.reshape((np.reshape(t51, (d_K*d_V, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
     t54 = np.swapaxes(t26, -1, -2)
-    t55 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t54.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t55 = (np.reshape(t28, (L, L, 1, 1)) * np.reshape(t54.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t56 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t55.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t57 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t57 = (np.reshape(t9.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t6.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t53[...] = (np.reshape((np.reshape(t56, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t59 = np.reshape(t58, (d_V, d_V, d_V, d_K), copy=False)
     t60 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t55.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t61 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t61 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t6.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t59[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t60.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t62[...] = 0
@@ -3375,7 +3375,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t65 = t54 @ t26
     t66 = np.ones((d_V,), dtype=X.dtype)
     t67 = (2/(L*d_V*n_batch)) * t66
-    t64 += (np.reshape((np.reshape(t67, (d_V, 1)) * np.reshape(t65.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t64 += np.reshape(t67, (1, d_V, 1)) * np.reshape(t65.sum((0,)), (d_V, 1, d_V))
     return H
 
 
@@ -3589,7 +3589,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t12 = np.reshape((np.reshape(t11.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t13 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
-    t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t1.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -3646,7 +3646,7 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t12 = np.reshape((np.reshape(t11.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t13 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
-    t14 = ((np.reshape(t8, (n_batch, L, d_K, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = (np.reshape(t8.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t1.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -3701,9 +3701,9 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ X
     t9 = X @ W_V
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t11 = np.reshape((np.reshape(t10, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t11 = (np.reshape(t10, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t12 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t11.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t13 = ((np.reshape(t9, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t13 = (np.reshape(t9.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -3813,7 +3813,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t14 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t15 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -3872,7 +3872,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t14 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t15 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t15 = (np.reshape(t9.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -3931,9 +3931,9 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = Mcausal * T
     t12 = t11 @ X
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t14 = np.reshape((np.reshape(t13, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t14 = (np.reshape(t13, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t15 = (np.reshape((t5.transpose(0, 2, 1) @ np.reshape(t14.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t16 = ((np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(t12.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t16, (d_K*d_V, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -4048,9 +4048,9 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = np.swapaxes(t4, -1, -2)
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t15 = np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t10.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t15 = (np.reshape(t14, (L, L, 1, 1)) * np.reshape(t10.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t16 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t15.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t17 = ((np.reshape(t13, (n_batch, L, d_K, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(t13.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t12.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -4113,9 +4113,9 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = X @ W_Q
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t15 = np.reshape((np.reshape(t14, (L, L, 1)) * np.reshape(t10.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t15 = (np.reshape(t14, (L, L, 1, 1)) * np.reshape(t10.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t16 = (np.reshape((t13.transpose(0, 2, 1) @ np.reshape(t15.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t12.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -4181,7 +4181,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = np.ones((d_V,), dtype=X.dtype)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t1 += (np.reshape((np.reshape(t16, (d_V, 1)) * np.reshape(t14.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t16, (1, d_V, 1)) * np.reshape(t14.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -4246,20 +4246,20 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = t4 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t3 += (np.reshape((np.reshape(t21, (d_K, 1)) * np.reshape(t19.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t3 += np.reshape(t21, (1, d_K, 1)) * np.reshape(t19.sum((0,)), (d_V, 1, d_V))
     t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t23 = np.reshape(t22, (d_V, d_K, d_V, d_V), copy=False)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t25 = np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t25 = (np.reshape(t24, (L, L, 1, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t26 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t25.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t27 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t6.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t23[...] = (np.reshape((np.reshape(t27, (d_K*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t28[...] = 0
     t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
     t30 = np.einsum('abcb->abc', t29)
     t31 = np.swapaxes(t19, -1, -2)
-    t30 += (np.reshape((np.reshape(t21, (d_K, 1)) * np.reshape(t31.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t30 += np.reshape(t21, (1, d_K, 1)) * np.reshape(t31.sum((0,)), (d_V, 1, d_V))
     t32 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t32[...] = 0
     t33 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -4268,21 +4268,21 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t36 = t35 @ t4
     t37 = np.swapaxes(Mcausal, -1, -2)
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
-    t39 = np.reshape((np.reshape(t38, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t39 = (np.reshape(t38, (L, L, 1, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t40 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t39.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t41 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t41 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t36.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t34[...] = (np.reshape((np.reshape(t40, (d_V**2, L*n_batch)) @ np.reshape(t41.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t43 = np.reshape(t42, (d_V, d_V, d_V, d_K), copy=False)
     t44 = np.swapaxes(G, -1, -2)
     t45 = np.swapaxes(t6, -1, -2)
     t46 = (np.reshape((t45.transpose(0, 2, 1) @ np.reshape(t39.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t47 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t47 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t44.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t43[...] = (np.reshape((np.reshape(t47, (d_V**2, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
     t50 = np.swapaxes(t36, -1, -2)
-    t51 = ((np.reshape(t50, (n_batch, L, d_K, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t51 = (np.reshape(t50.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t44.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t49[...] = (np.reshape((np.reshape(t40, (d_V**2, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t52[...] = 0
@@ -4492,7 +4492,7 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t2 @ t16
     t18 = np.ones((d_K,), dtype=X.dtype)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t1 += (np.reshape((np.reshape(t19, (d_K, 1)) * np.reshape(t17.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t19, (1, d_K, 1)) * np.reshape(t17.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -4551,9 +4551,9 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*d_V)) * t10
     G = t11
     t12 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t13 = np.reshape((np.reshape(t12, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t13 = (np.reshape(t12, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t14 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t13.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t15 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -4647,7 +4647,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += (np.reshape((np.reshape(t21, (d_K, 1)) * np.reshape(t19.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t21, (1, d_K, 1)) * np.reshape(t19.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -4732,9 +4732,9 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t16 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t16 = (np.reshape(t15, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t17 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t16.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t18 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -4824,9 +4824,9 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(Mcausal, -1, -2)
     t14 = np.swapaxes(t3, -1, -2)
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t16 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t16 = (np.reshape(t15, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t17 = (np.reshape((t14.transpose(0, 2, 1) @ np.reshape(t16.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t12.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -4895,9 +4895,9 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(Mcausal, -1, -2)
     t14 = X @ W_Q
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t16 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t16 = (np.reshape(t15, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t17 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t16.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t18 = ((np.reshape(t14, (n_batch, L, d_K, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(t14.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t12.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -4982,11 +4982,11 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t9 = X @ t8
         t10 = np.swapaxes(t5, -1, -2)
         t11 = (2/(L*d_K*d_V)) * Mcausal
-        t12 = np.reshape((np.reshape(t9.transpose(1, 0, 2), (L, L*n_batch, 1)) * np.reshape(t11.transpose(1, 0), (L, 1, L))), (L, n_batch, L, L))
-        t13 = np.reshape((np.reshape(t12.transpose(2, 3, 0, 1), (L, L, L*n_batch, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, L, n_batch))
+        t12 = (np.reshape(t9.transpose(1, 0, 2), (L, n_batch, L, 1)) * np.reshape(t11.transpose(1, 0), (L, 1, 1, L)))
+        t13 = (t12.transpose(2, 3, 0, 1) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1)))
         t14 = np.reshape((np.reshape(t13.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, d_K))
         t15 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L*d_K, L)) @ t10), (n_batch, L, d_K, d_K))
-        t3[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15, (n_batch, L, 1, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
+        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t15, (n_batch, L, d_K, 1, d_K)), out=t3)
         t16 = t1[..., d_K*d_V:2*d_K*d_V]
         t17 = np.reshape(t16, (n_batch, L, d_K, d_V, d_K), copy=False)
         t18 = X @ W_Q
@@ -5007,20 +5007,20 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t30 = t29 @ X
         t31 = np.ones((d_K,), dtype=X.dtype)
         t32 = (1/math.sqrt(d_K)) * t31
-        t17[...] = np.reshape((np.reshape(t19, (n_batch, L, d_K*d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_K))), (n_batch, L, d_K, d_V, d_K))
-        t20 += (np.reshape((np.reshape(t32, (d_K, 1)) * np.reshape(t30, (1, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+        np.multiply(np.reshape(t18, (n_batch, L, 1, 1, d_K)), np.reshape(t19, (n_batch, L, d_K, d_V, 1)), out=t17)
+        t20 += np.reshape(t32, (1, 1, d_K, 1)) * np.reshape(t30, (n_batch, L, 1, d_V))
         t33 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t34 = np.reshape(t33, (n_batch, L, d_K, d_V, d_V), copy=False)
         t35 = t23 @ X
         t36 = (2/(L*math.sqrt(d_K)*d_V)) * Mcausal
-        t37 = np.reshape((np.reshape(t36.transpose(1, 0), (L, L, 1)) * np.reshape(t5.transpose(2, 0, 1), (L, 1, d_K*n_batch))), (L, L, n_batch, d_K))
+        t37 = (np.reshape(t36.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t5.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
         t38 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
         t39 = np.reshape((np.reshape(t37.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ t38.transpose(1, 2, 0)), (n_batch, L, d_K, d_V))
         t40 = (1/math.sqrt(d_K)) * Mcausal
-        t41 = np.reshape((np.reshape(t40.transpose(1, 0), (L, L, 1)) * np.reshape(t5.transpose(2, 0, 1), (L, 1, d_K*n_batch))), (L, L, n_batch, d_K))
+        t41 = (np.reshape(t40.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t5.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
         t42 = np.reshape((np.reshape(t41.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
-        t34[...] = (np.reshape((np.reshape(t35, (n_batch, L, d_V, 1)) * np.reshape(t39, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 3, 2, 4)
-        t34 += np.reshape((np.reshape(t42, (n_batch, L, d_K*d_V, 1)) * np.reshape(G, (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))
+        np.multiply(np.reshape(t35, (n_batch, L, 1, d_V, 1)), np.reshape(t39, (n_batch, L, d_K, 1, d_V)), out=t34)
+        t34 += np.reshape(G, (n_batch, L, 1, 1, d_V)) * np.reshape(t42, (n_batch, L, d_K, d_V, 1))
         t43 = t0.transpose(1, 0, 2)
         t44 = np.reshape(t43, (d_V, L*n_batch))
         t45 = (1/n_batch) * t44
@@ -5035,32 +5035,32 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t52 = np.swapaxes(t18, -1, -2)
         t53 = np.swapaxes(Mcausal, -1, -2)
         t54 = (2/(L*d_K*d_V)) * t53
-        t55 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t52.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(0, 3, 2, 1)
-        t56 = np.reshape((np.reshape(t9.transpose(1, 0, 2), (L, L*n_batch, 1)) * np.reshape(t54, (L, 1, L))), (L, n_batch, L, L))
-        t57 = np.reshape((np.reshape(t56.transpose(2, 3, 0, 1), (L, L, L*n_batch, 1)) * np.reshape(t53, (L, L, 1, 1))), (L, L, L, n_batch))
+        t55 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t52, (n_batch, d_K, 1, L)))
+        t56 = (np.reshape(t9.transpose(1, 0, 2), (L, n_batch, L, 1)) * np.reshape(t54, (L, 1, 1, L)))
+        t57 = (t56.transpose(2, 3, 0, 1) * np.reshape(t53, (L, L, 1, 1)))
         t58 = (np.reshape((t10.transpose(0, 2, 1) @ np.reshape(t57.transpose(3, 0, 2, 1), (n_batch, L, L**2))), (n_batch, d_K, L, L))).transpose(0, 2, 1, 3)
         t59 = np.einsum('abcdc->abcd', t51)
         t60 = np.swapaxes(t28, -1, -2)
         t61 = t60 * t53
         t62 = t61 @ X
         t51[...] = (np.reshape((np.reshape(t55, (n_batch, d_K*d_V, L)) @ np.reshape(t58.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
-        t59 += (np.reshape((np.reshape(t32, (d_K, 1)) * np.reshape(t62, (1, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+        t59 += np.reshape(t32, (1, 1, d_K, 1)) * np.reshape(t62, (n_batch, L, 1, d_V))
         t63 = t49[..., d_K*d_V:2*d_K*d_V]
         t64 = np.reshape(t63, (n_batch, L, d_K, d_V, d_K), copy=False)
-        t65 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t52.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(0, 3, 2, 1)
+        t65 = (np.reshape(t18.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t52, (n_batch, d_K, 1, L)))
         t66 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t57.transpose(3, 0, 2, 1), (n_batch, L, L**2))), (n_batch, d_V, L, L))).transpose(0, 2, 1, 3)
         t64[...] = (np.reshape((np.reshape(t66, (n_batch, L*d_V, L)) @ np.reshape(t65.transpose(0, 3, 1, 2), (n_batch, L, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
         t67 = t49[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t68 = np.reshape(t67, (n_batch, L, d_K, d_V, d_V), copy=False)
         t69 = (1/math.sqrt(d_K)) * t53
-        t70 = np.reshape((np.reshape(t69.transpose(1, 0), (L, L, 1)) * np.reshape(t52.transpose(2, 0, 1), (L, 1, d_K*n_batch))), (L, L, n_batch, d_K))
+        t70 = (np.reshape(t69.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t52.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
         t71 = np.reshape((np.reshape(t70.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ G), (n_batch, L, d_K, d_V))
         t72 = (2/(L*math.sqrt(d_K)*d_V)) * t53
         t73 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ W_V), (n_batch, L, d_V))
-        t74 = np.reshape((np.reshape(t72.transpose(1, 0), (L, L, 1)) * np.reshape(t52.transpose(2, 0, 1), (L, 1, d_K*n_batch))), (L, L, n_batch, d_K))
+        t74 = (np.reshape(t72.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t52.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
         t75 = np.reshape((np.reshape(t74.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ t35), (n_batch, L, d_K, d_V))
-        t68[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t71, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 3, 2, 4)
-        t68 += np.reshape((np.reshape(t75, (n_batch, L, d_K*d_V, 1)) * np.reshape(t73, (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))
+        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t71, (n_batch, L, d_K, 1, d_V)), out=t68)
+        t68 += np.reshape(t73, (n_batch, L, 1, 1, d_V)) * np.reshape(t75, (n_batch, L, d_K, d_V, 1))
         t76 = np.reshape(R48, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
         t77 = np.reshape(H[d_K*d_V:2*d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
         np.matmul(t45, t76, out=t77)
@@ -5072,21 +5072,21 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t82 = np.swapaxes(T, -1, -2)
         t83 = t53 * t82
         t84 = (2/(L*math.sqrt(d_K)*d_V)) * t83
-        t85 = ((np.reshape(t10, (n_batch, L, d_K, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(0, 3, 2, 1)
-        t86 = np.reshape((np.reshape(Mcausal, (L, L, 1)) * np.reshape(t84.transpose(2, 0, 1), (L, 1, L*n_batch))), (L, L, n_batch, L))
+        t85 = (np.reshape(t10.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t7, (n_batch, d_V, 1, L)))
+        t86 = (np.reshape(Mcausal, (L, L, 1, 1)) * np.reshape(t84.transpose(2, 0, 1), (L, 1, n_batch, L)))
         t87 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t86.transpose(2, 0, 3, 1), (n_batch, L, L**2))), (n_batch, d_V, L, L))).transpose(0, 2, 1, 3)
         t88 = np.swapaxes(G, -1, -2)
-        t89 = np.reshape((np.reshape(t69.transpose(1, 0), (L, L, 1)) * np.reshape(t88.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+        t89 = (np.reshape(t69.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t88.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
         t90 = np.reshape((np.reshape(t89.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
         t81[...] = (np.reshape((np.reshape(t87, (n_batch, L*d_V, L)) @ np.reshape(t85.transpose(0, 3, 1, 2), (n_batch, L, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
-        t81 += np.reshape((np.reshape(t90, (n_batch, L, d_V**2, 1)) * np.reshape(t10, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+        t81 += np.reshape(t10, (n_batch, L, 1, 1, d_K)) * np.reshape(t90, (n_batch, L, d_V, d_V, 1))
         t91 = t79[..., d_K*d_V:2*d_K*d_V]
         t92 = np.reshape(t91, (n_batch, L, d_V, d_V, d_K), copy=False)
-        t93 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(0, 3, 2, 1)
+        t93 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t7, (n_batch, d_V, 1, L)))
         t94 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t86.transpose(2, 0, 3, 1), (n_batch, L, L**2))), (n_batch, d_K, L, L))).transpose(0, 2, 1, 3)
         t95 = np.reshape((np.reshape(t89.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))
         t92[...] = (np.reshape((np.reshape(t93, (n_batch, d_V**2, L)) @ np.reshape(t94.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_V, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
-        t92 += (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t95, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+        t92 += np.reshape(X, (n_batch, L, 1, d_V, 1)) * np.reshape(t95, (n_batch, L, d_V, 1, d_K))
         t96 = t79[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t96[...] = 0
         t97 = np.reshape(R78, (L*n_batch, d_V*(2*d_K*d_V + d_V**2)), copy=False)
@@ -5100,7 +5100,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t103 = t102 @ t35
         t104 = np.ones((d_V,), dtype=X.dtype)
         t105 = (2/(L*d_V*n_batch)) * t104
-        t101 += (np.reshape((np.reshape(t105, (d_V, 1)) * np.reshape(t103.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+        t101 += np.reshape(t105, (1, d_V, 1)) * np.reshape(t103.sum((0,)), (d_V, 1, d_V))
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -5119,13 +5119,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t14 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
-    t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t15 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
     t18 = X @ W_Q
     t19 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
-    t20 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(t18.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t21 = np.einsum('abcb->abc', t17)
     t22 = t18 @ t4
     t23 = (1/math.sqrt(d_K)) * t22
@@ -5144,19 +5144,19 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
     t34 = (np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t31, (L*n_batch, d_V)))
     t17[...] = (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t21 += (np.reshape((np.reshape(t33, (d_K, 1)) * np.reshape(t34, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t21 += np.reshape(t33, (1, d_K, 1)) * np.reshape(t34, (d_V, 1, d_V))
     t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
     t37 = t24 @ X
     t38 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t39 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t40 = ((np.reshape(t39.transpose(1, 2, 0), (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t41 = np.reshape((np.reshape(t38, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t40 = (np.reshape(t39, (1, d_V, n_batch, L)) * np.reshape(t4.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t41 = (np.reshape(t38, (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t42 = (np.reshape((t37.transpose(0, 2, 1) @ np.reshape(t41.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t43 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t44 = np.reshape((np.reshape(t43, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t44 = (np.reshape(t43, (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t45 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t44.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t46 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t46 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t4.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t36[...] = (np.reshape((np.reshape(t42, (d_V**2, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t36 += (np.reshape((np.reshape(t46, (d_K*d_V, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -5168,29 +5168,29 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t53 = (np.reshape(t52.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t54 = np.reshape((np.reshape(t53.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t55 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t56 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t56 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t49.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t57 = np.einsum('abcb->abc', t48)
     t58 = np.swapaxes(t29, -1, -2)
     t59 = t58 * t50
     t60 = t59 @ X
     t61 = (np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t60, (L*n_batch, d_V)))
     t48[...] = (np.reshape((np.reshape(t56, (d_K*d_V, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t57 += (np.reshape((np.reshape(t33, (d_K, 1)) * np.reshape(t61, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t57 += np.reshape(t33, (1, d_K, 1)) * np.reshape(t61, (d_V, 1, d_V))
     t62 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t63 = np.reshape(t62, (d_V, d_K, d_V, d_K), copy=False)
     t64 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t65 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t65 = (np.reshape(t18.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t49.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t63[...] = (np.reshape((np.reshape(t64, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t66 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t67 = np.reshape(t66, (d_V, d_K, d_V, d_V), copy=False)
     t68 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t69 = np.reshape((np.reshape(t68, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t69 = (np.reshape(t68, (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t70 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t69.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t71 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t71 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t49.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
-    t73 = np.reshape((np.reshape(t72, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t73 = (np.reshape(t72, (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t74 = (np.reshape((t39.transpose(1, 0, 2) @ np.reshape(t73.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t75 = ((np.reshape(t37, (n_batch, L, d_V, 1)) * np.reshape(t49.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t75 = (np.reshape(t37.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t49.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t67[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t67 += (np.reshape((np.reshape(t75, (d_K*d_V, L*n_batch)) @ np.reshape(t74.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
@@ -5198,19 +5198,19 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t78 = np.swapaxes(T, -1, -2)
     t79 = t50 * t78
     t80 = (t79.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
-    t81 = ((np.reshape(t80, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t82 = np.reshape((np.reshape(t38.transpose(1, 0), (L, L, 1)) * np.reshape(t6.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t81 = (np.reshape(t80.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t82 = (np.reshape(t38.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t6.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t83 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t82.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t84 = np.swapaxes(G, -1, -2)
     t85 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t69.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t86 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t84.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t86 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t84.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t77[...] = (np.reshape((np.reshape(t81, (d_V**2, L*n_batch)) @ np.reshape(t83.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t77 += (np.reshape((np.reshape(t86, (d_V**2, L*n_batch)) @ np.reshape(t85.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t88 = np.reshape(t87, (d_V, d_V, d_V, d_K), copy=False)
-    t89 = ((np.reshape(t80, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t89 = (np.reshape(t80.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t18.transpose(2, 0, 1), (1, d_K, n_batch, L)))
     t90 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t82.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t91 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t84.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t91 = (np.reshape(t18.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t84.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t88[...] = (np.reshape((np.reshape(t90, (d_V**2, L*n_batch)) @ np.reshape(t89.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t88 += (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t91.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -5221,7 +5221,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t96 = t95 @ t37
     t97 = np.ones((d_V,), dtype=X.dtype)
     t98 = (2/(L*d_V*n_batch)) * t97
-    t94 += (np.reshape((np.reshape(t98, (d_V, 1)) * np.reshape(t96.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t94 += np.reshape(t98, (1, d_V, 1)) * np.reshape(t96.sum((0,)), (d_V, 1, d_V))
     return H
 
 
@@ -5345,7 +5345,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t33 = (t32 @ t2)
     t34 = np.reshape((t31 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t35 = (t34.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
-    t36 = np.reshape((np.reshape(t33.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch))
+    t36 = (t33.transpose(1, 2, 0) * np.reshape(Mcausal, (L, L, 1)))
     t37 = (t36.transpose(2, 0, 1) @ t6)
     t38 = np.reshape((np.reshape(t37.transpose(1, 2, 0), (L, L, 1, n_batch)) @ np.reshape(t35.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L))
     t39 = np.reshape((np.reshape(t32, (L*n_batch, d_K)) @ np.reshape(t32.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5366,7 +5366,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t54 = np.reshape((np.reshape(t46.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t55 = (np.reshape(t53.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t8.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
     t56 = np.reshape((np.reshape(t55.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, L)) @ Mcausal), (n_batch, n_batch, L, L, L))
-    t57 = np.reshape((np.reshape(t56.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L, L, L, 1)) * np.reshape(t9.transpose(0, 2, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t57 = (t56.transpose(0, 1, 2, 4, 3) * np.reshape(t9.transpose(0, 2, 1, 3), (n_batch, n_batch, L, L, 1)))
     t58 = np.reshape((np.reshape(t57.transpose(4, 2, 0, 1, 3), (L, L, L*n_batch**2)) @ np.reshape(t54.transpose(3, 2, 0, 1), (L, L*n_batch**2, 1))), (L, L))
     t59 = t10 * t9
     t60 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5384,7 +5384,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t72 = (t7 @ t71)
     t73 = np.reshape((t70 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t74 = (t73.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
-    t75 = np.reshape((np.reshape(t72.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(t67, (L, L, 1, 1))), (L, L, n_batch))
+    t75 = (t72.transpose(1, 2, 0) * np.reshape(t67, (L, L, 1)))
     t76 = (t75.transpose(2, 1, 0) @ t6.transpose(0, 2, 1))
     t77 = np.reshape((np.reshape(t76.transpose(1, 2, 0), (L, L, 1, n_batch)) @ np.reshape(t74.transpose(2, 1, 0), (L, L, n_batch, 1))), (L, L))
     t78 = np.reshape((np.reshape(t71.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t71.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5409,7 +5409,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t97 = np.reshape((np.reshape(t95.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t98 = (np.reshape(t96.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t8.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
     t99 = np.reshape((np.reshape(t98.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, L)) @ t67), (n_batch, n_batch, L, L, L))
-    t100 = np.reshape((np.reshape(t99.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L, L, L, 1)) * np.reshape(t78.transpose(0, 2, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t100 = (t99.transpose(0, 1, 2, 4, 3) * np.reshape(t78.transpose(0, 2, 1, 3), (n_batch, n_batch, L, L, 1)))
     t101 = np.reshape((np.reshape(t100.transpose(4, 2, 0, 1, 3), (L, L, L*n_batch**2)) @ np.reshape(t97.transpose(3, 2, 0, 1), (L, L*n_batch**2, 1))), (L, L))
     t102 = t47 * t78
     t103 = t49 * t8
@@ -5429,7 +5429,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t117 = np.swapaxes(G, -1, -2)
     t118 = np.reshape((np.reshape(t117.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t4.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t119 = (np.reshape(t10, (n_batch, L, n_batch, L, 1)) * np.reshape(t118, (n_batch, L, n_batch, 1, L)))
-    t120 = np.reshape((np.reshape(t119.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t120 = (t119.transpose(3, 4, 0, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1, 1)))
     t121 = np.reshape((np.reshape(t120.transpose(2, 4, 0, 3, 1), (n_batch, n_batch, L**2, L)) @ t12.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
     t122 = np.reshape((np.reshape(t121.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t112.transpose(2, 1, 0, 3), (L, L*n_batch**2, 1))), (L, L))
     t123 = np.reshape((np.reshape(t117.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t117.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5444,7 +5444,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t132 = np.reshape((np.reshape(t130, (L*n_batch**2, L)) @ Mcausal.transpose(1, 0)), (n_batch, L, n_batch, L))
     t133 = (np.reshape(t132.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t131, (L*n_batch**2, L)))
     t134 = (np.reshape(t39, (n_batch, L, n_batch, L, 1)) * np.reshape(t118, (n_batch, L, n_batch, 1, L)))
-    t135 = np.reshape((np.reshape(t134.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t135 = (t134.transpose(3, 4, 0, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1, 1)))
     t136 = np.reshape((np.reshape(t135.transpose(2, 4, 0, 3, 1), (n_batch, n_batch, L**2, L)) @ t10.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
     t137 = np.reshape((np.reshape(t136.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t112.transpose(2, 1, 0, 3), (L, L*n_batch**2, 1))), (L, L))
     t138 = t39 * t123
@@ -5530,7 +5530,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t12 = np.reshape((np.reshape(t11.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t13 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
-    t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t1.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -5587,7 +5587,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = (np.reshape(t10.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t7.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t12 = np.reshape((np.reshape(t11.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t13 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t12.transpose(0, 1, 3, 2), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
-    t14 = ((np.reshape(t8, (n_batch, L, d_K, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = (np.reshape(t8.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t1.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t15 = np.einsum('abcb->abc', t0)
     t16 = t8 @ t3
     t17 = (1/math.sqrt(d_K)) * t16
@@ -5606,7 +5606,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
     t28 = (np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t25, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t13, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t15 += (np.reshape((np.reshape(t27, (d_K, 1)) * np.reshape(t28, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t15 += np.reshape(t27, (1, d_K, 1)) * np.reshape(t28, (d_V, 1, d_V))
     return out
 
 
@@ -5641,7 +5641,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = (t17 @ t2)
     t19 = np.reshape((t15 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t20 = (t19.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
-    t21 = np.reshape((np.reshape(t18.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch))
+    t21 = (t18.transpose(1, 2, 0) * np.reshape(Mcausal, (L, L, 1)))
     t22 = (t21.transpose(2, 0, 1) @ t16)
     t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0), (L, L, 1, n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5679,8 +5679,8 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ X
     t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t10 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t11 = ((np.reshape(t10.transpose(1, 2, 0), (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t12 = np.reshape((np.reshape(t9, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t11 = (np.reshape(t10, (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t12 = (np.reshape(t9, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t13 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t12.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t14 = t8 @ W_V
     F = t14
@@ -5688,9 +5688,9 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = (2/(L*d_V)) * t15
     G = t16
     t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t18 = np.reshape((np.reshape(t17, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t18 = (np.reshape(t17, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t19 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t18.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -5730,7 +5730,7 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t21 = np.reshape((np.reshape(t8.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = (np.reshape(t20.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t9.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
     t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, L)) @ Mcausal), (n_batch, n_batch, L, L, L))
-    t24 = np.reshape((np.reshape(t23.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L, L, L, 1)) * np.reshape(t10.transpose(0, 2, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t24 = (t23.transpose(0, 1, 2, 4, 3) * np.reshape(t10.transpose(0, 2, 1, 3), (n_batch, n_batch, L, L, 1)))
     t25 = np.reshape((np.reshape(t24.transpose(4, 2, 0, 1, 3), (L, L, L*n_batch**2)) @ np.reshape(t21.transpose(3, 2, 0, 1), (L, L*n_batch**2, 1))), (L, L))
     t26 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t27 = t26 * t10
@@ -5818,7 +5818,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t14 = (np.reshape((t9.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t15 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t16 = np.einsum('abcb->abc', t0)
     t17 = np.swapaxes(t6, -1, -2)
     t18 = np.swapaxes(t3, -1, -2)
@@ -5840,7 +5840,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
     t32 = (np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t29, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t15, (d_K*d_V, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t16 += (np.reshape((np.reshape(t31, (d_K, 1)) * np.reshape(t32, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t16 += np.reshape(t31, (1, d_K, 1)) * np.reshape(t32, (d_V, 1, d_V))
     return out
 
 
@@ -5880,7 +5880,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t23 = (t22 @ t19)
     t24 = np.reshape((t17 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t25 = (t24.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
-    t26 = np.reshape((np.reshape(t23.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(t14, (L, L, 1, 1))), (L, L, n_batch))
+    t26 = (t23.transpose(1, 2, 0) * np.reshape(t14, (L, L, 1)))
     t27 = (t26.transpose(2, 1, 0) @ t21.transpose(0, 2, 1))
     t28 = np.reshape((np.reshape(t27.transpose(1, 2, 0), (L, L, 1, n_batch)) @ np.reshape(t25.transpose(2, 1, 0), (L, L, n_batch, 1))), (L, L))
     t29 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5921,7 +5921,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = (np.reshape(t11.transpose(1, 2, 0), (L, L, L, 1)) * np.reshape(t8.transpose(2, 1, 0), (L, L, 1, n_batch)))
     t13 = np.reshape((np.reshape(t12.transpose(3, 0, 2, 1), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t14 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t15 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t15 = (np.reshape(t9.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -5984,15 +5984,15 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t16 = np.reshape((np.reshape(t15, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t16 = (np.reshape(t15, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t17 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t16.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t18 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t19 = t10 @ X
     t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t21 = np.reshape((np.reshape(t20, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t21 = (np.reshape(t20, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t22 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
     t23 = (np.reshape((t22.transpose(1, 0, 2) @ np.reshape(t21.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t24 = ((np.reshape(t19, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t24 = (np.reshape(t19.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -6036,7 +6036,7 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t25 = np.reshape((np.reshape(t23.transpose(1, 2, 0), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t26 = (np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
     t27 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 4, 2), (L**2*n_batch**2, L)) @ t3), (n_batch, n_batch, L, L, L))
-    t28 = np.reshape((np.reshape(t27.transpose(0, 1, 2, 4, 3), (n_batch, n_batch, L, L, L, 1)) * np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t28 = (t27.transpose(0, 1, 2, 4, 3) * np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, n_batch, L, L, 1)))
     t29 = np.reshape((np.reshape(t28.transpose(4, 2, 0, 1, 3), (L, L, L*n_batch**2)) @ np.reshape(t25.transpose(3, 2, 0, 1), (L, L*n_batch**2, 1))), (L, L))
     t30 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
     t31 = np.reshape((np.reshape(t22, (L*n_batch, d_V)) @ np.reshape(t22.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6127,8 +6127,8 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(t4, -1, -2)
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t14 = (t9.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
-    t15 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t16 = np.reshape((np.reshape(t13.transpose(1, 0), (L, L, 1)) * np.reshape(t11.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t15 = (np.reshape(t14.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t16 = (np.reshape(t13.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t11.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t17 = (np.reshape((t12.transpose(0, 2, 1) @ np.reshape(t16.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t18 = Mcausal * T
     t19 = np.swapaxes(t11, -1, -2)
@@ -6139,9 +6139,9 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t22
     t23 = np.swapaxes(G, -1, -2)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t25 = np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t25 = (np.reshape(t24, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t26 = (np.reshape((t12.transpose(0, 2, 1) @ np.reshape(t25.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t23.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
@@ -6187,7 +6187,7 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = np.swapaxes(G, -1, -2)
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t29 = (np.reshape(t14, (n_batch, L, n_batch, L, 1)) * np.reshape(t28, (n_batch, L, n_batch, 1, L)))
-    t30 = np.reshape((np.reshape(t29.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t30 = (t29.transpose(3, 4, 0, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1, 1)))
     t31 = np.reshape((np.reshape(t30.transpose(2, 4, 0, 3, 1), (n_batch, n_batch, L**2, L)) @ t15.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
     t32 = np.reshape((np.reshape(t31.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t17.transpose(2, 1, 0, 3), (L, L*n_batch**2, 1))), (L, L))
     t33 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t27.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6224,8 +6224,8 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = X @ W_Q
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t14 = (t9.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
-    t15 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
-    t16 = np.reshape((np.reshape(t13.transpose(1, 0), (L, L, 1)) * np.reshape(t11.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t15 = (np.reshape(t14.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t12.transpose(2, 0, 1), (1, d_K, n_batch, L)))
+    t16 = (np.reshape(t13.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t11.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t17 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t16.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t18 = Mcausal * T
     t19 = np.swapaxes(t11, -1, -2)
@@ -6236,9 +6236,9 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t22
     t23 = np.swapaxes(G, -1, -2)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t25 = np.reshape((np.reshape(t24, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t25 = (np.reshape(t24, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t26 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t25.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t27 = ((np.reshape(t12, (n_batch, L, d_K, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = (np.reshape(t12.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t23.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -6284,7 +6284,7 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = np.swapaxes(G, -1, -2)
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t29 = (np.reshape(t14, (n_batch, L, n_batch, L, 1)) * np.reshape(t28, (n_batch, L, n_batch, 1, L)))
-    t30 = np.reshape((np.reshape(t29.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t30 = (t29.transpose(3, 4, 0, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1, 1)))
     t31 = np.reshape((np.reshape(t30.transpose(2, 4, 0, 3, 1), (n_batch, n_batch, L**2, L)) @ t15.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
     t32 = np.reshape((np.reshape(t31.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t17.transpose(2, 1, 0, 3), (L, L*n_batch**2, 1))), (L, L))
     t33 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t27.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6324,7 +6324,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = np.ones((d_V,), dtype=X.dtype)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t1 += (np.reshape((np.reshape(t16, (d_V, 1)) * np.reshape(t14.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t16, (1, d_V, 1)) * np.reshape(t14.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -6431,7 +6431,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t31 = np.reshape((t29.sum((0,)).transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t32 = (t7 @ t2)
     t33 = (t31.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
-    t34 = np.reshape((np.reshape(t32.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch))
+    t34 = (t32.transpose(1, 2, 0) * np.reshape(Mcausal, (L, L, 1)))
     t35 = (t34.transpose(2, 0, 1) @ t6)
     t36 = np.reshape((np.reshape(t35.transpose(1, 2, 0), (L, L, 1, n_batch)) @ np.reshape(t33.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L))
     t37 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t36 * Mcausal).sum()
@@ -6483,7 +6483,7 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t28 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(t8.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t29 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t7.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t30 = (np.reshape(t28, (n_batch, L, n_batch, L, 1)) * np.reshape(t9, (n_batch, L, n_batch, 1, L)))
-    t31 = np.reshape((np.reshape(t30.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t31 = (t30.transpose(3, 4, 0, 1, 2) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1, 1)))
     t32 = np.reshape((np.reshape(t31.transpose(2, 4, 1, 3, 0), (n_batch, n_batch, L**2, L)) @ t10.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
     t33 = np.reshape((np.reshape(t32.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t29.transpose(1, 0, 2, 3), (L, L*n_batch**2, 1))), (L, L))
     t34 = (4/(L*d_K*d_V*n_batch**2)) * (t33 * Mcausal.transpose(1, 0)).sum()
@@ -6542,7 +6542,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t35 = np.reshape((t33.sum((0,)).transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t36 = (t8 @ t2)
     t37 = (t35.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
-    t38 = np.reshape((np.reshape(t36.transpose(1, 2, 0), (L, L, n_batch, 1)) * np.reshape(t3, (L, L, 1, 1))), (L, L, n_batch))
+    t38 = (t36.transpose(1, 2, 0) * np.reshape(t3, (L, L, 1)))
     t39 = (t38.transpose(2, 1, 0) @ t7.transpose(0, 2, 1))
     t40 = np.reshape((np.reshape(t39.transpose(1, 2, 0), (L, L, 1, n_batch)) @ np.reshape(t37.transpose(2, 1, 0), (L, L, n_batch, 1))), (L, L))
     t41 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t40 * t3.transpose(1, 0)).sum()
@@ -6631,7 +6631,7 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t31 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t11.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t32 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(t4.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t33 = (np.reshape(t31, (n_batch, L, n_batch, L, 1)) * np.reshape(t12, (n_batch, L, n_batch, 1, L)))
-    t34 = np.reshape((np.reshape(t33.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t34 = (t33.transpose(3, 4, 0, 1, 2) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1, 1)))
     t35 = np.reshape((np.reshape(t34.transpose(2, 4, 1, 3, 0), (n_batch, n_batch, L**2, L)) @ t13.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
     t36 = np.reshape((np.reshape(t35.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t32.transpose(1, 0, 2, 3), (L, L*n_batch**2, 1))), (L, L))
     t37 = (4/(L*d_K*d_V*n_batch**2)) * (t36 * t3.transpose(1, 0)).sum()
@@ -6690,7 +6690,7 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t35 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t37 = (np.reshape(t17, (n_batch, L, n_batch, L, 1)) * np.reshape(t35, (n_batch, L, n_batch, 1, L)))
-    t38 = np.reshape((np.reshape(t37.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t38 = (t37.transpose(3, 4, 0, 1, 2) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1, 1)))
     t39 = np.reshape((np.reshape(t38.transpose(2, 4, 1, 3, 0), (n_batch, n_batch, L**2, L)) @ t36.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
     t40 = np.reshape((np.reshape(t39.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t15.transpose(1, 0, 2, 3), (L, L*n_batch**2, 1))), (L, L))
     t41 = (4/(L*d_K*d_V*n_batch**2)) * (t40 * t1.transpose(1, 0)).sum()
@@ -6749,7 +6749,7 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t35 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = np.reshape((np.reshape(t27.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t11.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t37 = (np.reshape(t17, (n_batch, L, n_batch, L, 1)) * np.reshape(t35, (n_batch, L, n_batch, 1, L)))
-    t38 = np.reshape((np.reshape(t37.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L, n_batch))
+    t38 = (t37.transpose(3, 4, 0, 1, 2) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1, 1)))
     t39 = np.reshape((np.reshape(t38.transpose(2, 4, 1, 3, 0), (n_batch, n_batch, L**2, L)) @ t36.transpose(0, 2, 3, 1)), (n_batch, n_batch, L, L, L))
     t40 = np.reshape((np.reshape(t39.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t15.transpose(1, 0, 2, 3), (L, L*n_batch**2, 1))), (L, L))
     t41 = (4/(L*d_K*d_V*n_batch**2)) * (t40 * t1.transpose(1, 0)).sum()
@@ -6803,9 +6803,9 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t4 = X @ W_K
     t5 = (1/math.sqrt(d_K)) * Mcausal
-    t6 = np.reshape((np.reshape(t5.transpose(1, 0), (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t6 = (np.reshape(t5.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t7 = np.reshape((np.reshape(t6.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t4), (n_batch, L, d_V, d_K))
-    t3[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t7, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_V, d_K))).transpose(0, 1, 3, 2, 4)
+    t3[...] = (np.reshape(X, (n_batch, L, 1, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, d_K)))
     return out
 
 
@@ -6820,7 +6820,7 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t2 = t0 @ t1
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t3 = X @ W_K
-    t4 = np.reshape((np.reshape(Mcausal.transpose(1, 0), (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t4 = (np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     J = np.reshape((np.reshape(t4.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t3), (n_batch, L, d_V, d_K))
     J5 = (1/math.sqrt(d_K)) * X
     return (J, J5, )
@@ -6840,9 +6840,9 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
     t4 = X @ W_Q
     t5 = (1/math.sqrt(d_K)) * Mcausal
-    t6 = np.reshape((np.reshape(t5.transpose(1, 0), (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t6 = (np.reshape(t5.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t7 = np.reshape((np.reshape(t6.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t3[...] = np.reshape((np.reshape(t7, (n_batch, L, d_V**2, 1)) * np.reshape(t4, (n_batch, L, 1, d_K))), (n_batch, L, d_V, d_V, d_K))
+    t3[...] = (np.reshape(t4, (n_batch, L, 1, 1, d_K)) * np.reshape(t7, (n_batch, L, d_V, d_V, 1)))
     return out
 
 
@@ -6856,7 +6856,7 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t1 = np.swapaxes(X, -1, -2)
     t2 = t0 @ t1
     Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
-    t3 = np.reshape((np.reshape(Mcausal.transpose(1, 0), (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t3 = (np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     J = np.reshape((np.reshape(t3.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t4 = X @ W_Q
     J5 = (1/math.sqrt(d_K)) * t4
@@ -6996,10 +6996,10 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(t6, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
-    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t16.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t18 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
     t19 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t20 = ((t19.transpose(0, 2, 1, 3) @ t18.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
@@ -7009,7 +7009,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t23 = X @ W_Q
     t24 = np.swapaxes(t5, -1, -2)
     t25 = t24 @ X
-    t26 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t26 = (np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t16.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t27 = np.reshape((t25.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t28 = ((t27.transpose(0, 2, 1, 3) @ t18.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
     t22[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
@@ -7017,8 +7017,8 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t30 = np.reshape(t29, (d_V, d_K, d_V, d_V), copy=False)
     t31 = T @ X
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t33 = ((np.reshape(t31, (n_batch, L, d_V, 1)) * np.reshape(t32.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t34 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t33 = (np.reshape(t31.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t32.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t34 = (dA * np.reshape(t8, (n_batch, L, d_V, 1)))
     t35 = (np.reshape((t6 @ np.reshape(t34.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
     t30[...] = (np.reshape((np.reshape(t33, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -7029,39 +7029,39 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t41 = t40.sum(-2, keepdims=True)
     t42 = np.broadcast_to(t41, t41.shape[:-2] + (d_V, t41.shape[-1]))
     t43 = (1/(L*d_K*n_batch)) * t39
-    t44 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t43.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t44 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t43.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t45 = (np.reshape(t42, (n_batch, d_V, L, 1)) * np.reshape(t38.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
     t46 = ((t19.transpose(0, 2, 1, 3) @ t45.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
     t37[...] = (np.reshape((np.reshape(t44, (d_K*d_V, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
-    t49 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t43.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t49 = (np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t43.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t50 = ((t27.transpose(0, 2, 1, 3) @ t45.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
     t48[...] = (np.reshape((np.reshape(t50, (d_V**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t52 = np.reshape(t51, (d_V, d_K, d_V, d_V), copy=False)
     t53 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
-    t54 = ((np.reshape(t31, (n_batch, L, d_V, 1)) * np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t55 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t54 = (np.reshape(t31.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t53.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t55 = (dA * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t56 = (np.reshape((t38 @ np.reshape(t55.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t52[...] = (np.reshape((np.reshape(t54, (d_K*d_V, L*n_batch)) @ np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t58 = np.reshape(t57, (d_V, d_V, d_V, d_K), copy=False)
     t59 = np.swapaxes(t31, -1, -2)
     t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t59
-    t61 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t60.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t61 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t60.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t62 = (np.reshape((t15.transpose(0, 2, 1) @ np.reshape(t34.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t58[...] = (np.reshape((np.reshape(t61, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t64 = np.reshape(t63, (d_V, d_V, d_V, d_K), copy=False)
-    t65 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t60.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t65 = (np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t60.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t66 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t34.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t64[...] = (np.reshape((np.reshape(t66, (d_V**2, L*n_batch)) @ np.reshape(t65.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = np.reshape(t67, (d_V, d_V, d_V, d_V), copy=False)
     t69 = (1/(L*n_batch)) * t59
-    t70 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t71 = ((np.reshape(t31, (n_batch, L, d_V, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t70 = (dA.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t71 = (np.reshape(t31.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t69.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t68[...] = (np.reshape((np.reshape(t71, (d_V**2, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -7137,13 +7137,13 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = t16 * t15
-    t18 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t18 = (t14.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_K, d_K))
     t20 = np.reshape((np.reshape(t19, (L*n_batch, d_K**2)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_K**2, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
@@ -7154,13 +7154,13 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t26 = np.reshape((t25.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t27 = np.reshape((np.reshape(t23, (L*n_batch, d_K)) @ np.reshape(t23.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t28 = t27 * t15
-    t29 = np.reshape((np.reshape(t26.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t29 = (t26.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t30 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
     t31 = np.reshape((np.reshape(t30, (L*n_batch, d_K*d_V)) @ np.reshape(t30.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t32 = (1/(L**2*d_K**2*n_batch**2)) * (t31 * t28).sum()
     t33 = np.sqrt(np.maximum(t32, 0.0))
     t34 = T @ X
-    t35 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t35 = (dA * np.reshape(t6, (n_batch, L, d_V, 1)))
     t36 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
     t37 = np.reshape((np.reshape(t36, (L*n_batch, d_K*d_V)) @ np.reshape(t36.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t38 = t37 * t15
@@ -7174,18 +7174,18 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t46 = np.broadcast_to(t45, t45.shape[:-2] + (d_V, t45.shape[-1]))
     t47 = np.reshape((np.reshape(t43.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t43.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t48 = t16 * t47
-    t49 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t49 = (t14.transpose(0, 2, 3, 1) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t50 = np.reshape((np.reshape(t49.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t42.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
     t51 = np.reshape((np.reshape(t50, (L*n_batch, d_K*d_V)) @ np.reshape(t50.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t52 = (1/(L**2*d_K**2*n_batch**2)) * (t51 * t48).sum()
     t53 = np.sqrt(np.maximum(t52, 0.0))
     t54 = t27 * t47
-    t55 = np.reshape((np.reshape(t26.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t55 = (t26.transpose(0, 2, 3, 1) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t56 = np.reshape((np.reshape(t55.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t42.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
     t57 = np.reshape((np.reshape(t56, (L*n_batch, d_V**2)) @ np.reshape(t56.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t58 = (1/(L**2*d_K**2*n_batch**2)) * (t57 * t54).sum()
     t59 = np.sqrt(np.maximum(t58, 0.0))
-    t60 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t60 = (dA * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t61 = np.reshape((np.reshape(t60.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t42.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
     t62 = np.reshape((np.reshape(t61, (L*n_batch, d_V**2)) @ np.reshape(t61.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t63 = t62 * t47
@@ -7234,7 +7234,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
     t16 = (X * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -7267,7 +7267,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = (t13 @ t4)
@@ -7300,10 +7300,10 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t17 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
     t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t19 = ((t18.transpose(0, 2, 1, 3) @ t17.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
@@ -7333,13 +7333,13 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = t16 * t15
-    t18 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t18 = (t14.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_K, d_K))
     t20 = np.reshape((np.reshape(t19, (L*n_batch, d_K**2)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_K**2, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
@@ -7371,12 +7371,12 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = X @ W_Q
     t15 = np.swapaxes(t4, -1, -2)
     t16 = t15 @ X
     t17 = (1/(L*d_K*n_batch)) * t1
-    t18 = ((np.reshape(t14, (n_batch, L, d_K, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(t14.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t17.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t19 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
     t20 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t21 = ((t20.transpose(0, 2, 1, 3) @ t19.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
@@ -7406,7 +7406,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = X @ W_Q
     t14 = np.swapaxes(t3, -1, -2)
     t15 = t14 @ X
@@ -7414,7 +7414,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t13, (L*n_batch, d_K)) @ np.reshape(t13.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = t18 * t17
-    t20 = np.reshape((np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (t16.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
     t22 = np.reshape((np.reshape(t21, (L*n_batch, d_K*d_V)) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = (1/(L**2*d_K**2*n_batch**2)) * (t22 * t19).sum()
@@ -7446,11 +7446,11 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t16 = (np.reshape(t14.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t17 = (dA * np.reshape(t7, (n_batch, L, d_V, 1)))
     t18 = (np.reshape((t5 @ np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
@@ -7478,9 +7478,9 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = T @ X
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA * np.reshape(t6, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
     t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t15, (L*n_batch, d_K*d_V)) @ np.reshape(t15.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7518,7 +7518,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = (t9 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -7554,7 +7554,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t4.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
     t18 = (t16 @ t2)
@@ -7590,12 +7590,12 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t2, -1, -2)
     t18 = np.swapaxes(t11, -1, -2)
     t19 = t17 @ t18
     t20 = (1/(L*d_K*n_batch)) * t5
-    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t20.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t22 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
     t23 = np.reshape((t19.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t24 = ((t23.transpose(0, 2, 1, 3) @ t22.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
@@ -7628,7 +7628,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(t1, -1, -2)
     t17 = np.swapaxes(t10, -1, -2)
     t18 = t16 @ t17
@@ -7636,7 +7636,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t20 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = t21 * t20
-    t23 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t23 = (t19.transpose(0, 2, 3, 1) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
     t25 = np.reshape((np.reshape(t24, (L*n_batch, d_K*d_V)) @ np.reshape(t24.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t26 = (1/(L**2*d_K**2*n_batch**2)) * (t25 * t22).sum()
@@ -7671,10 +7671,10 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t19 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape(t9.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t18.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t20 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
     t21 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t22 = ((t21.transpose(0, 2, 1, 3) @ t20.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
@@ -7707,13 +7707,13 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t18 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = t19 * t18
-    t21 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (t17.transpose(0, 2, 3, 1) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
     t23 = np.reshape((np.reshape(t22, (L*n_batch, d_V**2)) @ np.reshape(t22.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = (1/(L**2*d_K**2*n_batch**2)) * (t23 * t20).sum()
@@ -7748,11 +7748,11 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = T @ X
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t5
-    t19 = ((np.reshape(t17, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t20 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (np.reshape(t17.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t18.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t20 = (dA * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t21 = (np.reshape((t3 @ np.reshape(t20.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t0[...] = (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -7783,9 +7783,9 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = T @ X
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = (dA * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t18, (L*n_batch, d_V**2)) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7821,7 +7821,7 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (t11 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
@@ -7852,7 +7852,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = np.reshape((np.reshape(t10, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -7883,14 +7883,14 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = t15 @ t1
     t17 = np.swapaxes(t3, -1, -2)
     t18 = t16 @ t17
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t19.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t21 = (dA * np.reshape(t10, (n_batch, L, d_V, 1)))
     t22 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t21.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -7919,12 +7919,12 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t14 @ t0
     t16 = np.swapaxes(t2, -1, -2)
     t17 = t15 @ t16
-    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = np.reshape((np.reshape(t18, (n_batch, L*d_V, d_V)) @ t17), (n_batch, L, d_V, d_K))
@@ -7960,14 +7960,14 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t15 = X @ W_Q
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t1
     t18 = t17 @ X
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t20 = ((np.reshape(t15, (n_batch, L, d_K, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (np.reshape(t15.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t19.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t21 = (dA * np.reshape(t10, (n_batch, L, d_V, 1)))
     t22 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t21.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
@@ -7996,12 +7996,12 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = X @ W_Q
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = t15 @ t0
     t17 = t16 @ X
-    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = np.reshape((np.reshape(t18, (n_batch, L*d_V, d_V)) @ t17), (n_batch, L, d_V, d_V))
@@ -8037,10 +8037,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t10.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t17 = ((np.reshape(t11, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (dA.transpose(2, 3, 0, 1) * np.reshape(t10.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t17 = (np.reshape(t11.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -8068,8 +8068,8 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
+    t14 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8116,7 +8116,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t21 = t4 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t3 += (np.reshape((np.reshape(t23, (d_K, 1)) * np.reshape(t21.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t3 += np.reshape(t23, (1, d_K, 1)) * np.reshape(t21.sum((0,)), (d_V, 1, d_V))
     t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t25 = np.reshape(t24, (d_V, d_K, d_V, d_V), copy=False)
     t26 = t4 @ G
@@ -8130,7 +8130,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
     t33 = np.einsum('abcb->abc', t32)
     t34 = np.swapaxes(t21, -1, -2)
-    t33 += (np.reshape((np.reshape(t23, (d_K, 1)) * np.reshape(t34.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t33 += np.reshape(t23, (1, d_K, 1)) * np.reshape(t34.sum((0,)), (d_V, 1, d_V))
     t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t35[...] = 0
     t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -8353,7 +8353,7 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += (np.reshape((np.reshape(t21, (d_K, 1)) * np.reshape(t19.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t21, (1, d_K, 1)) * np.reshape(t19.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -8514,7 +8514,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = t2 @ t19
     t21 = np.ones((d_K,), dtype=X.dtype)
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t1 += (np.reshape((np.reshape(t22, (d_K, 1)) * np.reshape(t20.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t22, (1, d_K, 1)) * np.reshape(t20.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -8857,13 +8857,13 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         A = t14 / t14.sum(-1, keepdims=True)
         t15 = np.eye(d_V, dtype=X.dtype)
         # dA: compact tensor ('L', 'd_V', 'd_V')
-        dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+        dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
         t16 = np.swapaxes(t7, -1, -2)
         t17 = (1/(L*d_K)) * t9
         t18 = (np.reshape(t17.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
         t19 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
         t20 = (t18.transpose(0, 2, 3, 1) @ t19.transpose(0, 2, 3, 1))
-        t3[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20, (n_batch, L, 1, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
+        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t20, (n_batch, L, d_K, 1, d_K)), out=t3)
         t21 = t1[..., d_K*d_V:2*d_K*d_V]
         t22 = np.reshape(t21, (n_batch, L, d_K, d_V, d_K), copy=False)
         t23 = X @ W_Q
@@ -8883,19 +8883,19 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t35 = t34 @ X
         t36 = np.ones((d_K,), dtype=X.dtype)
         t37 = (1/math.sqrt(d_K)) * t36
-        t22[...] = np.reshape((np.reshape(t27, (n_batch, L, d_K*d_V, 1)) * np.reshape(t23, (n_batch, L, 1, d_K))), (n_batch, L, d_K, d_V, d_K))
-        t28 += (np.reshape((np.reshape(t37, (d_K, 1)) * np.reshape(t35, (1, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+        np.multiply(np.reshape(t23, (n_batch, L, 1, 1, d_K)), np.reshape(t27, (n_batch, L, d_K, d_V, 1)), out=t22)
+        t28 += np.reshape(t37, (1, 1, d_K, 1)) * np.reshape(t35, (n_batch, L, 1, d_V))
         t38 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t39 = np.reshape(t38, (n_batch, L, d_K, d_V, d_V), copy=False)
         t40 = t5 @ X
         t41 = T @ X
         t42 = (1/(L*math.sqrt(d_K))) * t9
-        t43 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t42, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+        t43 = (dA * np.reshape(t42, (n_batch, L, d_V, 1)))
         t44 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t40.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
         t45 = (np.reshape((t44.transpose(1, 2, 0) @ np.reshape(t43.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))).transpose(0, 2, 1, 3)
         t46 = (1/math.sqrt(d_K)) * G
-        t39[...] = (np.reshape((np.reshape(t41, (n_batch, L, d_V, 1)) * np.reshape(t45, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 3, 2, 4)
-        t39 += (np.reshape((np.reshape(t40, (n_batch, d_K*d_V, 1)) * np.reshape(t46, (n_batch, 1, L*d_V))), (n_batch, d_K, d_V, L, d_V))).transpose(0, 3, 1, 2, 4)
+        np.multiply(np.reshape(t41, (n_batch, L, 1, d_V, 1)), np.reshape(t45, (n_batch, L, d_K, 1, d_V)), out=t39)
+        t39 += np.reshape(t46, (n_batch, L, 1, 1, d_V)) * np.reshape(t40, (n_batch, 1, d_K, d_V, 1))
         t47 = t0.transpose(1, 0, 2)
         t48 = np.reshape(t47, (d_V, L*n_batch))
         t49 = (1/n_batch) * t48
@@ -8911,7 +8911,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t57 = t56.sum(-2, keepdims=True)
         t58 = np.broadcast_to(t57, t57.shape[:-2] + (d_V, t57.shape[-1]))
         t59 = (1/(L*d_K*n_batch)) * t55
-        t60 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+        t60 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
         t61 = (np.reshape(t58, (n_batch, d_V, L, 1)) * np.reshape(t54.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
         t62 = ((t19.transpose(0, 2, 1, 3) @ t61.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
         t63 = np.einsum('abcb->abc', t53)
@@ -8920,10 +8920,10 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t66 = (t64.transpose(0, 2, 1) @ t54.transpose(0, 2, 1))
         t67 = (np.reshape(t66.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
         t53[...] = (np.reshape((np.reshape(t60, (d_K*d_V, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-        t63 += (np.reshape((np.reshape(t65, (d_K, 1)) * np.reshape(t67, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+        t63 += np.reshape(t65, (1, d_K, 1)) * np.reshape(t67, (d_V, 1, d_V))
         t68 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
         t69 = np.reshape(t68, (d_V, d_K, d_V, d_K), copy=False)
-        t70 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+        t70 = (np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
         t71 = ((t26.transpose(0, 2, 1, 3) @ t61.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
         t69[...] = (np.reshape((np.reshape(t71, (d_V**2, L*n_batch)) @ np.reshape(t70.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
         t72 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -8933,8 +8933,8 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t76 = t74.transpose(1, 2, 0)
         t77 = ((G.transpose(0, 2, 1) @ t75.transpose(0, 2, 1))).transpose(2, 1, 0)
         t78 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
-        t79 = ((np.reshape(t41, (n_batch, L, d_V, 1)) * np.reshape(t78.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-        t80 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+        t79 = (np.reshape(t41.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t78.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+        t80 = (dA * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
         t81 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t74.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
         t82 = (np.reshape((t81.transpose(1, 2, 0) @ np.reshape(t80.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
         t73[...] = (np.reshape((np.reshape(t76, (d_V**2, n_batch)) @ np.reshape(t77.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
@@ -8948,10 +8948,10 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t89 = ((t85.transpose(0, 2, 1) @ t87.transpose(0, 2, 1))).transpose(2, 1, 0)
         t90 = np.swapaxes(T, -1, -2)
         t91 = (1/(L*math.sqrt(d_K)*n_batch)) * t90
-        t92 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+        t92 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
         t93 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t92.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
         t94 = (t91.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
-        t95 = ((np.reshape(t94, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+        t95 = (np.reshape(t94.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
         t84[...] = (np.reshape((np.reshape(t88, (d_V**2, n_batch)) @ np.reshape(t89.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
         t84 += (np.reshape((np.reshape(t95, (d_V**2, L*n_batch)) @ np.reshape(t93.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
         t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
@@ -8960,15 +8960,15 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t99 = t98.transpose(1, 2, 0)
         t100 = ((X.transpose(0, 2, 1) @ t87.transpose(0, 2, 1))).transpose(2, 1, 0)
         t101 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t92.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-        t102 = ((np.reshape(t94, (n_batch, L, d_V, 1)) * np.reshape(t23, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+        t102 = (np.reshape(t94.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)))
         t97[...] = (np.reshape((np.reshape(t100, (d_V**2, n_batch)) @ np.reshape(t99.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
         t97 += (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t102.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
         t103 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t104 = np.reshape(t103, (d_V, d_V, d_V, d_V), copy=False)
         t105 = np.swapaxes(t41, -1, -2)
         t106 = (1/(L*n_batch)) * t105
-        t107 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t9.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-        t108 = ((np.reshape(t41, (n_batch, L, d_V, 1)) * np.reshape(t106.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+        t107 = (dA.transpose(2, 3, 0, 1) * np.reshape(t9.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t108 = (np.reshape(t41.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t106.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
         t104[...] = (np.reshape((np.reshape(t108, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
@@ -8990,10 +8990,10 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(t6, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
-    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t16.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t18 = (np.reshape(t8.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t6.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
     t19 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t20 = ((t19.transpose(0, 2, 1, 3) @ t18.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
@@ -9003,7 +9003,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t23 = X @ W_Q
     t24 = np.swapaxes(t5, -1, -2)
     t25 = t24 @ X
-    t26 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t26 = (np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t16.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t27 = np.reshape((t25.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t28 = ((t27.transpose(0, 2, 1, 3) @ t18.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
     t29 = np.einsum('abcb->abc', t22)
@@ -9020,14 +9020,14 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
     t39 = (np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t36, (L*n_batch, d_V)))
     t22[...] = (np.reshape((np.reshape(t28, (d_K*d_V, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t29 += (np.reshape((np.reshape(t38, (d_K, 1)) * np.reshape(t39, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t29 += np.reshape(t38, (1, d_K, 1)) * np.reshape(t39, (d_V, 1, d_V))
     t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t41 = np.reshape(t40, (d_V, d_K, d_V, d_V), copy=False)
     t42 = t4 @ X
     t43 = T @ X
     t44 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t45 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t46 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t45 = (np.reshape(t43.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t44.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t46 = (dA * np.reshape(t8, (n_batch, L, d_V, 1)))
     t47 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t42.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
     t48 = (np.reshape((t47.transpose(1, 2, 0) @ np.reshape(t46.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
     t49 = (1/(math.sqrt(d_K)*n_batch)) * t2
@@ -9043,7 +9043,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t57 = t56.sum(-2, keepdims=True)
     t58 = np.broadcast_to(t57, t57.shape[:-2] + (d_V, t57.shape[-1]))
     t59 = (1/(L*d_K*n_batch)) * t55
-    t60 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t60 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t61 = (np.reshape(t58, (n_batch, d_V, L, 1)) * np.reshape(t54.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
     t62 = ((t19.transpose(0, 2, 1, 3) @ t61.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
     t63 = np.einsum('abcb->abc', t53)
@@ -9051,10 +9051,10 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t65 = (t64.transpose(0, 2, 1) @ t54.transpose(0, 2, 1))
     t66 = (np.reshape(t65.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
     t53[...] = (np.reshape((np.reshape(t60, (d_K*d_V, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t63 += (np.reshape((np.reshape(t38, (d_K, 1)) * np.reshape(t66, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t63 += np.reshape(t38, (1, d_K, 1)) * np.reshape(t66, (d_V, 1, d_V))
     t67 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t68 = np.reshape(t67, (d_V, d_K, d_V, d_K), copy=False)
-    t69 = ((np.reshape(t23, (n_batch, L, d_K, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t69 = (np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t70 = ((t27.transpose(0, 2, 1, 3) @ t61.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
     t68[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t69.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t71 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -9064,8 +9064,8 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t75 = t73.transpose(1, 2, 0)
     t76 = ((G.transpose(0, 2, 1) @ t74.transpose(0, 2, 1))).transpose(2, 1, 0)
     t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
-    t78 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t77.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t79 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t78 = (np.reshape(t43.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t77.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t79 = (dA * np.reshape(t58.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t80 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t73.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
     t81 = (np.reshape((t80.transpose(1, 2, 0) @ np.reshape(t79.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t72[...] = (np.reshape((np.reshape(t75, (d_V**2, n_batch)) @ np.reshape(t76.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
@@ -9080,7 +9080,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t89 = (1/(L*math.sqrt(d_K)*n_batch)) * t88
     t90 = (np.reshape((t15.transpose(0, 2, 1) @ np.reshape(t46.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t91 = (t89.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
-    t92 = ((np.reshape(t91, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t92 = (np.reshape(t91.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t83[...] = (np.reshape((np.reshape(t86, (d_V**2, n_batch)) @ np.reshape(t87.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t83 += (np.reshape((np.reshape(t92, (d_V**2, L*n_batch)) @ np.reshape(t90.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t93 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
@@ -9089,15 +9089,15 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t96 = t95.transpose(1, 2, 0)
     t97 = ((X.transpose(0, 2, 1) @ t49.transpose(0, 2, 1))).transpose(2, 1, 0)
     t98 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t46.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t99 = ((np.reshape(t91, (n_batch, L, d_V, 1)) * np.reshape(t23, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t99 = (np.reshape(t91.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (1, d_K, n_batch, L)))
     t94[...] = (np.reshape((np.reshape(t97, (d_V**2, n_batch)) @ np.reshape(t96.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t94 += (np.reshape((np.reshape(t98, (d_V**2, L*n_batch)) @ np.reshape(t99.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t100 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t101 = np.reshape(t100, (d_V, d_V, d_V, d_V), copy=False)
     t102 = np.swapaxes(t43, -1, -2)
     t103 = (1/(L*n_batch)) * t102
-    t104 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t105 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t103.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t104 = (dA.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t105 = (np.reshape(t43.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t103.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t101[...] = (np.reshape((np.reshape(t105, (d_V**2, L*n_batch)) @ np.reshape(t104.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -9197,13 +9197,13 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = t16 * t15
-    t18 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t18 = (t14.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_K, d_K))
     t20 = np.reshape((np.reshape(t19, (L*n_batch, d_K**2)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_K**2, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
@@ -9229,7 +9229,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t39 = np.reshape((t33.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t40 = np.reshape((np.reshape(t32, (L*n_batch, d_K)) @ np.reshape(t32.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t41 = t40 * t15
-    t42 = np.reshape((np.reshape(t39.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t42 = (t39.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t43 = np.reshape((np.reshape(t42.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
     t44 = np.reshape((np.reshape(t43, (L*n_batch, d_K*d_V)) @ np.reshape(t43.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t45 = (n_batch**(-2)) * (t31 * t31).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t38 * t37.transpose(2, 0, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t44 * t41).sum()
@@ -9237,7 +9237,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t47 = t2 @ X
     t48 = T @ X
     t49 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t47.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
-    t50 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t50 = (dA * np.reshape(t6, (n_batch, L, d_V, 1)))
     t51 = np.reshape((np.reshape(t50.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t49.transpose(1, 0, 2)), (n_batch, L, d_V, d_K))
     t52 = np.reshape((np.reshape(t51, (L*n_batch, d_K*d_V)) @ np.reshape(t51.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t53 = t52 * t15
@@ -9265,13 +9265,13 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t75 = (t74 @ t64.transpose(0, 2, 1))
     t76 = np.reshape((np.reshape(t68.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t68.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t77 = t16 * t76
-    t78 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t78 = (t14.transpose(0, 2, 3, 1) * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t79 = np.reshape((np.reshape(t78.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t64.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
     t80 = np.reshape((np.reshape(t79, (L*n_batch, d_K*d_V)) @ np.reshape(t79.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t81 = (n_batch**(-2)) * (t67 * t66).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t67 * t75).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t80 * t77).sum()
     t82 = np.sqrt(np.maximum(t81, 0.0))
     t83 = t40 * t76
-    t84 = np.reshape((np.reshape(t39.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t84 = (t39.transpose(0, 2, 3, 1) * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t85 = np.reshape((np.reshape(t84.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t64.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
     t86 = np.reshape((np.reshape(t85, (L*n_batch, d_V**2)) @ np.reshape(t85.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t87 = (1/(L**2*d_K**2*n_batch**2)) * (t86 * t83).sum()
@@ -9279,7 +9279,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t89 = t0 @ X
     t90 = (np.reshape(t89, (n_batch, d_V**2)) @ np.reshape(t89.transpose(1, 2, 0), (d_V**2, n_batch)))
     t91 = np.reshape((np.reshape(t60.transpose(0, 2, 1, 3), (n_batch, n_batch, 1, L**2)) @ np.reshape(t76.transpose(0, 2, 1, 3), (n_batch, n_batch, L**2, 1))), (n_batch, n_batch))
-    t92 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t92 = (dA * np.reshape(t71.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t93 = np.reshape((np.reshape(t48, (L*n_batch, d_V)) @ np.reshape(t89.transpose(2, 0, 1), (d_V, d_V*n_batch))), (n_batch, L, n_batch, d_V))
     t94 = np.reshape((np.reshape(t93, (n_batch, L*n_batch, d_V)) @ t89), (n_batch, L, n_batch, d_V))
     t95 = np.reshape((np.reshape(t94, (L*n_batch**2, d_V)) @ W_V), (n_batch, L, n_batch, d_V))
@@ -9355,7 +9355,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
     t16 = (X * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -9388,7 +9388,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = (t13 @ t4)
@@ -9421,10 +9421,10 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(t5, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t17 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
     t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t19 = ((t18.transpose(0, 2, 1, 3) @ t17.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
@@ -9454,13 +9454,13 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = t16 * t15
-    t18 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t18 = (t14.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_K, d_K))
     t20 = np.reshape((np.reshape(t19, (L*n_batch, d_K**2)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_K**2, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
@@ -9492,12 +9492,12 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = X @ W_Q
     t15 = np.swapaxes(t4, -1, -2)
     t16 = t15 @ X
     t17 = (1/(L*d_K*n_batch)) * t1
-    t18 = ((np.reshape(t14, (n_batch, L, d_K, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(t14.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t17.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t19 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, d_K)))
     t20 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t21 = ((t20.transpose(0, 2, 1, 3) @ t19.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
@@ -9515,7 +9515,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
     t32 = (np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t29, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t22 += (np.reshape((np.reshape(t31, (d_K, 1)) * np.reshape(t32, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t22 += np.reshape(t31, (1, d_K, 1)) * np.reshape(t32, (d_V, 1, d_V))
     return out
 
 
@@ -9552,7 +9552,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A20 = t19 / t19.sum(-1, keepdims=True)
     t21 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A20.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t21, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A20, (n_batch, L, d_V, 1)) * np.reshape(A20, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t21, (1, 1, d_V, d_V)) * np.reshape(A20, (n_batch, L, d_V, 1))) - (np.reshape(A20, (n_batch, L, 1, d_V)) * np.reshape(A20, (n_batch, L, d_V, 1)))
     t22 = X @ W_Q
     t23 = t14 @ X
     t24 = (t22 @ t18)
@@ -9564,7 +9564,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t31 = np.reshape((np.reshape(t22, (L*n_batch, d_K)) @ np.reshape(t22.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t32 = t31 * t30
-    t33 = np.reshape((np.reshape(t29.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t33 = (t29.transpose(0, 2, 3, 1) * np.reshape(t2, (n_batch, L, d_V, 1)))
     t34 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t18.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
     t35 = np.reshape((np.reshape(t34, (L*n_batch, d_K*d_V)) @ np.reshape(t34.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = (n_batch**(-2)) * (t17 * t17).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t28 * t27.transpose(2, 0, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t35 * t32).sum()
@@ -9596,11 +9596,11 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t16 = (np.reshape(t14.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t17 = (dA * np.reshape(t6, (n_batch, L, d_V, 1)))
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t4.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
     t19 = (np.reshape((t18.transpose(1, 2, 0) @ np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
     F = t11
@@ -9640,10 +9640,10 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = T @ X
     t14 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t3.transpose(2, 0, 1), (d_V, d_K*n_batch))), (d_V, n_batch, d_K))
-    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t14.transpose(1, 0, 2)), (n_batch, L, d_V, d_K))
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t16, (L*n_batch, d_K*d_V)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -9695,7 +9695,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = (t9 * t18.transpose(0, 2, 1)).transpose(2, 0, 1)
@@ -9731,7 +9731,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t4.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
     t18 = (t16 @ t2)
@@ -9767,12 +9767,12 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t2, -1, -2)
     t18 = np.swapaxes(t11, -1, -2)
     t19 = t17 @ t18
     t20 = (1/(L*d_K*n_batch)) * t5
-    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t20.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t20.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t22 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
     t23 = np.reshape((t19.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t24 = ((t23.transpose(0, 2, 1, 3) @ t22.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
@@ -9792,7 +9792,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t36 = (t33.transpose(0, 2, 1) @ t3.transpose(0, 2, 1))
     t37 = (np.reshape(t36.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t25 += (np.reshape((np.reshape(t35, (d_K, 1)) * np.reshape(t37, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t25 += np.reshape(t35, (1, d_K, 1)) * np.reshape(t37, (d_V, 1, d_V))
     return out
 
 
@@ -9834,7 +9834,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A25.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t26, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t26, (1, 1, d_V, d_V)) * np.reshape(A25, (n_batch, L, d_V, 1))) - (np.reshape(A25, (n_batch, L, 1, d_V)) * np.reshape(A25, (n_batch, L, d_V, 1)))
     t27 = np.swapaxes(t1, -1, -2)
     t28 = np.swapaxes(t6, -1, -2)
     t29 = t27 @ t28
@@ -9845,7 +9845,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t34 = np.reshape((t29.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t35 = np.reshape((np.reshape(t20.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t20.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = t17 * t35
-    t37 = np.reshape((np.reshape(t34.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t37 = (t34.transpose(0, 2, 3, 1) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t38 = np.reshape((np.reshape(t37.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
     t39 = np.reshape((np.reshape(t38, (L*n_batch, d_K*d_V)) @ np.reshape(t38.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t40 = (n_batch**(-2)) * (t18 * t16).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t18 * t33).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t39 * t36).sum()
@@ -9880,10 +9880,10 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t3, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t19 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape(t9.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t18.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t20 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, d_V, 1, d_V)))
     t21 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t22 = ((t21.transpose(0, 2, 1, 3) @ t20.transpose(0, 2, 1, 3))).transpose(3, 2, 0, 1)
@@ -9916,13 +9916,13 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t18 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = t19 * t18
-    t21 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (t17.transpose(0, 2, 3, 1) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
     t23 = np.reshape((np.reshape(t22, (L*n_batch, d_V**2)) @ np.reshape(t22.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = (1/(L**2*d_K**2*n_batch**2)) * (t23 * t20).sum()
@@ -9969,11 +9969,11 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A25.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t26, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t26, (1, 1, d_V, d_V)) * np.reshape(A25, (n_batch, L, d_V, 1))) - (np.reshape(A25, (n_batch, L, 1, d_V)) * np.reshape(A25, (n_batch, L, d_V, 1)))
     t27 = T @ X
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t29 = ((np.reshape(t27, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t30 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t29 = (np.reshape(t27.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t28.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t30 = (dA * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t31 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t2.transpose(2, 0, 1), (d_V, d_V*n_batch))), (d_V, n_batch, d_V))
     t32 = (np.reshape((t31.transpose(1, 2, 0) @ np.reshape(t30.transpose(0, 2, 3, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t0[...] = (np.reshape((np.reshape(t19, (d_V**2, n_batch)) @ np.reshape(t20.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
@@ -10019,9 +10019,9 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A25.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t26, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A25, (n_batch, L, d_V, 1)) * np.reshape(A25, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t26, (1, 1, d_V, d_V)) * np.reshape(A25, (n_batch, L, d_V, 1))) - (np.reshape(A25, (n_batch, L, 1, d_V)) * np.reshape(A25, (n_batch, L, d_V, 1)))
     t27 = T @ X
-    t28 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t28 = (dA * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t29 = np.reshape((np.reshape(t27, (L*n_batch, d_V)) @ np.reshape(t1.transpose(2, 0, 1), (d_V, d_V*n_batch))), (n_batch, L, n_batch, d_V))
     t30 = np.reshape((np.reshape(t29, (n_batch, L*n_batch, d_V)) @ t1), (n_batch, L, n_batch, d_V))
     t31 = np.reshape((np.reshape(t30, (L*n_batch**2, d_V)) @ W_V), (n_batch, L, n_batch, d_V))
@@ -10062,7 +10062,7 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (t11 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
@@ -10093,7 +10093,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = np.reshape((np.reshape(t10, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -10135,14 +10135,14 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A22 = t21 / t21.sum(-1, keepdims=True)
     t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A22.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t23, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t23, (1, 1, d_V, d_V)) * np.reshape(A22, (n_batch, L, d_V, 1))) - (np.reshape(A22, (n_batch, L, 1, d_V)) * np.reshape(A22, (n_batch, L, d_V, 1)))
     t24 = np.swapaxes(t9, -1, -2)
     t25 = t24 @ t2
     t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
-    t27 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t27 = (dA * np.reshape(t4, (n_batch, L, d_V, 1)))
     t28 = (np.reshape((t25.transpose(0, 2, 1) @ np.reshape(t27.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t29 = (t26.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
-    t30 = ((np.reshape(t29, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t30 = (np.reshape(t29.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t18, (d_V**2, n_batch)) @ np.reshape(t19.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t30, (d_V**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -10183,10 +10183,10 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A22 = t21 / t21.sum(-1, keepdims=True)
     t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A22.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t23, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t23, (1, 1, d_V, d_V)) * np.reshape(A22, (n_batch, L, d_V, 1))) - (np.reshape(A22, (n_batch, L, 1, d_V)) * np.reshape(A22, (n_batch, L, d_V, 1)))
     t24 = np.swapaxes(t8, -1, -2)
     t25 = t24 @ t1
-    t26 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t3, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t26 = (dA * np.reshape(t3, (n_batch, L, d_V, 1)))
     t27 = np.reshape((np.reshape(t25, (d_V*n_batch, d_K)) @ np.reshape(t1.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, d_V, n_batch, L))
     t28 = (t27.transpose(0, 2, 1, 3) @ t17.transpose(0, 2, 3, 1))
     t29 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t15.transpose(2, 0, 1), (d_V, d_V*n_batch))), (n_batch, L, n_batch, d_V))
@@ -10240,14 +10240,14 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A23 = t22 / t22.sum(-1, keepdims=True)
     t24 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A23.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t24, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A23, (n_batch, L, d_V, 1)) * np.reshape(A23, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t24, (1, 1, d_V, d_V)) * np.reshape(A23, (n_batch, L, d_V, 1))) - (np.reshape(A23, (n_batch, L, 1, d_V)) * np.reshape(A23, (n_batch, L, d_V, 1)))
     t25 = np.swapaxes(t9, -1, -2)
     t26 = t25 @ X
     t27 = (1/(L*math.sqrt(d_K)*n_batch)) * t21
-    t28 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t3, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t28 = (dA * np.reshape(t3, (n_batch, L, d_V, 1)))
     t29 = (np.reshape((t26.transpose(0, 2, 1) @ np.reshape(t28.transpose(0, 3, 2, 1), (n_batch, d_V, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t30 = (t27.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
-    t31 = ((np.reshape(t30, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t31 = (np.reshape(t30.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t16.transpose(2, 0, 1), (1, d_K, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t20, (d_V**2, n_batch)) @ np.reshape(t19.transpose(2, 0, 1), (n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t29, (d_V**2, L*n_batch)) @ np.reshape(t31.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
@@ -10289,10 +10289,10 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A23 = t22 / t22.sum(-1, keepdims=True)
     t24 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A23.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t24, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A23, (n_batch, L, d_V, 1)) * np.reshape(A23, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t24, (1, 1, d_V, d_V)) * np.reshape(A23, (n_batch, L, d_V, 1))) - (np.reshape(A23, (n_batch, L, 1, d_V)) * np.reshape(A23, (n_batch, L, d_V, 1)))
     t25 = np.swapaxes(t8, -1, -2)
     t26 = t25 @ X
-    t27 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t27 = (dA * np.reshape(t2, (n_batch, L, d_V, 1)))
     t28 = np.reshape((np.reshape(t26, (d_V*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, d_V, n_batch, L))
     t29 = (t28.transpose(0, 2, 1, 3) @ t18.transpose(0, 2, 3, 1))
     t30 = np.reshape((np.reshape(t15, (L*n_batch, d_K)) @ np.reshape(t16.transpose(2, 0, 1), (d_K, d_V*n_batch))), (n_batch, L, n_batch, d_V))
@@ -10334,10 +10334,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t10.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t17 = ((np.reshape(t11, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (dA.transpose(2, 3, 0, 1) * np.reshape(t10.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t17 = (np.reshape(t11.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -10365,8 +10365,8 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
+    t14 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10398,13 +10398,13 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t4, -1, -2)
     t14 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_K, L, d_V))
     t15 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = t16 * t15
-    t18 = np.reshape((np.reshape(t14.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t18 = (t14.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_K, d_K))
     t20 = np.reshape((np.reshape(t19, (L*n_batch, d_K**2)) @ np.reshape(t19.transpose(2, 3, 0, 1), (d_K**2, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
@@ -10437,7 +10437,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = X @ W_Q
     t14 = np.swapaxes(t3, -1, -2)
     t15 = t14 @ X
@@ -10445,7 +10445,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t13, (L*n_batch, d_K)) @ np.reshape(t13.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = t18 * t17
-    t20 = np.reshape((np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (t16.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
     t22 = np.reshape((np.reshape(t21, (L*n_batch, d_K*d_V)) @ np.reshape(t21.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = (1/(L**2*d_K**2*n_batch**2)) * (t22 * t19).sum()
@@ -10495,9 +10495,9 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = T @ X
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA * np.reshape(t6, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, d_K))
     t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t15, (L*n_batch, d_K*d_V)) @ np.reshape(t15.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10552,7 +10552,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(t1, -1, -2)
     t17 = np.swapaxes(t10, -1, -2)
     t18 = t16 @ t17
@@ -10560,7 +10560,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t20 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = t21 * t20
-    t23 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_K, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_K))
+    t23 = (t19.transpose(0, 2, 3, 1) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_K, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_K, d_V))
     t25 = np.reshape((np.reshape(t24, (L*n_batch, d_K*d_V)) @ np.reshape(t24.transpose(2, 3, 0, 1), (d_K*d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t26 = (1/(L**2*d_K**2*n_batch**2)) * (t25 * t22).sum()
@@ -10616,13 +10616,13 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(t2, -1, -2)
     t17 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, d_V, L, d_V))
     t18 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = t19 * t18
-    t21 = np.reshape((np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (t17.transpose(0, 2, 3, 1) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
     t23 = np.reshape((np.reshape(t22, (L*n_batch, d_V**2)) @ np.reshape(t22.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
     t24 = (1/(L**2*d_K**2*n_batch**2)) * (t23 * t20).sum()
@@ -10658,9 +10658,9 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = T @ X
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = (dA * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t2.transpose(0, 2, 1)), (n_batch, L, d_V, d_V))
     t19 = np.reshape((np.reshape(t4.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t4.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t18, (L*n_batch, d_V**2)) @ np.reshape(t18.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10716,12 +10716,12 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t14 @ t0
     t16 = np.swapaxes(t2, -1, -2)
     t17 = t15 @ t16
-    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = np.reshape((np.reshape(t18, (n_batch, L*d_V, d_V)) @ t17), (n_batch, L, d_V, d_K))
@@ -10777,12 +10777,12 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = X @ W_Q
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = t15 @ t0
     t17 = t16 @ X
-    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = np.reshape((np.reshape(t18, (n_batch, L*d_V, d_V)) @ t17), (n_batch, L, d_V, d_V))
@@ -10838,8 +10838,8 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
+    t14 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t10, (L*n_batch, d_V)) @ np.reshape(t10.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -10950,33 +10950,33 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(t5, -1, -2)
     t16 = np.swapaxes(t4, -1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t19 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t20 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t20 = (t19.transpose(0, 2, 3, 1) * np.reshape(t7, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t22 = np.reshape((np.reshape(t21.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t17, (L, L, 1, 1))), (L, L, n_batch, L))
-    t23 = np.reshape((np.reshape(t22.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t22 = (t21.transpose(1, 3, 0, 2) * np.reshape(t17, (L, L, 1, 1)))
+    t23 = (t22.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t24 = np.reshape((np.reshape(t23.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t25 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
     t1[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
     t28 = X @ W_Q
-    t29 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29 = (np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t30 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
     t27[...] = (np.reshape((np.reshape(t30, (d_K*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t32 = np.reshape(t31, (d_V, d_K, d_V, d_V), copy=False)
     t33 = t11 @ X
     t34 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t35 = ((np.reshape(t33, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t35 = (np.reshape(t33.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t36 = (np.reshape(t7.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, L)))
     t37 = (t36.transpose(0, 2, 3, 1) @ dA)
-    t38 = np.reshape((np.reshape(t37.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t34, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t38 = (t37.transpose(1, 2, 0, 3) * np.reshape(t34, (L, L, 1, 1)))
     t39 = (np.reshape((t4 @ np.reshape(t38.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
     t32[...] = (np.reshape((np.reshape(t35, (d_V**2, L*n_batch)) @ np.reshape(t39.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -10987,47 +10987,47 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t45 = t44.sum(-2, keepdims=True)
     t46 = np.broadcast_to(t45, t45.shape[:-2] + (d_V, t45.shape[-1]))
     t47 = (1/(L*d_K*n_batch)) * t43
-    t48 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t49 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t48 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t42.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t49 = (t19.transpose(0, 2, 3, 1) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t50 = np.reshape((np.reshape(t49.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t51 = np.reshape((np.reshape(t50.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t47.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t52 = np.reshape((np.reshape(t51.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t51 = (t50.transpose(1, 3, 0, 2) * np.reshape(t47.transpose(1, 0), (L, L, 1, 1)))
+    t52 = (t51.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t53 = np.reshape((np.reshape(t52.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t54 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t53.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t41[...] = (np.reshape((np.reshape(t48, (d_K*d_V, L*n_batch)) @ np.reshape(t54.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t55 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t56 = np.reshape(t55, (d_V, d_K, d_V, d_K), copy=False)
-    t57 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t57 = (np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t42.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t58 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t53.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t56[...] = (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t57.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t59 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t60 = np.reshape(t59, (d_V, d_K, d_V, d_V), copy=False)
     t61 = (1/(L*math.sqrt(d_K)*n_batch)) * t43
-    t62 = ((np.reshape(t33, (n_batch, L, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t62 = (np.reshape(t33.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t42.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t63 = (np.reshape(t46, (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, L)))
     t64 = (t63.transpose(0, 2, 3, 1) @ dA)
-    t65 = np.reshape((np.reshape(t64.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t61.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t65 = (t64.transpose(1, 2, 0, 3) * np.reshape(t61.transpose(1, 0), (L, L, 1, 1)))
     t66 = (np.reshape((t2 @ np.reshape(t65.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t60[...] = (np.reshape((np.reshape(t62, (d_K*d_V, L*n_batch)) @ np.reshape(t66.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t68 = np.reshape(t67, (d_V, d_V, d_V, d_K), copy=False)
     t69 = np.swapaxes(t33, -1, -2)
-    t70 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t71 = np.reshape((np.reshape(t19.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t34.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t70 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t69.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t71 = (t19.transpose(1, 2, 0, 3) * np.reshape(t34.transpose(1, 0), (L, L, 1, 1)))
     t72 = np.reshape((np.reshape(t71.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
-    t73 = (np.reshape((np.reshape(t72.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t73 = (t72.transpose(2, 3, 0, 1) * np.reshape(t7.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t68[...] = (np.reshape((np.reshape(t70, (d_V**2, L*n_batch)) @ np.reshape(t73.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t75 = np.reshape(t74, (d_V, d_V, d_V, d_K), copy=False)
-    t76 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t69.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t76 = (np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t69.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t77 = np.reshape((np.reshape(t71.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t78 = (np.reshape((np.reshape(t77.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t78 = (t77.transpose(2, 3, 0, 1) * np.reshape(t7.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t75[...] = (np.reshape((np.reshape(t78, (d_V**2, L*n_batch)) @ np.reshape(t76.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t80 = np.reshape(t79, (d_V, d_V, d_V, d_V), copy=False)
     t81 = (1/(L*n_batch)) * t69
-    t82 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t83 = ((np.reshape(t33, (n_batch, L, d_V, 1)) * np.reshape(t81.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t82 = (dA.transpose(2, 3, 0, 1) * np.reshape(t7.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t83 = (np.reshape(t33.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t81.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t80[...] = (np.reshape((np.reshape(t83, (d_V**2, L*n_batch)) @ np.reshape(t82.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -11110,7 +11110,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -11119,10 +11119,10 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
-    t21 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t21 = (t15.transpose(0, 2, 3, 1) * np.reshape(t5, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = (t22.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
+    t24 = (t23.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -11136,11 +11136,11 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t35 = (1/(L**2*d_K**2*n_batch**2)) * (t34 * t18.transpose(0, 2, 3, 1)).sum()
     t36 = np.sqrt(np.maximum(t35, 0.0))
     t37 = t9 @ X
-    t38 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t38 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t39 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, L))
     t40 = np.reshape((np.reshape(t37, (L*n_batch, d_V)) @ np.reshape(t37.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t41 = t40 * t16
-    t42 = np.reshape((np.reshape(t39.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t42 = (t39.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t43 = np.reshape((np.reshape(t42.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t44 = np.reshape((np.reshape(t43.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t42.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t45 = (1/(L**2*d_K*n_batch**2)) * (t44 * t41.transpose(0, 2, 3, 1)).sum()
@@ -11152,10 +11152,10 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t51 = np.broadcast_to(t50, t50.shape[:-2] + (d_V, t50.shape[-1]))
     t52 = np.reshape((np.reshape(t47.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t47.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t53 = t18 * t52
-    t54 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t51.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t54 = (t15.transpose(0, 2, 3, 1) * np.reshape(t51.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t55 = np.reshape((np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t56 = np.reshape((np.reshape(t55.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t48.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t57 = np.reshape((np.reshape(t56.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t56 = (t55.transpose(1, 3, 0, 2) * np.reshape(t48.transpose(1, 0), (L, L, 1, 1)))
+    t57 = (t56.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t58 = np.reshape((np.reshape(t57.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t59 = np.reshape((np.reshape(t58.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t53.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t60 = np.reshape((np.reshape(t59.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t57.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -11166,10 +11166,10 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t65 = np.reshape((np.reshape(t64.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t57.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t66 = (1/(L**2*d_K**2*n_batch**2)) * (t65 * t18.transpose(0, 2, 3, 1)).sum()
     t67 = np.sqrt(np.maximum(t66, 0.0))
-    t68 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t51.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t68 = (dA * np.reshape(t51.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t69 = np.reshape((np.reshape(t68.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, L))
     t70 = t40 * t52
-    t71 = np.reshape((np.reshape(t69.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t48.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t71 = (t69.transpose(1, 3, 0, 2) * np.reshape(t48.transpose(1, 0), (L, L, 1, 1)))
     t72 = np.reshape((np.reshape(t71.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t73 = np.reshape((np.reshape(t72.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t71.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t74 = (1/(L**2*d_K*n_batch**2)) * (t73 * t70.transpose(0, 2, 3, 1)).sum()
@@ -11177,7 +11177,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t76 = np.swapaxes(t37, -1, -2)
     t77 = np.reshape((np.reshape(t76.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t76.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t78 = t18 * t77
-    t79 = np.reshape((np.reshape(t21.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t79 = (t21.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t80 = np.reshape((np.reshape(t79.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ np.reshape(t78.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t81 = np.reshape((np.reshape(t80.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t79.transpose(2, 3, 0, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t82 = (1/(L**2*d_K*n_batch**2)) * (t81 * t20.transpose(0, 2, 3, 1)).sum()
@@ -11219,16 +11219,16 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
     t17 = (X * t1.transpose(0, 2, 1)).transpose(2, 0, 1)
     t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t19 = (t18.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t21 = (t20.transpose(1, 3, 0, 2) * np.reshape(t16, (L, L, 1, 1)))
+    t22 = (t21.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t24 = np.reshape((t23.transpose(3, 0, 1, 2) @ np.reshape(t15.transpose(2, 0, 1), (d_K, n_batch, L, 1))), (d_K, n_batch, L))
     t0[...] = (np.reshape(t17, (d_V, L*n_batch)) @ np.reshape(t24.transpose(1, 2, 0), (L*n_batch, d_K)))
@@ -11258,7 +11258,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
@@ -11297,16 +11297,16 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t1.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t19 = (t18.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t21 = (t20.transpose(1, 3, 0, 2) * np.reshape(t16, (L, L, 1, 1)))
+    t22 = (t21.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t24 = (np.reshape((t15.transpose(0, 2, 1) @ np.reshape(t23.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
@@ -11336,7 +11336,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -11345,10 +11345,10 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
-    t21 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t21 = (t15.transpose(0, 2, 3, 1) * np.reshape(t5, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = (t22.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
+    t24 = (t23.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -11382,16 +11382,16 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = ((np.reshape(t15, (n_batch, L, d_K, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(t15.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t1.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t19 = (t18.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t21 = (t20.transpose(1, 3, 0, 2) * np.reshape(t16, (L, L, 1, 1)))
+    t22 = (t21.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t24 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t23.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
     t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
@@ -11421,7 +11421,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = X @ W_Q
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -11430,10 +11430,10 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t18 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t21 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t21 = (t15.transpose(0, 2, 3, 1) * np.reshape(t5, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = (t22.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
+    t24 = (t23.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -11467,13 +11467,13 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = t10 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(t14.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t1.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t17 = (np.reshape(t6.transpose(0, 2, 1), (n_batch, d_V, L, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, d_V, 1, L)))
     t18 = (t17.transpose(0, 2, 3, 1) @ dA)
-    t19 = np.reshape((np.reshape(t18.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t15, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t19 = (t18.transpose(1, 2, 0, 3) * np.reshape(t15, (L, L, 1, 1)))
     t20 = (np.reshape((t3 @ np.reshape(t19.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
@@ -11502,15 +11502,15 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = t9 @ X
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, L))
     t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t13, (L*n_batch, d_V)) @ np.reshape(t13.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = t18 * t16
-    t20 = np.reshape((np.reshape(t15.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t20 = (t15.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t21 = np.reshape((np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t22 = np.reshape((np.reshape(t21.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t20.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t23 = (1/(L**2*d_K*n_batch**2)) * (t22 * t19.transpose(0, 2, 3, 1)).sum()
@@ -11547,15 +11547,15 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = (t9 * t3.transpose(0, 2, 1)).transpose(2, 0, 1)
     t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = (t21.transpose(0, 2, 3, 1) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t24 = (t23.transpose(1, 3, 0, 2) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1)))
+    t25 = (t24.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t27 = np.reshape((t26.transpose(3, 0, 1, 2) @ np.reshape(X.transpose(2, 0, 1), (d_V, n_batch, L, 1))), (d_V, n_batch, L))
     t0[...] = (np.reshape(t27, (d_V, L*n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_K)))
@@ -11589,7 +11589,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t2.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
     t19 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t3.transpose(1, 0), (L, 1, L)))
@@ -11631,16 +11631,16 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = np.swapaxes(t11, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t22 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t23 = np.reshape((np.reshape(t22.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t23 = (t22.transpose(0, 2, 3, 1) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t25 = np.reshape((np.reshape(t24.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t26 = np.reshape((np.reshape(t25.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t25 = (t24.transpose(1, 3, 0, 2) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1)))
+    t26 = (t25.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t27 = np.reshape((np.reshape(t26.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t28 = (np.reshape((t19.transpose(0, 2, 1) @ np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
@@ -11674,7 +11674,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.swapaxes(t10, -1, -2)
     t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -11683,10 +11683,10 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t22 * t21
     t24 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
-    t25 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t25 = (t19.transpose(0, 2, 3, 1) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t26 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t27 = np.reshape((np.reshape(t26.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t28 = np.reshape((np.reshape(t27.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t27 = (t26.transpose(1, 3, 0, 2) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1)))
+    t28 = (t27.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t29 = np.reshape((np.reshape(t28.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t30 = np.reshape((np.reshape(t29.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t23.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t31 = np.reshape((np.reshape(t30.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t28.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -11724,15 +11724,15 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(t9.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = (t21.transpose(0, 2, 3, 1) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t24 = (t23.transpose(1, 3, 0, 2) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1)))
+    t25 = (t24.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t27 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t26.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t0[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
@@ -11766,7 +11766,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -11774,10 +11774,10 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t21 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t24 = (t18.transpose(0, 2, 3, 1) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t26 = np.reshape((np.reshape(t25.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t27 = np.reshape((np.reshape(t26.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t26 = (t25.transpose(1, 3, 0, 2) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1)))
+    t27 = (t26.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t28 = np.reshape((np.reshape(t27.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t29 = np.reshape((np.reshape(t28.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t30 = np.reshape((np.reshape(t29.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -11815,13 +11815,13 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t18 = t14 @ X
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t20 = ((np.reshape(t18, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(t18.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t21 = (np.reshape(t8, (n_batch, d_V, L, 1)) * np.reshape(t5.transpose(0, 2, 1), (n_batch, d_V, 1, L)))
     t22 = (t21.transpose(0, 2, 3, 1) @ dA)
-    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t23 = (t22.transpose(1, 2, 0, 3) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1)))
     t24 = (np.reshape((t1 @ np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t0[...] = (np.reshape((np.reshape(t20, (d_K*d_V, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -11854,15 +11854,15 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = t13 @ X
-    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, L))
     t20 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t17, (L*n_batch, d_V)) @ np.reshape(t17.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t22 * t21
-    t24 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t24 = (t19.transpose(1, 3, 0, 2) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1)))
     t25 = np.reshape((np.reshape(t24.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t24.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t27 = (1/(L**2*d_K*n_batch**2)) * (t26 * t23.transpose(0, 2, 3, 1)).sum()
@@ -11898,7 +11898,7 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = (1/(L*n_batch)) * t10
     t18 = (t13 * t17.transpose(0, 2, 1)).transpose(2, 0, 1)
     t19 = (oe.contract('abcc,abc->abc', dA, t12)).transpose(2, 0, 1)
@@ -11932,7 +11932,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(t12, (n_batch, L, 1, d_V)) @ np.reshape(t9.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t17 = oe.contract('abcc,abc->ab', dA, t11)
     return (1/(L*n_batch)) * (t17 * t16).sum()
@@ -11966,16 +11966,16 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = np.swapaxes(t4, -1, -2)
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t10.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t22 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t23 = (t22.transpose(1, 2, 0, 3) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1)))
     t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t19), (n_batch, L, d_V, d_K))
-    t25 = (np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t25 = (t24.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -12006,7 +12006,7 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = np.swapaxes(t3, -1, -2)
@@ -12015,8 +12015,8 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t25 = np.reshape((np.reshape(t24.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t24 = (t19.transpose(0, 2, 3, 1) * np.reshape(t11, (n_batch, L, d_V, 1)))
+    t25 = (t24.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t26 = np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t27 = np.reshape((np.reshape(t26.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t25.transpose(2, 3, 0, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.transpose(0, 2, 3, 1)).sum()
@@ -12052,16 +12052,16 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = ((np.reshape(t19, (n_batch, L, d_K, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(t19.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t10.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t22 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t23 = (t22.transpose(1, 2, 0, 3) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1)))
     t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t25 = (np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t25 = (t24.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -12092,7 +12092,7 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
@@ -12101,8 +12101,8 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t21 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t25 = np.reshape((np.reshape(t24.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t24 = (t19.transpose(0, 2, 3, 1) * np.reshape(t11, (n_batch, L, d_V, 1)))
+    t25 = (t24.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t26 = np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t27 = np.reshape((np.reshape(t26.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t25.transpose(2, 3, 0, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.transpose(0, 2, 3, 1)).sum()
@@ -12138,10 +12138,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = (1/(L*n_batch)) * t10
-    t18 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t19 = ((np.reshape(t13, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (dA.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t19 = (np.reshape(t13.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -12172,8 +12172,8 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
+    t16 = (dA * np.reshape(t11, (n_batch, L, d_V, 1)))
     t17 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t12, (L*n_batch, d_V)) @ np.reshape(t12.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t16, (L*n_batch, d_V**2)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -12223,20 +12223,20 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = t4 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t3 += (np.reshape((np.reshape(t25, (d_K, 1)) * np.reshape(t23.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t3 += np.reshape(t25, (1, d_K, 1)) * np.reshape(t23.sum((0,)), (d_V, 1, d_V))
     t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
     t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t29 = np.reshape((np.reshape(t28, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t29 = (np.reshape(t28, (L, L, 1, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t30 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t29.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t31 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t8.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t27[...] = (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t32[...] = 0
     t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
     t34 = np.einsum('abcb->abc', t33)
     t35 = np.swapaxes(t23, -1, -2)
-    t34 += (np.reshape((np.reshape(t25, (d_K, 1)) * np.reshape(t35.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t34 += np.reshape(t25, (1, d_K, 1)) * np.reshape(t35.sum((0,)), (d_V, 1, d_V))
     t36 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t36[...] = 0
     t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -12245,21 +12245,21 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t40 = t39 @ t4
     t41 = np.swapaxes(Mcausal, -1, -2)
     t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
-    t43 = np.reshape((np.reshape(t42, (L, L, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t43 = (np.reshape(t42, (L, L, 1, 1)) * np.reshape(t4.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t44 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t43.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t45 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t40.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t45 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t40.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t38[...] = (np.reshape((np.reshape(t44, (d_V**2, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t47 = np.reshape(t46, (d_V, d_V, d_V, d_K), copy=False)
     t48 = np.swapaxes(G, -1, -2)
     t49 = np.swapaxes(t8, -1, -2)
     t50 = (np.reshape((t49.transpose(0, 2, 1) @ np.reshape(t43.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t51 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t48.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t51 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t48.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t47[...] = (np.reshape((np.reshape(t51, (d_V**2, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
     t54 = np.swapaxes(t40, -1, -2)
-    t55 = ((np.reshape(t54, (n_batch, L, d_K, 1)) * np.reshape(t48.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t55 = (np.reshape(t54.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t48.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t53[...] = (np.reshape((np.reshape(t44, (d_V**2, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t56[...] = 0
@@ -12484,7 +12484,7 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = t2 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += (np.reshape((np.reshape(t23, (d_K, 1)) * np.reshape(t21.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t23, (1, d_K, 1)) * np.reshape(t21.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -12553,9 +12553,9 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = (1/L) * t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t17 = np.reshape((np.reshape(t16, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t17 = (np.reshape(t16, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t18 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t17.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t19, (d_K*d_V, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -12659,7 +12659,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = t2 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t1 += (np.reshape((np.reshape(t25, (d_K, 1)) * np.reshape(t23.sum((0,)), (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t25, (1, d_K, 1)) * np.reshape(t23.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -12754,9 +12754,9 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = (1/L) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t20 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t20 = (np.reshape(t19, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t21 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t22 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -12856,9 +12856,9 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(Mcausal, -1, -2)
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t20 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t20 = (np.reshape(t19, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t21 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t16.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
 
@@ -12937,9 +12937,9 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(Mcausal, -1, -2)
     t18 = X @ W_Q
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t20 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t20 = (np.reshape(t19, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t21 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t22 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape(t18.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t16.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
 
@@ -13036,18 +13036,18 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         A = t14 / t14.sum(-1, keepdims=True)
         t15 = np.eye(d_V, dtype=X.dtype)
         # dA: compact tensor ('L', 'd_V', 'd_V')
-        dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+        dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
         t16 = np.swapaxes(t6, -1, -2)
         t17 = np.swapaxes(t5, -1, -2)
         t18 = (1/(L*d_K)) * Mcausal
         t19 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-        t20 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+        t20 = (t19.transpose(0, 2, 3, 1) * np.reshape(t8, (n_batch, L, d_V, 1)))
         t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t6.transpose(0, 2, 1)), (n_batch, L, L, L))
-        t22 = np.reshape((np.reshape(t21.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t18, (L, L, 1, 1))), (L, L, n_batch, L))
-        t23 = np.reshape((np.reshape(t22.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+        t22 = (t21.transpose(1, 3, 0, 2) * np.reshape(t18, (L, L, 1, 1)))
+        t23 = (t22.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
         t24 = np.reshape((np.reshape(t23.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, d_K))
         t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_K, L)) @ t17), (n_batch, L, d_K, d_K))
-        t3[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t25, (n_batch, L, 1, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
+        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t25, (n_batch, L, d_K, 1, d_K)), out=t3)
         t26 = t1[..., d_K*d_V:2*d_K*d_V]
         t27 = np.reshape(t26, (n_batch, L, d_K, d_V, d_K), copy=False)
         t28 = X @ W_Q
@@ -13065,8 +13065,8 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t38 = t37 @ X
         t39 = np.ones((d_K,), dtype=X.dtype)
         t40 = (1/math.sqrt(d_K)) * t39
-        t27[...] = np.reshape((np.reshape(t29, (n_batch, L, d_K*d_V, 1)) * np.reshape(t28, (n_batch, L, 1, d_K))), (n_batch, L, d_K, d_V, d_K))
-        t30 += (np.reshape((np.reshape(t40, (d_K, 1)) * np.reshape(t38, (1, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+        np.multiply(np.reshape(t28, (n_batch, L, 1, 1, d_K)), np.reshape(t29, (n_batch, L, d_K, d_V, 1)), out=t27)
+        t30 += np.reshape(t40, (1, 1, d_K, 1)) * np.reshape(t38, (n_batch, L, 1, d_V))
         t41 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t42 = np.reshape(t41, (n_batch, L, d_K, d_V, d_V), copy=False)
         t43 = t12 @ X
@@ -13074,13 +13074,13 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t45 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
         t46 = (np.reshape(t45, (d_V, n_batch, L, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, 1, L)))
         t47 = (t46.transpose(1, 3, 2, 0) @ dA)
-        t48 = np.reshape((np.reshape(t47.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t44, (L, L, 1, 1))), (L, L, n_batch, d_V))
+        t48 = (t47.transpose(1, 2, 0, 3) * np.reshape(t44, (L, L, 1, 1)))
         t49 = (np.reshape((t5 @ np.reshape(t48.transpose(2, 1, 0, 3), (n_batch, L, L*d_V))), (n_batch, d_K, L, d_V))).transpose(0, 2, 1, 3)
         t50 = (1/math.sqrt(d_K)) * Mcausal
-        t51 = np.reshape((np.reshape(t50.transpose(1, 0), (L, L, 1)) * np.reshape(t5.transpose(2, 0, 1), (L, 1, d_K*n_batch))), (L, L, n_batch, d_K))
+        t51 = (np.reshape(t50.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t5.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
         t52 = np.reshape((np.reshape(t51.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ X), (n_batch, L, d_K, d_V))
-        t42[...] = (np.reshape((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t49, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 3, 2, 4)
-        t42 += np.reshape((np.reshape(t52, (n_batch, L, d_K*d_V, 1)) * np.reshape(G, (n_batch, L, 1, d_V))), (n_batch, L, d_K, d_V, d_V))
+        np.multiply(np.reshape(t43, (n_batch, L, 1, d_V, 1)), np.reshape(t49, (n_batch, L, d_K, 1, d_V)), out=t42)
+        t42 += np.reshape(G, (n_batch, L, 1, 1, d_V)) * np.reshape(t52, (n_batch, L, d_K, d_V, 1))
         t53 = t0.transpose(1, 0, 2)
         t54 = np.reshape(t53, (d_V, L*n_batch))
         t55 = (1/n_batch) * t54
@@ -13098,35 +13098,35 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t65 = t64.sum(-2, keepdims=True)
         t66 = np.broadcast_to(t65, t65.shape[:-2] + (d_V, t65.shape[-1]))
         t67 = (1/(L*d_K)) * t63
-        t68 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(0, 3, 2, 1)
-        t69 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+        t68 = (np.reshape(X.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t62, (n_batch, d_K, 1, L)))
+        t69 = (t19.transpose(0, 2, 3, 1) * np.reshape(t66.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
         t70 = np.reshape((np.reshape(t69.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t6.transpose(0, 2, 1)), (n_batch, L, L, L))
-        t71 = np.reshape((np.reshape(t70.transpose(1, 2, 0, 3), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
+        t71 = (t70.transpose(1, 2, 0, 3) * np.reshape(Mcausal, (L, L, 1, 1)))
         t72 = np.reshape((np.reshape(t71.transpose(2, 0, 3, 1), (n_batch, L**2, L)) @ t17), (n_batch, L, L, d_K))
-        t73 = (np.reshape((np.reshape(t72.transpose(2, 1, 0, 3), (L, L, d_K*n_batch, 1)) * np.reshape(t67, (L, L, 1, 1))), (L, L, n_batch, d_K))).transpose(2, 0, 3, 1)
+        t73 = (t72.transpose(0, 2, 3, 1) * np.reshape(t67, (1, L, 1, L)))
         t74 = np.einsum('abcdc->abcd', t61)
         t75 = np.swapaxes(t36, -1, -2)
         t76 = t75 * t63
         t77 = (t76 @ X)
         t61[...] = (np.reshape((np.reshape(t68, (n_batch, d_K*d_V, L)) @ np.reshape(t73.transpose(0, 3, 1, 2), (n_batch, L, L*d_K))), (n_batch, d_K, d_V, L, d_K))).transpose(0, 3, 1, 2, 4)
-        t74 += (np.reshape((np.reshape(t40, (d_K, 1)) * np.reshape(t77, (1, L*d_V*n_batch))), (d_K, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+        t74 += np.reshape(t40, (1, 1, d_K, 1)) * np.reshape(t77, (n_batch, L, 1, d_V))
         t78 = t59[..., d_K*d_V:2*d_K*d_V]
         t79 = np.reshape(t78, (n_batch, L, d_K, d_V, d_K), copy=False)
-        t80 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(0, 3, 2, 1)
+        t80 = (np.reshape(t28.transpose(0, 2, 1), (n_batch, 1, d_K, L)) * np.reshape(t62, (n_batch, d_K, 1, L)))
         t81 = np.reshape((np.reshape(t71.transpose(2, 0, 3, 1), (n_batch, L**2, L)) @ X), (n_batch, L, L, d_V))
-        t82 = (np.reshape((np.reshape(t81.transpose(2, 1, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t67, (L, L, 1, 1))), (L, L, n_batch, d_V))).transpose(2, 0, 3, 1)
+        t82 = (t81.transpose(0, 2, 3, 1) * np.reshape(t67, (1, L, 1, L)))
         t79[...] = (np.reshape((np.reshape(t82, (n_batch, L*d_V, L)) @ np.reshape(t80.transpose(0, 3, 1, 2), (n_batch, L, d_K**2))), (n_batch, L, d_V, d_K, d_K))).transpose(0, 1, 3, 2, 4)
         t83 = t59[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t84 = np.reshape(t83, (n_batch, L, d_K, d_V, d_V), copy=False)
         t85 = (1/math.sqrt(d_K)) * t63
-        t86 = np.reshape((np.reshape(t85.transpose(1, 0), (L, L, 1)) * np.reshape(t62.transpose(2, 0, 1), (L, 1, d_K*n_batch))), (L, L, n_batch, d_K))
+        t86 = (np.reshape(t85.transpose(1, 0), (L, L, 1, 1)) * np.reshape(t62.transpose(2, 0, 1), (L, 1, n_batch, d_K)))
         t87 = np.reshape((np.reshape(t86.transpose(2, 1, 3, 0), (n_batch, L*d_K, L)) @ G), (n_batch, L, d_K, d_V))
         t88 = (1/(L*math.sqrt(d_K))) * t63
-        t89 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t62.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(0, 3, 2, 1)
+        t89 = (np.reshape(t43.transpose(0, 2, 1), (n_batch, 1, d_V, L)) * np.reshape(t62, (n_batch, d_K, 1, L)))
         t90 = (np.reshape(t45, (d_V, n_batch, L, 1)) * np.reshape(t66.transpose(1, 0, 2), (d_V, n_batch, 1, L)))
         t91 = (t90.transpose(1, 3, 2, 0) @ dA)
-        t92 = (np.reshape((np.reshape(t91.transpose(2, 1, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t88, (L, L, 1, 1))), (L, L, n_batch, d_V))).transpose(2, 0, 3, 1)
-        t84[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t87, (n_batch, L, 1, d_K*d_V))), (n_batch, L, d_V, d_K, d_V))).transpose(0, 1, 3, 2, 4)
+        t92 = (t91.transpose(0, 2, 3, 1) * np.reshape(t88, (1, L, 1, L)))
+        np.multiply(np.reshape(X, (n_batch, L, 1, d_V, 1)), np.reshape(t87, (n_batch, L, d_K, 1, d_V)), out=t84)
         t84 += (np.reshape((np.reshape(t89, (n_batch, d_K*d_V, L)) @ np.reshape(t92.transpose(0, 3, 1, 2), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L, d_V))).transpose(0, 3, 1, 2, 4)
         t93 = np.reshape(R58, (L*n_batch, d_K*(2*d_K*d_V + d_V**2)), copy=False)
         t94 = np.reshape(H[d_K*d_V:2*d_K*d_V], (d_V, d_K*(2*d_K*d_V + d_V**2)), copy=False)
@@ -13138,32 +13138,32 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t98 = t63 * t97
         t99 = (1/(L*math.sqrt(d_K)*n_batch)) * t98
         t100 = (t99.transpose(0, 2, 1) @ t0.transpose(0, 2, 1))
-        t101 = ((np.reshape(t100, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-        t102 = np.reshape((np.reshape(t19.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+        t101 = (np.reshape(t100.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+        t102 = (t19.transpose(1, 2, 0, 3) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1)))
         t103 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t17), (n_batch, L, d_V, d_K))
-        t104 = (np.reshape((np.reshape(t103.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+        t104 = (t103.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
         t105 = np.swapaxes(G, -1, -2)
         t106 = (1/(math.sqrt(d_K)*n_batch)) * t63
-        t107 = np.reshape((np.reshape(t106, (L, L, 1)) * np.reshape(t0.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+        t107 = (np.reshape(t106, (L, L, 1, 1)) * np.reshape(t0.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
         t108 = (np.reshape((t17.transpose(0, 2, 1) @ np.reshape(t107.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-        t109 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t105.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+        t109 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t105.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
         t96[...] = (np.reshape((np.reshape(t101, (d_V**2, L*n_batch)) @ np.reshape(t104.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
         t96 += (np.reshape((np.reshape(t109, (d_V**2, L*n_batch)) @ np.reshape(t108.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
         t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
         t111 = np.reshape(t110, (d_V, d_V, d_V, d_K), copy=False)
-        t112 = ((np.reshape(t100, (n_batch, L, d_V, 1)) * np.reshape(t28, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+        t112 = (np.reshape(t100.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)))
         t113 = np.reshape((np.reshape(t102.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-        t114 = (np.reshape((np.reshape(t113.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+        t114 = (t113.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
         t115 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t107.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-        t116 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t105.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+        t116 = (np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t105.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
         t111[...] = (np.reshape((np.reshape(t114, (d_V**2, L*n_batch)) @ np.reshape(t112.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
         t111 += (np.reshape((np.reshape(t115, (d_V**2, L*n_batch)) @ np.reshape(t116.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
         t117 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t118 = np.reshape(t117, (d_V, d_V, d_V, d_V), copy=False)
         t119 = np.swapaxes(t43, -1, -2)
         t120 = (1/(L*n_batch)) * t119
-        t121 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-        t122 = ((np.reshape(t43, (n_batch, L, d_V, 1)) * np.reshape(t120.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+        t121 = (dA.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+        t122 = (np.reshape(t43.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t120.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
         t118[...] = (np.reshape((np.reshape(t122, (d_V**2, L*n_batch)) @ np.reshape(t121.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
     H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
@@ -13186,23 +13186,23 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(t5, -1, -2)
     t16 = np.swapaxes(t4, -1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t19 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t20 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t20 = (t19.transpose(0, 2, 3, 1) * np.reshape(t7, (n_batch, L, d_V, 1)))
     t21 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t22 = np.reshape((np.reshape(t21.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t17, (L, L, 1, 1))), (L, L, n_batch, L))
-    t23 = np.reshape((np.reshape(t22.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t22 = (t21.transpose(1, 3, 0, 2) * np.reshape(t17, (L, L, 1, 1)))
+    t23 = (t22.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t24 = np.reshape((np.reshape(t23.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t25 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
     t1[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
     t28 = X @ W_Q
-    t29 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29 = (np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t30 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
     t31 = np.einsum('abcb->abc', t27)
     F = t12
@@ -13219,21 +13219,21 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t41 = (1/(math.sqrt(d_K)*n_batch)) * t40
     t42 = (np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t39, (L*n_batch, d_V)))
     t27[...] = (np.reshape((np.reshape(t30, (d_K*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t31 += (np.reshape((np.reshape(t41, (d_K, 1)) * np.reshape(t42, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t31 += np.reshape(t41, (1, d_K, 1)) * np.reshape(t42, (d_V, 1, d_V))
     t43 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t44 = np.reshape(t43, (d_V, d_K, d_V, d_V), copy=False)
     t45 = t11 @ X
     t46 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t47 = ((np.reshape(t45, (n_batch, L, d_V, 1)) * np.reshape(t2.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t47 = (np.reshape(t45.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t2.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t48 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
     t49 = (np.reshape(t48, (d_V, n_batch, L, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, 1, L)))
     t50 = (t49.transpose(1, 3, 2, 0) @ dA)
-    t51 = np.reshape((np.reshape(t50.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t46, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t51 = (t50.transpose(1, 2, 0, 3) * np.reshape(t46, (L, L, 1, 1)))
     t52 = (np.reshape((t4 @ np.reshape(t51.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
     t53 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t54 = np.reshape((np.reshape(t53, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t54 = (np.reshape(t53, (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t55 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t54.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t56 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t4.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t56 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t4.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t44[...] = (np.reshape((np.reshape(t47, (d_V**2, L*n_batch)) @ np.reshape(t52.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t44 += (np.reshape((np.reshape(t56, (d_K*d_V, L*n_batch)) @ np.reshape(t55.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t57 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -13244,11 +13244,11 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t62 = t61.sum(-2, keepdims=True)
     t63 = np.broadcast_to(t62, t62.shape[:-2] + (d_V, t62.shape[-1]))
     t64 = (1/(L*d_K*n_batch)) * t60
-    t65 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
-    t66 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t63.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t65 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
+    t66 = (t19.transpose(0, 2, 3, 1) * np.reshape(t63.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t67 = np.reshape((np.reshape(t66.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t68 = np.reshape((np.reshape(t67.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t64.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t69 = np.reshape((np.reshape(t68.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t68 = (t67.transpose(1, 3, 0, 2) * np.reshape(t64.transpose(1, 0), (L, L, 1, 1)))
+    t69 = (t68.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t70 = np.reshape((np.reshape(t69.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t71 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t70.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t72 = np.einsum('abcb->abc', t58)
@@ -13257,23 +13257,23 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t75 = (t74.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
     t76 = (np.reshape(t75.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
     t58[...] = (np.reshape((np.reshape(t65, (d_K*d_V, L*n_batch)) @ np.reshape(t71.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t72 += (np.reshape((np.reshape(t41, (d_K, 1)) * np.reshape(t76, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t72 += np.reshape(t41, (1, d_K, 1)) * np.reshape(t76, (d_V, 1, d_V))
     t77 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t78 = np.reshape(t77, (d_V, d_K, d_V, d_K), copy=False)
-    t79 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t79 = (np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t80 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t70.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t78[...] = (np.reshape((np.reshape(t80, (d_V**2, L*n_batch)) @ np.reshape(t79.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
     t81 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t82 = np.reshape(t81, (d_V, d_K, d_V, d_V), copy=False)
     t83 = (1/(math.sqrt(d_K)*n_batch)) * t60
-    t84 = np.reshape((np.reshape(t83, (L, L, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t84 = (np.reshape(t83, (L, L, 1, 1)) * np.reshape(t2.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t85 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t84.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t86 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t86 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t87 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
-    t88 = ((np.reshape(t45, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t88 = (np.reshape(t45.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t89 = (np.reshape(t48, (d_V, n_batch, L, 1)) * np.reshape(t63.transpose(1, 0, 2), (d_V, n_batch, 1, L)))
     t90 = (t89.transpose(1, 3, 2, 0) @ dA)
-    t91 = np.reshape((np.reshape(t90.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t87.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t91 = (t90.transpose(1, 2, 0, 3) * np.reshape(t87.transpose(1, 0), (L, L, 1, 1)))
     t92 = (np.reshape((t2 @ np.reshape(t91.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t82[...] = (np.reshape((np.reshape(t85, (d_V**2, L*n_batch)) @ np.reshape(t86.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t82 += (np.reshape((np.reshape(t88, (d_K*d_V, L*n_batch)) @ np.reshape(t92.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
@@ -13282,29 +13282,29 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t95 = np.swapaxes(T, -1, -2)
     t96 = t60 * t95
     t97 = (t96.transpose(0, 2, 1) @ t2.transpose(0, 2, 1))
-    t98 = ((np.reshape(t97, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
-    t99 = np.reshape((np.reshape(t19.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t46.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t98 = (np.reshape(t97.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
+    t99 = (t19.transpose(1, 2, 0, 3) * np.reshape(t46.transpose(1, 0), (L, L, 1, 1)))
     t100 = np.reshape((np.reshape(t99.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t16), (n_batch, L, d_V, d_K))
-    t101 = (np.reshape((np.reshape(t100.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t101 = (t100.transpose(2, 3, 0, 1) * np.reshape(t7.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t102 = np.swapaxes(G, -1, -2)
     t103 = (np.reshape((t16.transpose(0, 2, 1) @ np.reshape(t84.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t104 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t102.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t104 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t102.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t94[...] = (np.reshape((np.reshape(t98, (d_V**2, L*n_batch)) @ np.reshape(t101.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t94 += (np.reshape((np.reshape(t104, (d_V**2, L*n_batch)) @ np.reshape(t103.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t105 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t106 = np.reshape(t105, (d_V, d_V, d_V, d_K), copy=False)
-    t107 = ((np.reshape(t97, (n_batch, L, d_V, 1)) * np.reshape(t28, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t107 = (np.reshape(t97.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)))
     t108 = np.reshape((np.reshape(t99.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t109 = (np.reshape((np.reshape(t108.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t110 = ((np.reshape(t28, (n_batch, L, d_K, 1)) * np.reshape(t102.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t109 = (t108.transpose(2, 3, 0, 1) * np.reshape(t7.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t110 = (np.reshape(t28.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t102.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t106[...] = (np.reshape((np.reshape(t109, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t106 += (np.reshape((np.reshape(t85, (d_V**2, L*n_batch)) @ np.reshape(t110.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t111 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t112 = np.reshape(t111, (d_V, d_V, d_V, d_V), copy=False)
     t113 = np.swapaxes(t45, -1, -2)
     t114 = (1/(L*n_batch)) * t113
-    t115 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t7.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t116 = ((np.reshape(t45, (n_batch, L, d_V, 1)) * np.reshape(t114.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t115 = (dA.transpose(2, 3, 0, 1) * np.reshape(t7.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t116 = (np.reshape(t45.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t114.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t112[...] = (np.reshape((np.reshape(t116, (d_V**2, L*n_batch)) @ np.reshape(t115.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -13416,7 +13416,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -13425,10 +13425,10 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
-    t21 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t21 = (t15.transpose(0, 2, 3, 1) * np.reshape(t5, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = (t22.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
+    t24 = (t23.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -13449,7 +13449,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t40 = (t39 @ t2)
     t41 = np.reshape((t38 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t42 = (t41.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
-    t43 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L, L, L, 1)) * np.reshape(t40, (n_batch, L, L, 1, 1))), (n_batch, L, L, L))
+    t43 = (t22.transpose(0, 1, 3, 2) * np.reshape(t40, (n_batch, L, L, 1)))
     t44 = np.reshape((np.reshape(t43.transpose(1, 0, 3, 2), (L, L*n_batch, L)) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch, L))
     t45 = np.reshape((np.reshape(t44.transpose(0, 2, 1), (L, L, 1, n_batch)) @ np.reshape(t42.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L))
     t46 = np.reshape((np.reshape(t39, (L*n_batch, d_K)) @ np.reshape(t39.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13460,17 +13460,17 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t51 = np.sqrt(np.maximum(t50, 0.0))
     t52 = t9 @ X
     t53 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t54 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t54 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t55 = np.reshape((np.reshape(t54.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t53.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t56 = np.reshape((np.reshape(t52, (L*n_batch, d_V)) @ np.reshape(t52.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t57 = t56 * t16
-    t58 = np.reshape((np.reshape(t55.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t58 = (t55.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t59 = np.reshape((np.reshape(t58.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t60 = np.reshape((np.reshape(t59.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t58.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t61 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t52.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t62 = (np.reshape(t61.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
-    t63 = np.reshape((np.reshape(t62.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
-    t64 = np.reshape((np.reshape(t17.transpose(3, 0, 1, 2), (L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, 1, L))), (L, n_batch, L, n_batch, L))
+    t63 = (t62.transpose(3, 4, 0, 1, 2) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1, 1)))
+    t64 = (np.reshape(t17.transpose(3, 0, 1, 2), (L, n_batch, L, n_batch, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, 1, 1, 1, L)))
     t65 = np.reshape((t53.transpose(1, 2, 0) @ np.reshape(t54.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t66 = (t64.transpose(1, 3, 4, 0, 2) @ t63.transpose(2, 3, 4, 0, 1))
     t67 = np.reshape((np.reshape(t66.transpose(0, 4, 1, 2, 3), (L*n_batch, L**2*n_batch)) @ np.reshape(t65.transpose(0, 2, 1, 3), (L**2*n_batch, d_V))), (n_batch, L, d_V))
@@ -13491,15 +13491,15 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t82 = t81.sum(-2, keepdims=True)
     t83 = np.broadcast_to(t82, t82.shape[:-2] + (d_V, t82.shape[-1]))
     t84 = (t14 @ t80)
-    t85 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t83.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t85 = (t15.transpose(0, 2, 3, 1) * np.reshape(t83.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t86 = np.reshape((np.reshape(t85.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t87 = np.reshape((np.reshape(t86, (n_batch, L, L, L, 1)) * np.reshape(t84.transpose(0, 2, 1), (n_batch, L, L, 1, 1))), (n_batch, L, L, L))
+    t87 = (t86 * np.reshape(t84.transpose(0, 2, 1), (n_batch, L, L, 1)))
     t88 = np.reshape((np.reshape(t87.transpose(1, 0, 3, 2), (L, L*n_batch, L)) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch, L))
     t89 = np.reshape((np.reshape(t88.transpose(0, 2, 1), (L, L, 1, n_batch)) @ np.reshape(t79.transpose(2, 1, 0), (L, L, n_batch, 1))), (L, L))
     t90 = np.reshape((np.reshape(t80.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t80.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t91 = t18 * t90
-    t92 = np.reshape((np.reshape(t86.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t76.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t93 = np.reshape((np.reshape(t92.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t92 = (t86.transpose(1, 3, 0, 2) * np.reshape(t76.transpose(1, 0), (L, L, 1, 1)))
+    t93 = (t92.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t94 = np.reshape((np.reshape(t93.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t95 = np.reshape((np.reshape(t94.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t96 = np.reshape((np.reshape(t95.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t93.transpose(3, 2, 1, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -13513,17 +13513,17 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t104 = t69 * t90
     t105 = np.reshape((np.reshape(t19, (L*n_batch**2, L)) @ t76), (n_batch, L, n_batch, L))
     t106 = (np.reshape(t105.transpose(1, 0, 2, 3), (L, L*n_batch**2)) @ np.reshape(t104.transpose(0, 2, 3, 1), (L*n_batch**2, L)))
-    t107 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t83.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t107 = (dA * np.reshape(t83.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t108 = np.reshape((np.reshape(t52, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t109 = (np.reshape(t108.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
-    t110 = np.reshape((np.reshape(t109.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(t76.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t110 = (t109.transpose(3, 4, 0, 1, 2) * np.reshape(t76.transpose(1, 0), (L, L, 1, 1, 1)))
     t111 = np.reshape((t53.transpose(1, 2, 0) @ np.reshape(t107.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t112 = np.reshape((np.reshape(t111, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
     t113 = (t112.transpose(0, 2, 3, 4, 1) @ t110.transpose(2, 0, 3, 1, 4))
     t114 = np.reshape((np.reshape(t113.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t90.transpose(3, 0, 1, 2), (L, L*n_batch**2, 1))), (L, L))
     t115 = np.reshape((np.reshape(t107.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t53.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t116 = t56 * t90
-    t117 = np.reshape((np.reshape(t115.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t76.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t117 = (t115.transpose(1, 3, 0, 2) * np.reshape(t76.transpose(1, 0), (L, L, 1, 1)))
     t118 = np.reshape((np.reshape(t117.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t119 = np.reshape((np.reshape(t118.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t117.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t120 = (1/(d_K*n_batch**2)) * (t106 * t76).sum() + (2/(L*d_K*n_batch**2)) * (t114 * t76.transpose(1, 0)).sum() + (1/(L**2*d_K*n_batch**2)) * (t119 * t116.transpose(0, 2, 3, 1)).sum()
@@ -13533,13 +13533,13 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t124 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t123), (n_batch, n_batch, L, L))
     t125 = np.reshape((np.reshape(t124.transpose(1, 0, 3, 2), (n_batch, L*n_batch, L)) @ t123), (n_batch, n_batch, L, L))
     t126 = t125 * t18.transpose(0, 2, 3, 1)
-    t127 = np.reshape((np.reshape(t21.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t127 = (t21.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t128 = np.reshape((np.reshape(t127.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t129 = np.reshape((np.reshape(t128.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t127.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t130 = np.swapaxes(G, -1, -2)
     t131 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t130.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t132 = np.reshape((np.reshape(t131.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
-    t133 = np.reshape((np.reshape(t132.transpose(1, 4, 0, 2, 3), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t132 = (t131.transpose(0, 1, 3, 4, 2) * np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    t133 = (t132.transpose(1, 4, 0, 2, 3) * np.reshape(Mcausal, (L, L, 1, 1, 1)))
     t134 = np.reshape((np.reshape(t133.transpose(2, 3, 0, 4, 1), (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t135 = np.reshape((np.reshape(t134.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t124.transpose(2, 0, 1, 3), (L, L*n_batch**2, 1))), (L, L))
     t136 = np.reshape((np.reshape(t130.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t130.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13552,8 +13552,8 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t143 = t125 * t46.transpose(0, 2, 3, 1)
     t144 = np.reshape((np.reshape(t127.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t145 = np.reshape((np.reshape(t144.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t127.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
-    t146 = np.reshape((np.reshape(t131.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t46.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
-    t147 = np.reshape((np.reshape(t146.transpose(1, 4, 0, 2, 3), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t146 = (t131.transpose(0, 1, 3, 4, 2) * np.reshape(t46.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    t147 = (t146.transpose(1, 4, 0, 2, 3) * np.reshape(Mcausal, (L, L, 1, 1, 1)))
     t148 = np.reshape((np.reshape(t147.transpose(2, 3, 0, 4, 1), (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t149 = np.reshape((np.reshape(t148.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t124.transpose(2, 0, 1, 3), (L, L*n_batch**2, 1))), (L, L))
     t150 = t46 * t136
@@ -13594,16 +13594,16 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
     t17 = (X * t1.transpose(0, 2, 1)).transpose(2, 0, 1)
     t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t19 = (t18.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t21 = (t20.transpose(1, 3, 0, 2) * np.reshape(t16, (L, L, 1, 1)))
+    t22 = (t21.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t24 = np.reshape((t23.transpose(3, 0, 1, 2) @ np.reshape(t15.transpose(2, 0, 1), (d_K, n_batch, L, 1))), (d_K, n_batch, L))
     t0[...] = (np.reshape(t17, (d_V, L*n_batch)) @ np.reshape(t24.transpose(1, 2, 0), (L*n_batch, d_K)))
@@ -13633,7 +13633,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(t0.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
@@ -13672,16 +13672,16 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = np.swapaxes(t3, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t1.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t19 = (t18.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t21 = (t20.transpose(1, 3, 0, 2) * np.reshape(t16, (L, L, 1, 1)))
+    t22 = (t21.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t24 = (np.reshape((t15.transpose(0, 2, 1) @ np.reshape(t23.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_K, d_K, L))).transpose(2, 1, 0, 3)
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
@@ -13711,7 +13711,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -13720,10 +13720,10 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
-    t21 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t21 = (t15.transpose(0, 2, 3, 1) * np.reshape(t5, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = (t22.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
+    t24 = (t23.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -13757,16 +13757,16 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(t4, -1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = ((np.reshape(t15, (n_batch, L, d_K, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t17 = (np.reshape(t15.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t1.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t18 = np.reshape((t14.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t19 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t19 = (t18.transpose(0, 2, 3, 1) * np.reshape(t6, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t21 = np.reshape((np.reshape(t20.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t16, (L, L, 1, 1))), (L, L, n_batch, L))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t21 = (t20.transpose(1, 3, 0, 2) * np.reshape(t16, (L, L, 1, 1)))
+    t22 = (t21.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_K))
     t24 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t23.transpose(0, 2, 3, 1), (n_batch, L, L*d_K))), (n_batch, d_V, d_K, L))).transpose(2, 1, 0, 3)
     t25 = np.einsum('abcb->abc', t0)
@@ -13784,7 +13784,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
     t36 = (np.reshape(t1.transpose(1, 0, 2), (d_V, L*n_batch)) @ np.reshape(t33, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t24, (d_K*d_V, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t25 += (np.reshape((np.reshape(t35, (d_K, 1)) * np.reshape(t36, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t25 += np.reshape(t35, (1, d_K, 1)) * np.reshape(t36, (d_V, 1, d_V))
     return out
 
 
@@ -13823,15 +13823,15 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A21 = t20 / t20.sum(-1, keepdims=True)
     t22 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A21.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t22, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A21, (n_batch, L, d_V, 1)) * np.reshape(A21, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t22, (1, 1, d_V, d_V)) * np.reshape(A21, (n_batch, L, d_V, 1))) - (np.reshape(A21, (n_batch, L, 1, d_V)) * np.reshape(A21, (n_batch, L, d_V, 1)))
     t23 = X @ W_Q
     t24 = np.reshape((t15.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t25 = (t23 @ t4)
-    t26 = np.reshape((np.reshape(t24.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t26 = (t24.transpose(0, 2, 3, 1) * np.reshape(t2, (n_batch, L, d_V, 1)))
     t27 = np.reshape((np.reshape(t26.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t9.transpose(0, 2, 1)), (n_batch, L, L, L))
     t28 = np.reshape((t19 @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t29 = (t28.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
-    t30 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L, L, L, 1)) * np.reshape(t25, (n_batch, L, L, 1, 1))), (n_batch, L, L, L))
+    t30 = (t27.transpose(0, 1, 3, 2) * np.reshape(t25, (n_batch, L, L, 1)))
     t31 = np.reshape((np.reshape(t30.transpose(1, 0, 3, 2), (L, L*n_batch, L)) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch, L))
     t32 = np.reshape((np.reshape(t31.transpose(0, 2, 1), (L, L, 1, n_batch)) @ np.reshape(t29.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L))
     t33 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -13839,8 +13839,8 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t35 = np.reshape((np.reshape(t23, (L*n_batch, d_K)) @ np.reshape(t23.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t36 = t35 * t33
     t37 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t38 = np.reshape((np.reshape(t27.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
-    t39 = np.reshape((np.reshape(t38.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t38 = (t27.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
+    t39 = (t38.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t40 = np.reshape((np.reshape(t39.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t34.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t41 = np.reshape((np.reshape(t40.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t36.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t42 = np.reshape((np.reshape(t41.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t39.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -13874,14 +13874,14 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t14 = t9 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = ((np.reshape(t14, (n_batch, L, d_V, 1)) * np.reshape(t1.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(t14.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t1.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
     t18 = (np.reshape(t17, (d_V, n_batch, L, 1)) * np.reshape(t5.transpose(2, 0, 1), (d_V, n_batch, 1, L)))
     t19 = (t18.transpose(1, 3, 2, 0) @ dA)
-    t20 = np.reshape((np.reshape(t19.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t15, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t20 = (t19.transpose(1, 2, 0, 3) * np.reshape(t15, (L, L, 1, 1)))
     t21 = (np.reshape((t3 @ np.reshape(t20.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(1, 2, 0, 3)
     F = t11
     t22 = np.exp(F - F.max(-1, keepdims=True))
@@ -13891,9 +13891,9 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t26 = (1/L) * t25
     G = t26
     t27 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t28 = np.reshape((np.reshape(t27, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t28 = (np.reshape(t27, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t29 = (np.reshape((G.transpose(0, 2, 1) @ np.reshape(t28.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t30 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t30 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t30, (d_K*d_V, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -13922,16 +13922,16 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = t8 @ X
     t14 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t4, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t15 = (dA * np.reshape(t4, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t14.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t13, (L*n_batch, d_V)) @ np.reshape(t13.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = t19 * t17
-    t21 = np.reshape((np.reshape(t16.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t21 = (t16.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t22 = np.reshape((np.reshape(t21.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t23 = np.reshape((np.reshape(t22.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t21.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     F = t10
@@ -13943,8 +13943,8 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t28
     t29 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t13.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t30 = (np.reshape(t29.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t17.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
-    t31 = np.reshape((np.reshape(t30.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
-    t32 = np.reshape((np.reshape(t18.transpose(3, 0, 1, 2), (L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, 1, L))), (L, n_batch, L, n_batch, L))
+    t31 = (t30.transpose(3, 4, 0, 1, 2) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1, 1)))
+    t32 = (np.reshape(t18.transpose(3, 0, 1, 2), (L, n_batch, L, n_batch, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, 1, 1, 1, L)))
     t33 = np.reshape((t14.transpose(1, 2, 0) @ np.reshape(t15.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t34 = (t32.transpose(1, 3, 4, 0, 2) @ t31.transpose(2, 3, 4, 0, 1))
     t35 = np.reshape((np.reshape(t34.transpose(0, 4, 1, 2, 3), (L*n_batch, L**2*n_batch)) @ np.reshape(t33.transpose(0, 2, 1, 3), (L**2*n_batch, d_V))), (n_batch, L, d_V))
@@ -13988,15 +13988,15 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = (t9 * t3.transpose(0, 2, 1)).transpose(2, 0, 1)
     t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = (t21.transpose(0, 2, 3, 1) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t24 = (t23.transpose(1, 3, 0, 2) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1)))
+    t25 = (t24.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t27 = np.reshape((t26.transpose(3, 0, 1, 2) @ np.reshape(X.transpose(2, 0, 1), (d_V, n_batch, L, 1))), (d_V, n_batch, L))
     t0[...] = (np.reshape(t27, (d_V, L*n_batch)) @ np.reshape(t20.transpose(1, 2, 0), (L*n_batch, d_K)))
@@ -14030,7 +14030,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((np.reshape(t8, (n_batch, L, 1, d_K)) @ np.reshape(t2.transpose(0, 2, 1), (n_batch, L, d_K, 1))), (n_batch, L))
     t19 = (np.reshape(Mcausal, (L, L, 1)) * np.reshape(t3.transpose(1, 0), (L, 1, L)))
@@ -14072,16 +14072,16 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = np.swapaxes(t11, -1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t22 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t23 = np.reshape((np.reshape(t22.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t23 = (t22.transpose(0, 2, 3, 1) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t24 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t25 = np.reshape((np.reshape(t24.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t26 = np.reshape((np.reshape(t25.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t25 = (t24.transpose(1, 3, 0, 2) * np.reshape(t20.transpose(1, 0), (L, L, 1, 1)))
+    t26 = (t25.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t27 = np.reshape((np.reshape(t26.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t28 = (np.reshape((t19.transpose(0, 2, 1) @ np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
     t29 = np.einsum('abcb->abc', t0)
@@ -14102,7 +14102,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t42 = (t39.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
     t43 = (np.reshape(t42.transpose(2, 0, 1), (d_V, L*n_batch)) @ np.reshape(X, (L*n_batch, d_V)))
     t0[...] = (np.reshape((np.reshape(t21, (d_K*d_V, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_K, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
-    t29 += (np.reshape((np.reshape(t41, (d_K, 1)) * np.reshape(t43, (1, d_V**2))), (d_K, d_V, d_V))).transpose(1, 0, 2)
+    t29 += np.reshape(t41, (1, d_K, 1)) * np.reshape(t43, (d_V, 1, d_V))
     return out
 
 
@@ -14150,21 +14150,21 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdims=True)
     t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A30.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t31, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t31, (1, 1, d_V, d_V)) * np.reshape(A30, (n_batch, L, d_V, 1))) - (np.reshape(A30, (n_batch, L, 1, d_V)) * np.reshape(A30, (n_batch, L, d_V, 1)))
     t32 = np.swapaxes(t9, -1, -2)
     t33 = np.swapaxes(t4, -1, -2)
     t34 = np.reshape((t32.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t35 = (t33 @ t25)
-    t36 = np.reshape((np.reshape(t34.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t36 = (t34.transpose(0, 2, 3, 1) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t37 = np.reshape((np.reshape(t36.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t9.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t38 = np.reshape((np.reshape(t37, (n_batch, L, L, L, 1)) * np.reshape(t35.transpose(0, 2, 1), (n_batch, L, L, 1, 1))), (n_batch, L, L, L))
+    t38 = (t37 * np.reshape(t35.transpose(0, 2, 1), (n_batch, L, L, 1)))
     t39 = np.reshape((np.reshape(t38.transpose(1, 0, 3, 2), (L, L*n_batch, L)) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch, L))
     t40 = np.reshape((np.reshape(t39.transpose(0, 2, 1), (L, L, 1, n_batch)) @ np.reshape(t23.transpose(2, 1, 0), (L, L, n_batch, 1))), (L, L))
     t41 = np.reshape((np.reshape(t25.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t25.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t42 = np.reshape((np.reshape(t33, (L*n_batch, d_K)) @ np.reshape(t33.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t43 = t21 * t41
-    t44 = np.reshape((np.reshape(t37.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t18.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t45 = np.reshape((np.reshape(t44.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t44 = (t37.transpose(1, 3, 0, 2) * np.reshape(t18.transpose(1, 0), (L, L, 1, 1)))
+    t45 = (t44.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t46 = np.reshape((np.reshape(t45.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t47 = np.reshape((np.reshape(t46.transpose(0, 3, 1, 4, 2), (n_batch, n_batch, L**2, L)) @ t42.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t48 = np.reshape((np.reshape(t47.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t45.transpose(3, 2, 1, 0), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -14202,15 +14202,15 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t17, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(t5, -1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = ((np.reshape(t9, (n_batch, L, d_K, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(t9.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t21 = np.reshape((t18.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t22 = np.reshape((np.reshape(t21.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = (t21.transpose(0, 2, 3, 1) * np.reshape(t8.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t23 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t5.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t24 = np.reshape((np.reshape(t23.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t25 = np.reshape((np.reshape(t24.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t24 = (t23.transpose(1, 3, 0, 2) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1)))
+    t25 = (t24.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     t27 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t26.transpose(0, 2, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
     t0[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_K**2))), (d_V, d_V, d_K, d_K))).transpose(0, 2, 1, 3)
@@ -14244,7 +14244,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14252,10 +14252,10 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t24 = (t18.transpose(0, 2, 3, 1) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t26 = np.reshape((np.reshape(t25.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t27 = np.reshape((np.reshape(t26.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t26 = (t25.transpose(1, 3, 0, 2) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1)))
+    t27 = (t26.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t28 = np.reshape((np.reshape(t27.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t29 = np.reshape((np.reshape(t28.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t30 = np.reshape((np.reshape(t29.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -14296,9 +14296,9 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = (1/L) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t20 = np.reshape((np.reshape(t19, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t20 = (np.reshape(t19, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t21 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t22 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t23 = np.swapaxes(Y, -1, -2)
     t24 = t23.sum(-2, keepdims=True)
     t25 = np.broadcast_to(t24, t24.shape[:-2] + (d_V, t24.shape[-1]))
@@ -14306,14 +14306,14 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A27 = t26 / t26.sum(-1, keepdims=True)
     t28 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A27.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t28, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A27, (n_batch, L, d_V, 1)) * np.reshape(A27, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t28, (1, 1, d_V, d_V)) * np.reshape(A27, (n_batch, L, d_V, 1))) - (np.reshape(A27, (n_batch, L, 1, d_V)) * np.reshape(A27, (n_batch, L, d_V, 1)))
     t29 = t12 @ X
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t31 = ((np.reshape(t29, (n_batch, L, d_V, 1)) * np.reshape(t3.transpose(0, 2, 1), (n_batch, L, 1, d_K)))).transpose(3, 2, 0, 1)
+    t31 = (np.reshape(t29.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t3.transpose(1, 0, 2), (d_K, 1, n_batch, L)))
     t32 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
     t33 = (np.reshape(t32, (d_V, n_batch, L, 1)) * np.reshape(t25.transpose(1, 0, 2), (d_V, n_batch, 1, L)))
     t34 = (t33.transpose(1, 3, 2, 0) @ dA)
-    t35 = np.reshape((np.reshape(t34.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t30.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t35 = (t34.transpose(1, 2, 0, 3) * np.reshape(t30.transpose(1, 0), (L, L, 1, 1)))
     t36 = (np.reshape((t1 @ np.reshape(t35.transpose(2, 1, 3, 0), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(1, 2, 0, 3)
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_K, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t31, (d_K*d_V, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_K, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
@@ -14364,13 +14364,13 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdims=True)
     t31 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A30.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t31, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A30, (n_batch, L, d_V, 1)) * np.reshape(A30, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t31, (1, 1, d_V, d_V)) * np.reshape(A30, (n_batch, L, d_V, 1))) - (np.reshape(A30, (n_batch, L, 1, d_V)) * np.reshape(A30, (n_batch, L, d_V, 1)))
     t32 = t11 @ X
-    t33 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t33 = (dA * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t34 = np.reshape((np.reshape(t32, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t35 = np.reshape((W_V.transpose(1, 0) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (d_V, n_batch, L))
     t36 = (np.reshape(t34.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
-    t37 = np.reshape((np.reshape(t36.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t37 = (t36.transpose(3, 4, 0, 1, 2) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1, 1)))
     t38 = np.reshape((t35.transpose(1, 2, 0) @ np.reshape(t33.transpose(0, 2, 1, 3), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t39 = np.reshape((np.reshape(t38, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
     t40 = (t39.transpose(0, 2, 3, 4, 1) @ t37.transpose(2, 0, 3, 1, 4))
@@ -14378,7 +14378,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t42 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t35.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t43 = np.reshape((np.reshape(t32, (L*n_batch, d_V)) @ np.reshape(t32.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t44 = t43 * t19
-    t45 = np.reshape((np.reshape(t42.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t45 = (t42.transpose(1, 3, 0, 2) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1)))
     t46 = np.reshape((np.reshape(t45.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t47 = np.reshape((np.reshape(t46.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t45.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t48 = (1/(d_K*n_batch**2)) * (t25 * t3).sum() + (2/(L*d_K*n_batch**2)) * (t41 * t3.transpose(1, 0)).sum() + (1/(L**2*d_K*n_batch**2)) * (t47 * t44.transpose(0, 2, 3, 1)).sum()
@@ -14414,7 +14414,7 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = (1/(L*n_batch)) * t10
     t18 = (t13 * t17.transpose(0, 2, 1)).transpose(2, 0, 1)
     t19 = (oe.contract('abcc,abc->abc', dA, t12)).transpose(2, 0, 1)
@@ -14448,7 +14448,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(t12, (n_batch, L, 1, d_V)) @ np.reshape(t9.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t17 = oe.contract('abcc,abc->ab', dA, t11)
     return (1/(L*n_batch)) * (t17 * t16).sum()
@@ -14482,16 +14482,16 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t13, -1, -2)
     t18 = np.swapaxes(t4, -1, -2)
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t20 = (t9.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
-    t21 = ((np.reshape(t20, (n_batch, L, d_V, 1)) * np.reshape(X, (n_batch, L, 1, d_V)))).transpose(2, 3, 0, 1)
+    t21 = (np.reshape(t20.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)))
     t22 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t23 = (t22.transpose(1, 2, 0, 3) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1)))
     t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ t18), (n_batch, L, d_V, d_K))
-    t25 = (np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_K, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_K))).transpose(0, 3, 1, 2)
+    t25 = (t24.transpose(2, 3, 0, 1) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t14
     t26 = np.exp(F - F.max(-1, keepdims=True))
     A27 = t26 / t26.sum(-1, keepdims=True)
@@ -14501,9 +14501,9 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t30
     t31 = np.swapaxes(G, -1, -2)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t33 = np.reshape((np.reshape(t32, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t33 = (np.reshape(t32, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t34 = (np.reshape((t18.transpose(0, 2, 1) @ np.reshape(t33.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_K, d_V, L))).transpose(2, 1, 0, 3)
-    t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t35 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t31.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t35, (d_V**2, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     return out
@@ -14535,18 +14535,18 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(t12, -1, -2)
     t17 = np.swapaxes(t3, -1, -2)
     t18 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = np.reshape((np.reshape(t17, (L*n_batch, d_K)) @ np.reshape(t17.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
-    t22 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = (t18.transpose(0, 2, 3, 1) * np.reshape(t10, (n_batch, L, d_V, 1)))
     t23 = np.reshape((np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t8), (n_batch, n_batch, L, L))
     t24 = np.reshape((np.reshape(t23.transpose(1, 0, 3, 2), (n_batch, L*n_batch, L)) @ t8), (n_batch, n_batch, L, L))
     t25 = t24 * t20.transpose(0, 2, 3, 1)
-    t26 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t26 = (t22.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t27 = np.reshape((np.reshape(t26.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t28 = np.reshape((np.reshape(t27.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t26.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     F = t13
@@ -14558,8 +14558,8 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t33
     t34 = np.swapaxes(G, -1, -2)
     t35 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t36 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
-    t37 = np.reshape((np.reshape(t36.transpose(1, 4, 0, 2, 3), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t36 = (t35.transpose(0, 1, 3, 4, 2) * np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    t37 = (t36.transpose(1, 4, 0, 2, 3) * np.reshape(Mcausal, (L, L, 1, 1, 1)))
     t38 = np.reshape((np.reshape(t37.transpose(2, 3, 0, 4, 1), (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t39 = np.reshape((np.reshape(t38.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t23.transpose(2, 0, 1, 3), (L, L*n_batch**2, 1))), (L, L))
     t40 = np.reshape((np.reshape(t34.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14600,16 +14600,16 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t13, -1, -2)
     t18 = X @ W_Q
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t20 = (t9.transpose(0, 2, 1) @ t1.transpose(0, 2, 1))
-    t21 = ((np.reshape(t20, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_K)))).transpose(2, 3, 0, 1)
+    t21 = (np.reshape(t20.transpose(2, 0, 1), (d_V, 1, n_batch, L)) * np.reshape(t18.transpose(2, 0, 1), (1, d_K, n_batch, L)))
     t22 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
-    t23 = np.reshape((np.reshape(t22.transpose(1, 2, 0, 3), (L, L, d_V*n_batch, 1)) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t23 = (t22.transpose(1, 2, 0, 3) * np.reshape(t19.transpose(1, 0), (L, L, 1, 1)))
     t24 = np.reshape((np.reshape(t23.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
-    t25 = (np.reshape((np.reshape(t24.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
+    t25 = (t24.transpose(2, 3, 0, 1) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t14
     t26 = np.exp(F - F.max(-1, keepdims=True))
     A27 = t26 / t26.sum(-1, keepdims=True)
@@ -14619,9 +14619,9 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t30
     t31 = np.swapaxes(G, -1, -2)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t33 = np.reshape((np.reshape(t32, (L, L, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, d_V*n_batch))), (L, L, n_batch, d_V))
+    t33 = (np.reshape(t32, (L, L, 1, 1)) * np.reshape(t1.transpose(2, 0, 1), (L, 1, n_batch, d_V)))
     t34 = (np.reshape((X.transpose(0, 2, 1) @ np.reshape(t33.transpose(2, 0, 3, 1), (n_batch, L, L*d_V))), (n_batch, d_V, d_V, L))).transpose(2, 1, 0, 3)
-    t35 = ((np.reshape(t18, (n_batch, L, d_K, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t35 = (np.reshape(t18.transpose(2, 0, 1), (1, d_K, n_batch, L)) * np.reshape(t31.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(2, 0, 1, 3)
     t0 += (np.reshape((np.reshape(t34, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_K*d_V))), (d_V, d_V, d_V, d_K))).transpose(0, 2, 1, 3)
     return out
@@ -14653,18 +14653,18 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(t12, -1, -2)
     t17 = X @ W_Q
     t18 = np.reshape((t16.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(t17, (L*n_batch, d_K)) @ np.reshape(t17.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t22 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t22 = (t18.transpose(0, 2, 3, 1) * np.reshape(t10, (n_batch, L, d_V, 1)))
     t23 = np.reshape((np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ t8), (n_batch, n_batch, L, L))
     t24 = np.reshape((np.reshape(t23.transpose(1, 0, 3, 2), (n_batch, L*n_batch, L)) @ t8), (n_batch, n_batch, L, L))
     t25 = t24 * t20.transpose(0, 2, 3, 1)
-    t26 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t26 = (t22.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t27 = np.reshape((np.reshape(t26.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t28 = np.reshape((np.reshape(t27.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t26.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     F = t13
@@ -14676,8 +14676,8 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t33
     t34 = np.swapaxes(G, -1, -2)
     t35 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t36 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
-    t37 = np.reshape((np.reshape(t36.transpose(1, 4, 0, 2, 3), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t36 = (t35.transpose(0, 1, 3, 4, 2) * np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    t37 = (t36.transpose(1, 4, 0, 2, 3) * np.reshape(Mcausal, (L, L, 1, 1, 1)))
     t38 = np.reshape((np.reshape(t37.transpose(2, 3, 0, 4, 1), (n_batch, n_batch, L**2, L)) @ t21.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t39 = np.reshape((np.reshape(t38.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t23.transpose(2, 0, 1, 3), (L, L*n_batch**2, 1))), (L, L))
     t40 = np.reshape((np.reshape(t34.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14718,10 +14718,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = (1/(L*n_batch)) * t10
-    t18 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t12.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t19 = ((np.reshape(t13, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (dA.transpose(2, 3, 0, 1) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t19 = (np.reshape(t13.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -14752,8 +14752,8 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
+    t16 = (dA * np.reshape(t11, (n_batch, L, d_V, 1)))
     t17 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t12, (L*n_batch, d_V)) @ np.reshape(t12.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t16, (L*n_batch, d_V**2)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -14786,7 +14786,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = np.swapaxes(t2, -1, -2)
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -14795,10 +14795,10 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
-    t21 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t21 = (t15.transpose(0, 2, 3, 1) * np.reshape(t5, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = (t22.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
+    t24 = (t23.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -14833,7 +14833,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(t3, -1, -2)
     t14 = X @ W_Q
     t15 = np.reshape((t13.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -14842,10 +14842,10 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t18 = np.reshape((np.reshape(t14, (L*n_batch, d_K)) @ np.reshape(t14.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t21 = np.reshape((np.reshape(t15.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t21 = (t15.transpose(0, 2, 3, 1) * np.reshape(t5, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t23 = np.reshape((np.reshape(t22.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t23.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t23 = (t22.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
+    t24 = (t23.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t25 = np.reshape((np.reshape(t24.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t26 = np.reshape((np.reshape(t25.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t27 = np.reshape((np.reshape(t26.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t24.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -14865,7 +14865,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t39 = np.reshape((t37.sum((0,)).transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t40 = (t14 @ t2)
     t41 = (t39.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
-    t42 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L, L, L, 1)) * np.reshape(t40, (n_batch, L, L, 1, 1))), (n_batch, L, L, L))
+    t42 = (t22.transpose(0, 1, 3, 2) * np.reshape(t40, (n_batch, L, L, 1)))
     t43 = np.reshape((np.reshape(t42.transpose(1, 0, 3, 2), (L, L*n_batch, L)) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch, L))
     t44 = np.reshape((np.reshape(t43.transpose(0, 2, 1), (L, L, 1, n_batch)) @ np.reshape(t41.transpose(1, 2, 0), (L, L, n_batch, 1))), (L, L))
     t45 = (2/(L*d_K**(3/2)*n_batch**2)) * (t44 * Mcausal).sum()
@@ -14899,15 +14899,15 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t13 = t9 @ X
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t5, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA * np.reshape(t5, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t3.transpose(0, 2, 1)), (n_batch, L, d_V, L))
     t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t13, (L*n_batch, d_V)) @ np.reshape(t13.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = t18 * t16
-    t20 = np.reshape((np.reshape(t15.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t20 = (t15.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t21 = np.reshape((np.reshape(t20.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t22 = np.reshape((np.reshape(t21.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t20.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t23 = (1/(L**2*d_K*n_batch**2)) * (t22 * t19.transpose(0, 2, 3, 1)).sum()
@@ -14927,8 +14927,8 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t35 = (1/(d_K*n_batch**2)) * (t34 * Mcausal).sum()
     t36 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t13.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t37 = (np.reshape(t36.transpose(0, 2, 3, 1), (n_batch, n_batch, L, L, 1)) * np.reshape(t16.transpose(0, 2, 3, 1), (n_batch, n_batch, L, 1, L)))
-    t38 = np.reshape((np.reshape(t37.transpose(3, 4, 0, 1, 2), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
-    t39 = np.reshape((np.reshape(t3.transpose(1, 0, 2), (L, d_V*n_batch, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, 1, L))), (L, n_batch, d_V, L))
+    t38 = (t37.transpose(3, 4, 0, 1, 2) * np.reshape(Mcausal.transpose(1, 0), (L, L, 1, 1, 1)))
+    t39 = (np.reshape(t3.transpose(1, 0, 2), (L, n_batch, d_V, 1)) * np.reshape(Mcausal.transpose(1, 0), (L, 1, 1, L)))
     t40 = (t39.transpose(1, 3, 0, 2) @ t14)
     t41 = np.reshape((np.reshape(t40, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
     t42 = (np.reshape(t41.transpose(0, 3, 2, 1, 4), (n_batch, n_batch, L, L**2)) @ np.reshape(t38.transpose(3, 2, 4, 1, 0), (n_batch, n_batch, L**2, L)))
@@ -14967,7 +14967,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.swapaxes(t10, -1, -2)
     t19 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
@@ -14976,10 +14976,10 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t22 * t21
     t24 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
-    t25 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t25 = (t19.transpose(0, 2, 3, 1) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t26 = np.reshape((np.reshape(t25.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t27 = np.reshape((np.reshape(t26.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t28 = np.reshape((np.reshape(t27.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t27 = (t26.transpose(1, 3, 0, 2) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1)))
+    t28 = (t27.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t29 = np.reshape((np.reshape(t28.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t30 = np.reshape((np.reshape(t29.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t23.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t31 = np.reshape((np.reshape(t30.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t28.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -15002,7 +15002,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t46 = np.reshape((t44.sum((0,)).transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t47 = (t18 @ t2)
     t48 = (t46.transpose(1, 2, 0) @ X.transpose(0, 2, 1))
-    t49 = np.reshape((np.reshape(t26, (n_batch, L, L, L, 1)) * np.reshape(t47.transpose(0, 2, 1), (n_batch, L, L, 1, 1))), (n_batch, L, L, L))
+    t49 = (t26 * np.reshape(t47.transpose(0, 2, 1), (n_batch, L, L, 1)))
     t50 = np.reshape((np.reshape(t49.transpose(1, 0, 3, 2), (L, L*n_batch, L)) @ np.reshape(Mcausal, (L, L, 1))), (L, n_batch, L))
     t51 = np.reshape((np.reshape(t50.transpose(0, 2, 1), (L, L, 1, n_batch)) @ np.reshape(t48.transpose(2, 1, 0), (L, L, n_batch, 1))), (L, L))
     t52 = (2/(L*d_K**(3/2)*n_batch**2)) * (t51 * t3.transpose(1, 0)).sum()
@@ -15040,7 +15040,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(t4, -1, -2)
     t18 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -15048,10 +15048,10 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t21 = np.reshape((np.reshape(t8, (L*n_batch, d_K)) @ np.reshape(t8.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t18.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
+    t24 = (t18.transpose(0, 2, 3, 1) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t25 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L**2, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, L, L))
-    t26 = np.reshape((np.reshape(t25.transpose(1, 3, 0, 2), (L, L, L*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, L))
-    t27 = np.reshape((np.reshape(t26.transpose(0, 3, 1, 2), (L, L, L*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, L, n_batch))
+    t26 = (t25.transpose(1, 3, 0, 2) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1)))
+    t27 = (t26.transpose(0, 3, 1, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t28 = np.reshape((np.reshape(t27.transpose(3, 0, 1, 2), (n_batch, L**2, L)) @ np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, L, n_batch, L))
     t29 = np.reshape((np.reshape(t28.transpose(0, 3, 2, 4, 1), (n_batch, n_batch, L**2, L)) @ t22.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t30 = np.reshape((np.reshape(t29.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(t27.transpose(3, 2, 0, 1), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
@@ -15090,15 +15090,15 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t17 = t13 @ X
-    t18 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA * np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1)))
     t19 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t4.transpose(0, 2, 1)), (n_batch, L, d_V, L))
     t20 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_K)) @ np.reshape(t2.transpose(1, 0, 2), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(t17, (L*n_batch, d_V)) @ np.reshape(t17.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t22 * t21
-    t24 = np.reshape((np.reshape(t19.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t24 = (t19.transpose(1, 3, 0, 2) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1)))
     t25 = np.reshape((np.reshape(t24.transpose(2, 0, 3, 1), (n_batch, L*d_V, L)) @ np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t26 = np.reshape((np.reshape(t25.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t24.transpose(2, 3, 1, 0), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t27 = (1/(L**2*d_K*n_batch**2)) * (t26 * t23.transpose(0, 2, 3, 1)).sum()
@@ -15120,8 +15120,8 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t41 = (1/(d_K*n_batch**2)) * (t40 * t3).sum()
     t42 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(t17.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t43 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t44 = np.reshape((np.reshape(t43.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
-    t45 = np.reshape((np.reshape(t44.transpose(1, 4, 0, 2, 3), (L, L, L*n_batch**2, 1)) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t44 = (t43.transpose(0, 1, 3, 4, 2) * np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    t45 = (t44.transpose(1, 4, 0, 2, 3) * np.reshape(t3.transpose(1, 0), (L, L, 1, 1, 1)))
     t46 = np.reshape((np.reshape(t45.transpose(2, 3, 0, 4, 1), (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t47 = np.reshape((np.reshape(t46.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t42.transpose(1, 2, 0, 3), (L, L*n_batch**2, 1))), (L, L))
     t48 = (2/(L*d_K*n_batch**2)) * (t47 * t3).sum()
@@ -15158,7 +15158,7 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = np.swapaxes(t3, -1, -2)
@@ -15167,8 +15167,8 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t21 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t25 = np.reshape((np.reshape(t24.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t24 = (t19.transpose(0, 2, 3, 1) * np.reshape(t11, (n_batch, L, d_V, 1)))
+    t25 = (t24.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t26 = np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t27 = np.reshape((np.reshape(t26.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t25.transpose(2, 3, 0, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.transpose(0, 2, 3, 1)).sum()
@@ -15189,8 +15189,8 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t41 = (1/(d_K*n_batch**2)) * (t40 * t1).sum()
     t42 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t43 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t44 = np.reshape((np.reshape(t43.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
-    t45 = np.reshape((np.reshape(t44.transpose(1, 4, 0, 2, 3), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t44 = (t43.transpose(0, 1, 3, 4, 2) * np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    t45 = (t44.transpose(1, 4, 0, 2, 3) * np.reshape(Mcausal, (L, L, 1, 1, 1)))
     t46 = np.reshape((np.reshape(t45.transpose(2, 3, 1, 4, 0), (n_batch, n_batch, L**2, L)) @ t42.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t47 = np.reshape((np.reshape(t46.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t23.transpose(1, 2, 0, 3), (L, L*n_batch**2, 1))), (L, L))
     t48 = (2/(L*d_K*n_batch**2)) * (t47 * t1).sum()
@@ -15227,7 +15227,7 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
@@ -15236,8 +15236,8 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t21 = np.reshape((np.reshape(t18, (L*n_batch, d_K)) @ np.reshape(t18.transpose(2, 0, 1), (d_K, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
-    t24 = np.reshape((np.reshape(t19.transpose(0, 2, 3, 1), (n_batch, L, d_V, L, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, L))
-    t25 = np.reshape((np.reshape(t24.transpose(1, 3, 0, 2), (L, L, d_V*n_batch, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, d_V))
+    t24 = (t19.transpose(0, 2, 3, 1) * np.reshape(t11, (n_batch, L, d_V, 1)))
+    t25 = (t24.transpose(1, 3, 0, 2) * np.reshape(Mcausal, (L, L, 1, 1)))
     t26 = np.reshape((np.reshape(t25.transpose(2, 1, 3, 0), (n_batch, L*d_V, L)) @ np.reshape(t22.transpose(2, 3, 0, 1), (n_batch, L, L*n_batch))), (n_batch, L, d_V, n_batch, L))
     t27 = np.reshape((np.reshape(t26.transpose(3, 0, 1, 2, 4), (n_batch, L*n_batch, L*d_V)) @ np.reshape(t25.transpose(2, 3, 0, 1), (n_batch, L*d_V, L))), (n_batch, n_batch, L, L))
     t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.transpose(0, 2, 3, 1)).sum()
@@ -15258,8 +15258,8 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t41 = (1/(d_K*n_batch**2)) * (t40 * t1).sum()
     t42 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t43 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (L**2*n_batch, d_V)) @ np.reshape(t34.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t44 = np.reshape((np.reshape(t43.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
-    t45 = np.reshape((np.reshape(t44.transpose(1, 4, 0, 2, 3), (L, L, L*n_batch**2, 1)) * np.reshape(Mcausal, (L, L, 1, 1))), (L, L, n_batch, n_batch, L))
+    t44 = (t43.transpose(0, 1, 3, 4, 2) * np.reshape(t21.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
+    t45 = (t44.transpose(1, 4, 0, 2, 3) * np.reshape(Mcausal, (L, L, 1, 1, 1)))
     t46 = np.reshape((np.reshape(t45.transpose(2, 3, 1, 4, 0), (n_batch, n_batch, L**2, L)) @ t42.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t47 = np.reshape((np.reshape(t46.transpose(4, 3, 0, 1, 2), (L, L, L*n_batch**2)) @ np.reshape(t23.transpose(1, 2, 0, 3), (L, L*n_batch**2, 1))), (L, L))
     t48 = (2/(L*d_K*n_batch**2)) * (t47 * t1).sum()
@@ -15296,8 +15296,8 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, d_V, 1)) * np.reshape(A, (n_batch, L, 1, d_V)))
-    t16 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A, (n_batch, L, d_V, 1))) - (np.reshape(A, (n_batch, L, 1, d_V)) * np.reshape(A, (n_batch, L, d_V, 1)))
+    t16 = (dA * np.reshape(t11, (n_batch, L, d_V, 1)))
     t17 = np.reshape((np.reshape(t9.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t9.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t12, (L*n_batch, d_V)) @ np.reshape(t12.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t16, (L*n_batch, d_V**2)) @ np.reshape(t16.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))

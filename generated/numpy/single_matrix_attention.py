@@ -83,7 +83,7 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -92,20 +92,20 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     t10 = (2/(L*d_V*n_batch)) * X
     t11 = np.reshape((t9.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t12 = ((t11.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t13 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t10.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t14 = H[0:d_V**2, d_V**2:2*d_V**2]
     t15 = np.reshape(t14, (d_V, d_V, d_V, d_V), copy=False)
     t16 = A @ X
     M_1 = t16
     t17 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t18 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t10.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t15[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
     t21 = np.swapaxes(M_1, -1, -2)
     t22 = (2/(L*d_V*n_batch)) * t21
-    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t22.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t24 = np.reshape((t8 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t20[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t25 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
@@ -115,7 +115,7 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     t28 = t21 @ M_1
     t29 = np.ones((d_V,), dtype=X.dtype)
     t30 = (2/(L*d_V*n_batch)) * t29
-    t27 += (np.reshape((np.reshape(t30, (d_V, 1)) * np.reshape(t28.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t27 += np.reshape(t30, (1, d_V, 1)) * np.reshape(t28.sum((0,)), (d_V, 1, d_V))
     return H
 
 
@@ -162,7 +162,7 @@ def mse_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -216,7 +216,7 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t5, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -242,7 +242,7 @@ def mse_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -268,7 +268,7 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t5, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -277,7 +277,7 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t9 = (2/(L*d_V*n_batch)) * X
     t10 = np.reshape((t8.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t11 = ((t10.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t9, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t12 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t9.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -294,7 +294,7 @@ def mse_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -325,7 +325,7 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t5, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -333,7 +333,7 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     M_1 = t7
     t8 = (2/(L*d_V*n_batch)) * X
     t9 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t10 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t8, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t10 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t10, (d_V**2, L*n_batch)) @ np.reshape(t9.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -350,7 +350,7 @@ def mse_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = A @ X
     M_1 = t5
     t6 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -423,12 +423,12 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t10 = (2/(L*d_V*n_batch)) * t6
-    t11 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t11 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t10.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t12 = np.reshape((t7 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t0[...] = (np.reshape((np.reshape(t11, (d_V**2, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
@@ -450,7 +450,7 @@ def mse_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t6.transpose(1, 0)), (n_batch, L, d_V))
     t9 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -484,7 +484,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t8 = t7 @ M_1
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t1 += (np.reshape((np.reshape(t10, (d_V, 1)) * np.reshape(t8.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t10, (1, d_V, 1)) * np.reshape(t8.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -534,31 +534,31 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t14.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t15, (1, 1, L, L)) * np.reshape(t14, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t14, (n_batch, L, L, 1))) - (np.reshape(t14, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t16 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/n_batch) * t2
     t18 = M_3.transpose(2, 3, 0, 1)
-    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t20 = H[0:d_V**2, d_V**2:2*d_V**2]
     t21 = np.reshape(t20, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t15, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t22 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * X
     t24 = M_2.transpose(3, 2, 0, 1)
-    t25 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t23, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t23.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t21[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t26 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
     t28 = np.swapaxes(G, -1, -2)
     t29 = (1/n_batch) * t28
     t30 = M_2.transpose(2, 3, 0, 1)
-    t31 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t29.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t31 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t29.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t27[...] = (np.reshape((np.reshape(t31, (d_V**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t32[...] = 0
@@ -629,7 +629,7 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t12.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t13, (1, 1, L, L)) * np.reshape(t12, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t12, (n_batch, L, L, 1))) - (np.reshape(t12, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t14 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = t15 * t14
@@ -639,7 +639,7 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t20 = (n_batch**(-2)) * (t19 * t16.transpose(0, 2, 3, 1)).sum()
     t21 = np.sqrt(np.maximum(t20, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t13, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t22 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t22 * t15
     t24 = np.reshape((np.reshape(t14.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -682,7 +682,7 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t13.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t13, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t13, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t14, (1, 1, L, L)) * np.reshape(t13, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t13, (n_batch, L, L, 1))) - (np.reshape(t13, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t15 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -717,7 +717,7 @@ def mse_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t12.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t13, (1, 1, L, L)) * np.reshape(t12, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t12, (n_batch, L, L, 1))) - (np.reshape(t12, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t14 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -751,13 +751,13 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t13.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t13, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t13, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t14, (1, 1, L, L)) * np.reshape(t13, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t13, (n_batch, L, L, 1))) - (np.reshape(t13, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t15 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t15.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t16 = (1/n_batch) * t1
     t17 = M_3.transpose(2, 3, 0, 1)
-    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t16.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t17.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -786,7 +786,7 @@ def mse_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t12.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t12, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t12, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t13, (1, 1, L, L)) * np.reshape(t12, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t12, (n_batch, L, L, 1))) - (np.reshape(t12, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t14 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = t15 * t14
@@ -812,7 +812,7 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t5, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -825,7 +825,7 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     G = t10
     t11 = (1/n_batch) * X
     t12 = M_2.transpose(3, 2, 0, 1)
-    t13 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t11, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t13 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -842,7 +842,7 @@ def mse_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = A @ X
     M_1 = t5
     t6 = M_1 @ W_V
@@ -903,13 +903,13 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t9 = np.swapaxes(G, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t12 = (1/n_batch) * t9
     t13 = M_2.transpose(2, 3, 0, 1)
-    t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t12.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -934,7 +934,7 @@ def mse_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t8 = np.swapaxes(G, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(t8.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t8.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t11 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -981,7 +981,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -990,7 +990,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t10 = (2/(L*d_V*n_batch)) * X
     t11 = np.reshape((t9.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t12 = ((t11.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t13 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t10.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t14 = A @ X
     M_1 = t14
     t15 = M_1 @ W_V
@@ -1003,13 +1003,13 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t20 = t19 - (A * t19).sum(-1, keepdims=True)
     t21 = A * t20
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t6, (1, 1, L, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(t21, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * t2
     t24 = M_3.transpose(2, 3, 0, 1)
-    t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t23.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t26 = np.reshape(t13, (d_V**2, L*n_batch))
     t27 = np.reshape(t25, (d_V**2, L*n_batch))
     t28 = np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
@@ -1020,22 +1020,22 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t32 = H[0:d_V**2, d_V**2:2*d_V**2]
     t33 = np.reshape(t32, (d_V, d_V, d_V, d_V), copy=False)
     t34 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t35 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t35 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t10.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t36 = (1/n_batch) * X
     t37 = M_2.transpose(3, 2, 0, 1)
-    t38 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t36, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t38 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t36.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t33[...] = (np.reshape((np.reshape(t35, (d_V**2, L*n_batch)) @ np.reshape(t34.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t33 += (np.reshape((np.reshape(t37, (d_V**2, L*n_batch)) @ np.reshape(t38.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t39 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t40 = np.reshape(t39, (d_V, d_V, d_V, d_V), copy=False)
     t41 = np.swapaxes(M_1, -1, -2)
     t42 = (2/(L*d_V*n_batch)) * t41
-    t43 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t42.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t43 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t42.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t44 = np.reshape((t8 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t45 = np.swapaxes(G, -1, -2)
     t46 = (1/n_batch) * t45
     t47 = M_2.transpose(2, 3, 0, 1)
-    t48 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t46.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t48 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t46.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t40[...] = (np.reshape((np.reshape(t43, (d_V**2, L*n_batch)) @ np.reshape(t44.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t40 += (np.reshape((np.reshape(t48, (d_V**2, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t49 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
@@ -1045,7 +1045,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t52 = t41 @ M_1
     t53 = np.ones((d_V,), dtype=X.dtype)
     t54 = (2/(L*d_V*n_batch)) * t53
-    t51 += (np.reshape((np.reshape(t54, (d_V, 1)) * np.reshape(t52.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t51 += np.reshape(t54, (1, d_V, 1)) * np.reshape(t52.sum((0,)), (d_V, 1, d_V))
     return H
 
 
@@ -1109,7 +1109,7 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1133,7 +1133,7 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdims=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t4, (1, 1, L, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(t23, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = t9 * t24
     t26 = np.reshape((np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -1204,7 +1204,7 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t5, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1226,7 +1226,7 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdims=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t5, (1, 1, L, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(t20, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1250,7 +1250,7 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1271,7 +1271,7 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t17 = t16 - (A * t16).sum(-1, keepdims=True)
     t18 = A * t17
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t4, (1, 1, L, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(t18, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1293,7 +1293,7 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t5, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1302,7 +1302,7 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t9 = (2/(L*d_V*n_batch)) * X
     t10 = np.reshape((t8.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t11 = ((t10.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t12 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t9, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t12 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t9.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
@@ -1315,13 +1315,13 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdims=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t5, (1, 1, L, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(t20, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/n_batch) * t1
     t23 = M_3.transpose(2, 3, 0, 1)
-    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t24 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t22.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t25 = np.reshape(t12, (d_V**2, L*n_batch))
     t26 = np.reshape(t24, (d_V**2, L*n_batch))
     t27 = np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
@@ -1344,7 +1344,7 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1368,7 +1368,7 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdims=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t4, (1, 1, L, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(t23, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = t9 * t24
     t26 = np.reshape((np.reshape(t25.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -1398,7 +1398,7 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t5, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1406,7 +1406,7 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     M_1 = t7
     t8 = (2/(L*d_V*n_batch)) * X
     t9 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t10 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t8, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t10 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t11 = M_1 @ W_V
     F = t11
     t12 = F - Y
@@ -1414,7 +1414,7 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     G = t13
     t14 = (1/n_batch) * X
     t15 = M_2.transpose(3, 2, 0, 1)
-    t16 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t14, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t14.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t10, (d_V**2, L*n_batch)) @ np.reshape(t9.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -1432,7 +1432,7 @@ def mse_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = A @ X
     M_1 = t5
     t6 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1522,12 +1522,12 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t10 = (2/(L*d_V*n_batch)) * t6
-    t11 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t11 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t10.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t12 = np.reshape((t7 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t13 = M_1 @ W_V
     F = t13
@@ -1537,7 +1537,7 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = (1/n_batch) * t16
     t18 = M_2.transpose(2, 3, 0, 1)
-    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t11, (d_V**2, L*n_batch)) @ np.reshape(t12.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -1559,7 +1559,7 @@ def mse_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t6.transpose(1, 0)), (n_batch, L, d_V))
     t9 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1611,7 +1611,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t8 = t7 @ M_1
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t1 += (np.reshape((np.reshape(t10, (d_V, 1)) * np.reshape(t8.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t10, (1, d_V, 1)) * np.reshape(t8.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -1646,7 +1646,7 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
     t7 = np.reshape((t6.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1671,7 +1671,7 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t23 = t22 - (A * t22).sum(-1, keepdims=True)
     t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t24.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t24, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t24, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t4, (1, 1, L, L)) * np.reshape(t24, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t24, (n_batch, L, L, 1))) - (np.reshape(t24, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t25 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t26 = t9 * t25
     t27 = np.reshape((np.reshape(t25.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -1703,7 +1703,7 @@ def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = A @ X
     M_1 = t5
     t6 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -1757,7 +1757,7 @@ def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t6.transpose(1, 0)), (n_batch, L, d_V))
     t9 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t10 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -1832,12 +1832,12 @@ def causal0__jacobian__W_QK(X, W_QK, W_V):
     t6 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t7 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t8 = (np.reshape((t6.transpose(0, 2, 1) @ np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t8, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
+    t2[...] = (np.reshape(X, (n_batch, L, 1, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, d_V)))
     t9 = -A
     t10 = (t9 @ t6)
     t11 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t12 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t10, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
+    t12 = (np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)) * np.reshape(X, (n_batch, L, d_V, 1)))
+    t2 += (np.reshape(t10, (n_batch, L, d_V, 1, 1)) * np.reshape(t12, (n_batch, L, 1, d_V, d_V)))
     return out
 
 
@@ -1857,12 +1857,12 @@ def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
     t6 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t7 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t8 = (np.reshape((t6.transpose(0, 2, 1) @ np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t8, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
+    t2[...] = (np.reshape(X, (n_batch, L, 1, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, d_V)))
     t9 = -A
     t10 = (t9 @ t6)
     t11 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t12 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t10, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
+    t12 = (np.reshape(t11.transpose(0, 2, 1), (n_batch, L, 1, d_V)) * np.reshape(X, (n_batch, L, d_V, 1)))
+    t2 += (np.reshape(t10, (n_batch, L, d_V, 1, 1)) * np.reshape(t12, (n_batch, L, 1, d_V, d_V)))
     return (J,)
 
 
@@ -1971,7 +1971,7 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -1980,20 +1980,20 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     t12 = (2/(L*d_V*n_batch)) * X
     t13 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t14 = ((t13.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t15 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t16 = H[0:d_V**2, d_V**2:2*d_V**2]
     t17 = np.reshape(t16, (d_V, d_V, d_V, d_V), copy=False)
     t18 = A @ X
     M_1 = t18
     t19 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t20 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t17[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t21 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
     t23 = np.swapaxes(M_1, -1, -2)
     t24 = (2/(L*d_V*n_batch)) * t23
-    t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t24.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t26 = np.reshape((t10 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t22[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t27 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
@@ -2003,7 +2003,7 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     t30 = t23 @ M_1
     t31 = np.ones((d_V,), dtype=X.dtype)
     t32 = (2/(L*d_V*n_batch)) * t31
-    t29 += (np.reshape((np.reshape(t32, (d_V, 1)) * np.reshape(t30.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t29 += np.reshape(t32, (1, d_V, 1)) * np.reshape(t30.sum((0,)), (d_V, 1, d_V))
     return H
 
 
@@ -2054,7 +2054,7 @@ def mse_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -2110,7 +2110,7 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2138,7 +2138,7 @@ def mse_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2166,7 +2166,7 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2175,7 +2175,7 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t11 = (2/(L*d_V*n_batch)) * X
     t12 = np.reshape((t10.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t13 = ((t12.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -2194,7 +2194,7 @@ def mse_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -2227,7 +2227,7 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2235,7 +2235,7 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     M_1 = t9
     t10 = (2/(L*d_V*n_batch)) * X
     t11 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t12 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t12 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t10.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -2254,7 +2254,7 @@ def mse_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = A @ X
     M_1 = t7
     t8 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -2333,12 +2333,12 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t12 = (2/(L*d_V*n_batch)) * t8
-    t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t13 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t12.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t14 = np.reshape((t9 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
@@ -2362,7 +2362,7 @@ def mse_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V))
     t11 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2398,7 +2398,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t1 += (np.reshape((np.reshape(t12, (d_V, 1)) * np.reshape(t10.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t12, (1, d_V, 1)) * np.reshape(t10.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -2452,31 +2452,31 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     t17 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t16.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t16, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t16, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t17, (1, 1, L, L)) * np.reshape(t16, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t16, (n_batch, L, L, 1))) - (np.reshape(t16, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t18 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/n_batch) * t2
     t20 = M_3.transpose(2, 3, 0, 1)
-    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t19.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t22 = H[0:d_V**2, d_V**2:2*d_V**2]
     t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t17, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/n_batch) * X
     t26 = M_2.transpose(3, 2, 0, 1)
-    t27 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t25, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t25.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t23[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
     t30 = np.swapaxes(G, -1, -2)
     t31 = (1/n_batch) * t30
     t32 = M_2.transpose(2, 3, 0, 1)
-    t33 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t33 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t31.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t29[...] = (np.reshape((np.reshape(t33, (d_V**2, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t34[...] = 0
@@ -2551,7 +2551,7 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t14.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t15, (1, 1, L, L)) * np.reshape(t14, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t14, (n_batch, L, L, 1))) - (np.reshape(t14, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = t17 * t16
@@ -2561,7 +2561,7 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t22 = (n_batch**(-2)) * (t21 * t18.transpose(0, 2, 3, 1)).sum()
     t23 = np.sqrt(np.maximum(t22, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t15, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t25 = t24 * t17
     t26 = np.reshape((np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -2606,7 +2606,7 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t16, (1, 1, L, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(t15, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t17 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2643,7 +2643,7 @@ def mse_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t14.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t15, (1, 1, L, L)) * np.reshape(t14, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t14, (n_batch, L, L, 1))) - (np.reshape(t14, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t16 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2679,13 +2679,13 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t15.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t15, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t15, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t16, (1, 1, L, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t15, (n_batch, L, L, 1))) - (np.reshape(t15, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t17 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t17.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t18 = (1/n_batch) * t1
     t19 = M_3.transpose(2, 3, 0, 1)
-    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t18.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t19.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -2716,7 +2716,7 @@ def mse_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t14.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t14, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t14, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t15, (1, 1, L, L)) * np.reshape(t14, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t14, (n_batch, L, L, 1))) - (np.reshape(t14, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t16 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = t17 * t16
@@ -2744,7 +2744,7 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2757,7 +2757,7 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     G = t12
     t13 = (1/n_batch) * X
     t14 = M_2.transpose(3, 2, 0, 1)
-    t15 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t13, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t15 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t13.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t14, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -2776,7 +2776,7 @@ def mse_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = A @ X
     M_1 = t7
     t8 = M_1 @ W_V
@@ -2839,13 +2839,13 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t11 = np.swapaxes(G, -1, -2)
     t12 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t12, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t12, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t13 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t13.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t14 = (1/n_batch) * t11
     t15 = M_2.transpose(2, 3, 0, 1)
-    t16 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t14.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t14.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t16, (d_V**2, L*n_batch)) @ np.reshape(t15.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -2872,7 +2872,7 @@ def mse_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t10 = np.swapaxes(G, -1, -2)
     t11 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t11, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t11, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t12 = np.reshape((np.reshape(t10.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t10.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t13 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t14 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -2921,7 +2921,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -2930,7 +2930,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t12 = (2/(L*d_V*n_batch)) * X
     t13 = np.reshape((t11.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t14 = ((t13.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t15 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t15 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t16 = A @ X
     M_1 = t16
     t17 = M_1 @ W_V
@@ -2943,13 +2943,13 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdims=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t23.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t23, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t23, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t23, (n_batch, L, L, 1))) - (np.reshape(t23, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t24 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t24.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t25 = (1/n_batch) * t2
     t26 = M_3.transpose(2, 3, 0, 1)
-    t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t25.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t25.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t28 = np.reshape(t15, (d_V**2, L*n_batch))
     t29 = np.reshape(t27, (d_V**2, L*n_batch))
     t30 = np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
@@ -2960,22 +2960,22 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t34 = H[0:d_V**2, d_V**2:2*d_V**2]
     t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
     t36 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t37 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t12, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t37 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t12.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t38 = (1/n_batch) * X
     t39 = M_2.transpose(3, 2, 0, 1)
-    t40 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t38, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t40 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t38.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t35[...] = (np.reshape((np.reshape(t37, (d_V**2, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t35 += (np.reshape((np.reshape(t39, (d_V**2, L*n_batch)) @ np.reshape(t40.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t41 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t42 = np.reshape(t41, (d_V, d_V, d_V, d_V), copy=False)
     t43 = np.swapaxes(M_1, -1, -2)
     t44 = (2/(L*d_V*n_batch)) * t43
-    t45 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t44.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t45 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t44.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t46 = np.reshape((t10 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t47 = np.swapaxes(G, -1, -2)
     t48 = (1/n_batch) * t47
     t49 = M_2.transpose(2, 3, 0, 1)
-    t50 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t48.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t50 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t48.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t42[...] = (np.reshape((np.reshape(t45, (d_V**2, L*n_batch)) @ np.reshape(t46.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t42 += (np.reshape((np.reshape(t50, (d_V**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t51 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
@@ -2985,7 +2985,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t54 = t43 @ M_1
     t55 = np.ones((d_V,), dtype=X.dtype)
     t56 = (2/(L*d_V*n_batch)) * t55
-    t53 += (np.reshape((np.reshape(t56, (d_V, 1)) * np.reshape(t54.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t53 += np.reshape(t56, (1, d_V, 1)) * np.reshape(t54.sum((0,)), (d_V, 1, d_V))
     return H
 
 
@@ -3053,7 +3053,7 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3077,7 +3077,7 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t6, (1, 1, L, L)) * np.reshape(t25, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t25, (n_batch, L, L, 1))) - (np.reshape(t25, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t27 = t11 * t26
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -3150,7 +3150,7 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3172,7 +3172,7 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t21 = t20 - (A * t20).sum(-1, keepdims=True)
     t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(t22, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3198,7 +3198,7 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3219,7 +3219,7 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdims=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t6, (1, 1, L, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(t20, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3243,7 +3243,7 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3252,7 +3252,7 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t11 = (2/(L*d_V*n_batch)) * X
     t12 = np.reshape((t10.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
     t13 = ((t12.transpose(1, 2, 3, 0) @ M_2)).transpose(2, 3, 0, 1)
-    t14 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t11, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t15 = A @ X
     M_1 = t15
     t16 = M_1 @ W_V
@@ -3265,13 +3265,13 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t21 = t20 - (A * t20).sum(-1, keepdims=True)
     t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t22.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t22, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t22, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t22, (n_batch, L, L, 1))) - (np.reshape(t22, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/n_batch) * t1
     t25 = M_3.transpose(2, 3, 0, 1)
-    t26 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t26 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t24.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t27 = np.reshape(t14, (d_V**2, L*n_batch))
     t28 = np.reshape(t26, (d_V**2, L*n_batch))
     t29 = np.reshape(t13.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
@@ -3296,7 +3296,7 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3320,7 +3320,7 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdims=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t25.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t25, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t25, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t6, (1, 1, L, L)) * np.reshape(t25, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t25, (n_batch, L, L, 1))) - (np.reshape(t25, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t26 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t27 = t11 * t26
     t28 = np.reshape((np.reshape(t27.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A, (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -3352,7 +3352,7 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3360,7 +3360,7 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     M_1 = t9
     t10 = (2/(L*d_V*n_batch)) * X
     t11 = (np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))).transpose(1, 0, 2, 3)
-    t12 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t12 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t10.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t13 = M_1 @ W_V
     F = t13
     t14 = F - Y
@@ -3368,7 +3368,7 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     G = t15
     t16 = (1/n_batch) * X
     t17 = M_2.transpose(3, 2, 0, 1)
-    t18 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t16.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t12, (d_V**2, L*n_batch)) @ np.reshape(t11.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -3388,7 +3388,7 @@ def mse_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = A @ X
     M_1 = t7
     t8 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3484,12 +3484,12 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t10, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t10, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t11 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t11.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t12 = (2/(L*d_V*n_batch)) * t8
-    t13 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t12.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t13 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t12.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t14 = np.reshape((t9 @ np.reshape(M_2.transpose(2, 3, 0, 1), (d_V, L*d_V*n_batch))), (d_V, d_V, n_batch, L))
     t15 = M_1 @ W_V
     F = t15
@@ -3499,7 +3499,7 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     t19 = (1/n_batch) * t18
     t20 = M_2.transpose(2, 3, 0, 1)
-    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t19.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t13, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -3523,7 +3523,7 @@ def mse_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V))
     t11 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3577,7 +3577,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t1 += (np.reshape((np.reshape(t12, (d_V, 1)) * np.reshape(t10.sum((0,)), (1, d_V**2))), (d_V, d_V, d_V))).transpose(1, 0, 2)
+    t1 += np.reshape(t12, (1, d_V, 1)) * np.reshape(t10.sum((0,)), (d_V, 1, d_V))
     return out
 
 
@@ -3616,7 +3616,7 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = np.reshape((t8.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3641,7 +3641,7 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdims=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t26.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t26, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t26, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t6, (1, 1, L, L)) * np.reshape(t26, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t26, (n_batch, L, L, 1))) - (np.reshape(t26, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t27 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t28 = t11 * t27
     t29 = np.reshape((np.reshape(t27.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -3675,7 +3675,7 @@ def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = A @ X
     M_1 = t7
     t8 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
@@ -3731,7 +3731,7 @@ def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t9, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t9, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t10 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t8.transpose(1, 0)), (n_batch, L, d_V))
     t11 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t12 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -3810,12 +3810,12 @@ def causal1__jacobian__W_QK(X, W_QK, W_V):
     t8 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t9 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t10 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
+    t2[...] = (np.reshape(X, (n_batch, L, 1, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, d_V)))
     t11 = -A
     t12 = (t11 @ t8)
     t13 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t14 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t14, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
+    t14 = (np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)) * np.reshape(X, (n_batch, L, d_V, 1)))
+    t2 += (np.reshape(t12, (n_batch, L, d_V, 1, 1)) * np.reshape(t14, (n_batch, L, 1, d_V, d_V)))
     return out
 
 
@@ -3837,12 +3837,12 @@ def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
     t8 = np.reshape((np.reshape(t1.transpose(0, 2, 1), (L*n_batch, d_V)) @ t0.transpose(1, 0)), (n_batch, L, d_V))
     t9 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(A.transpose(0, 2, 1), (n_batch, L, 1, L)))
     t10 = (np.reshape((t8.transpose(0, 2, 1) @ np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L, L*d_V))), (n_batch, d_V, L, d_V))).transpose(0, 2, 1, 3)
-    t2[...] = (np.reshape((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t10, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))).transpose(0, 1, 3, 2, 4)
+    t2[...] = (np.reshape(X, (n_batch, L, 1, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, d_V)))
     t11 = -A
     t12 = (t11 @ t8)
     t13 = (X.transpose(0, 2, 1) @ A.transpose(0, 2, 1))
-    t14 = (np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))
-    t2 += np.reshape((np.reshape(t12, (n_batch, L, d_V, 1)) * np.reshape(t14, (n_batch, L, 1, d_V**2))), (n_batch, L, d_V, d_V, d_V))
+    t14 = (np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)) * np.reshape(X, (n_batch, L, d_V, 1)))
+    t2 += (np.reshape(t12, (n_batch, L, d_V, 1, 1)) * np.reshape(t14, (n_batch, L, 1, d_V, d_V)))
     return (J,)
 
 
@@ -3955,7 +3955,7 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -3968,32 +3968,32 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = (1/(L*n_batch)) * X
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t19 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA15 * np.reshape(t9, (n_batch, L, d_V, 1)))
     t20 = (t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))
     t21 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t22 = ((t21 @ t20)).transpose(3, 2, 0, 1)
-    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t24 = H[0:d_V**2, d_V**2:2*d_V**2]
     t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
     t26 = ((t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    t27 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t25[...] = (np.reshape((np.reshape(t27, (d_V**2, L*n_batch)) @ np.reshape(t26.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
     t30 = np.swapaxes(M_1, -1, -2)
     t31 = (1/(L*n_batch)) * t30
-    t32 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t32 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t31.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t33 = ((t21 @ t19.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t29[...] = (np.reshape((np.reshape(t32, (d_V**2, L*n_batch)) @ np.reshape(t33.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
-    t36 = (np.reshape((np.reshape(dA15.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t9.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t37 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t31.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t36 = (dA15.transpose(2, 3, 0, 1) * np.reshape(t9.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t37 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t31.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t35[...] = (np.reshape((np.reshape(t37, (d_V**2, L*n_batch)) @ np.reshape(t36.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -4050,7 +4050,7 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4060,9 +4060,9 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(W_V, -1, -2)
-    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA12 * np.reshape(t6, (n_batch, L, d_V, 1)))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V))
@@ -4117,7 +4117,7 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t5, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4130,12 +4130,12 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = (X * t16).transpose(2, 0, 1)
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t19 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA14 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t20 = (t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))
     t21 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t22 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t20.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
@@ -4155,7 +4155,7 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4168,7 +4168,7 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = (np.reshape((np.reshape(A11.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
+    dA13 = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A11, (n_batch, L, d_V, 1))) - (np.reshape(A11, (n_batch, L, 1, d_V)) * np.reshape(A11, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_V))
@@ -4193,7 +4193,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t5, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4206,15 +4206,15 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t18 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA14 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t19 = (t18.transpose(0, 1, 3, 2) @ t17.transpose(1, 2, 0, 3))
     t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t21 = ((t20 @ t19)).transpose(3, 2, 0, 1)
-    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t16.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t22, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -4231,7 +4231,7 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4241,9 +4241,9 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(W_V, -1, -2)
-    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA12 * np.reshape(t6, (n_batch, L, d_V, 1)))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V))
@@ -4277,7 +4277,7 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t5, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4290,12 +4290,12 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * X
     t16 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t17 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = (dA14 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t18 = ((t17.transpose(0, 1, 3, 2) @ t16.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    t19 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t15, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -4312,7 +4312,7 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4322,9 +4322,9 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
     t13 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA12 * np.reshape(t6, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t13.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t16 = (t15 @ dA)
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -4359,7 +4359,7 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A11.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A11, (n_batch, L, d_V, 1))) - (np.reshape(A11, (n_batch, L, 1, d_V)) * np.reshape(A11, (n_batch, L, d_V, 1)))
     t13 = (1/(L*n_batch)) * t6
     t14 = (M_1 * t13.transpose(0, 2, 1)).transpose(2, 0, 1)
     t15 = (oe.contract('abcc,abc->abc', dA, t8)).transpose(2, 0, 1)
@@ -4387,7 +4387,7 @@ def ce_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
     t12 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t5.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t13 = oe.contract('abcc,abc->ab', dA, t7)
     return (1/(L*n_batch)) * (t13 * t12).sum()
@@ -4415,17 +4415,17 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A11.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A11, (n_batch, L, d_V, 1))) - (np.reshape(A11, (n_batch, L, 1, d_V)) * np.reshape(A11, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA15 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA15 = (np.reshape(t14, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t16 = np.reshape((np.reshape(dA15.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/(L*n_batch)) * t6
-    t18 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t19 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t19 = (dA * np.reshape(t8, (n_batch, L, d_V, 1)))
     t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t21 = ((t20 @ t19.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t18, (d_V**2, L*n_batch)) @ np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
@@ -4452,12 +4452,12 @@ def ce_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
-    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA14 = (np.reshape(t13, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    t15 = (dA * np.reshape(t7, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -4493,10 +4493,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A11.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A11, (n_batch, L, d_V, 1))) - (np.reshape(A11, (n_batch, L, 1, d_V)) * np.reshape(A11, (n_batch, L, d_V, 1)))
     t13 = (1/(L*n_batch)) * t6
-    t14 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t15 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = (dA.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t15 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t13.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -4521,8 +4521,8 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
-    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
+    t12 = (dA * np.reshape(t7, (n_batch, L, d_V, 1)))
     t13 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t14 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(t12, (L*n_batch, d_V**2)) @ np.reshape(t12.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -4564,31 +4564,31 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t20, (1, 1, L, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(t19, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t22 = (1/n_batch) * t2
     t23 = M_3.transpose(2, 3, 0, 1)
-    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t22.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t24 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t22.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t25 = H[0:d_V**2, d_V**2:2*d_V**2]
     t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t20, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t27 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t27.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t28 = (1/n_batch) * X
     t29 = M_2.transpose(3, 2, 0, 1)
-    t30 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t28, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t30 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t28.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t26[...] = (np.reshape((np.reshape(t29, (d_V**2, L*n_batch)) @ np.reshape(t30.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t31 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t32 = np.reshape(t31, (d_V, d_V, d_V, d_V), copy=False)
     t33 = np.swapaxes(G, -1, -2)
     t34 = (1/n_batch) * t33
     t35 = M_2.transpose(2, 3, 0, 1)
-    t36 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t36 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t34.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t32[...] = (np.reshape((np.reshape(t36, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t37 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t37[...] = 0
@@ -4669,7 +4669,7 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t18, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = t20 * t19
@@ -4679,7 +4679,7 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t25 = (n_batch**(-2)) * (t24 * t21.transpose(0, 2, 3, 1)).sum()
     t26 = np.sqrt(np.maximum(t25, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t18, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t27 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t28 = t27 * t20
     t29 = np.reshape((np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -4727,7 +4727,7 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t19, (1, 1, L, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(t18, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4767,7 +4767,7 @@ def ce_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t18, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t19.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4806,13 +4806,13 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t18.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t19, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t18, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t18, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t19, (1, 1, L, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t18, (n_batch, L, L, 1))) - (np.reshape(t18, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t20 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t20.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t21 = (1/n_batch) * t1
     t22 = M_3.transpose(2, 3, 0, 1)
-    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t21.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t21.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t23, (d_V**2, L*n_batch)) @ np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -4846,7 +4846,7 @@ def ce_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t17.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t18, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t17, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t17, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t18, (1, 1, L, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t17, (n_batch, L, L, 1))) - (np.reshape(t17, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t21 = t20 * t19
@@ -4872,7 +4872,7 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t5, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -4890,7 +4890,7 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     G = t15
     t16 = (1/n_batch) * X
     t17 = M_2.transpose(3, 2, 0, 1)
-    t18 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t18 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t16.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -4907,7 +4907,7 @@ def ce_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -4978,13 +4978,13 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t15, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/n_batch) * t14
     t18 = M_2.transpose(2, 3, 0, 1)
-    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -5014,7 +5014,7 @@ def ce_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t14, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t15 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5061,7 +5061,7 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5074,15 +5074,15 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = (1/(L*n_batch)) * X
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t19 = np.reshape((np.reshape(dA15, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA15 * np.reshape(t9, (n_batch, L, d_V, 1)))
     t20 = (t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))
     t21 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t22 = ((t21 @ t20)).transpose(3, 2, 0, 1)
-    t23 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t23 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t11
     t24 = np.exp(F - F.max(-1, keepdims=True))
     A25 = t24 / t24.sum(-1, keepdims=True)
@@ -5095,13 +5095,13 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdims=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t32.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t32, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t32, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t6, (1, 1, L, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t32, (n_batch, L, L, 1))) - (np.reshape(t32, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t33 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t33.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t34 = (1/n_batch) * t2
     t35 = M_3.transpose(2, 3, 0, 1)
-    t36 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t34.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t36 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t34.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t37 = np.reshape(t23, (d_V**2, L*n_batch))
     t38 = np.reshape(t36, (d_V**2, L*n_batch))
     t39 = np.reshape(t22.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
@@ -5112,10 +5112,10 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t43 = H[0:d_V**2, d_V**2:2*d_V**2]
     t44 = np.reshape(t43, (d_V, d_V, d_V, d_V), copy=False)
     t45 = ((t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    t46 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t46 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t47 = (1/n_batch) * X
     t48 = M_2.transpose(3, 2, 0, 1)
-    t49 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t47, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t49 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t47.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t44[...] = (np.reshape((np.reshape(t46, (d_V**2, L*n_batch)) @ np.reshape(t45.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t44 += (np.reshape((np.reshape(t48, (d_V**2, L*n_batch)) @ np.reshape(t49.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t50 = H[d_V**2:2*d_V**2, 0:d_V**2]
@@ -5123,17 +5123,17 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t52 = np.swapaxes(G, -1, -2)
     t53 = (1/n_batch) * t52
     t54 = M_2.transpose(2, 3, 0, 1)
-    t55 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t53.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t55 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t53.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t56 = np.swapaxes(M_1, -1, -2)
     t57 = (1/(L*n_batch)) * t56
-    t58 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t57.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t58 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t57.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t59 = ((t21 @ t19.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t51[...] = (np.reshape((np.reshape(t55, (d_V**2, L*n_batch)) @ np.reshape(t54.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t51 += (np.reshape((np.reshape(t58, (d_V**2, L*n_batch)) @ np.reshape(t59.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t60 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t61 = np.reshape(t60, (d_V, d_V, d_V, d_V), copy=False)
-    t62 = (np.reshape((np.reshape(dA15.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t9.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t63 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t57.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t62 = (dA15.transpose(2, 3, 0, 1) * np.reshape(t9.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t63 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t57.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t61[...] = (np.reshape((np.reshape(t63, (d_V**2, L*n_batch)) @ np.reshape(t62.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -5208,7 +5208,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5218,9 +5218,9 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(W_V, -1, -2)
-    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA12 * np.reshape(t6, (n_batch, L, d_V, 1)))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V))
@@ -5247,7 +5247,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t4, (1, 1, L, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(t37, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t38 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t39 = t16 * t38
     t40 = np.reshape((np.reshape(t38.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -5270,7 +5270,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t57 = np.reshape((t15.transpose(1, 0, 2) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
     t58 = (t57.transpose(0, 2, 3, 1) @ t14)
     t59 = np.reshape((np.reshape(t58, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t60 = np.reshape((np.reshape(t59.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t60 = (t59.transpose(0, 1, 3, 4, 2) * np.reshape(t16.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t61 = np.reshape((np.reshape(t60.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t62 = np.reshape((np.reshape(t61.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t63 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5288,7 +5288,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t75 = np.reshape((np.reshape(t74.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t76 = np.reshape((t17 @ np.reshape(t14.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t77 = (t76.transpose(0, 2, 3, 1) @ dA)
-    t78 = np.reshape((np.reshape(t75, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t78 = (t75 * np.reshape(t16.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1)))
     t79 = np.reshape((np.reshape(t78, (n_batch, n_batch, L**2, L)) @ t16.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t80 = np.reshape((np.reshape(t79.transpose(0, 3, 1, 2, 4), (L*n_batch, L**2*n_batch)) @ np.reshape(t77.transpose(0, 1, 3, 2), (L**2*n_batch, d_V))), (n_batch, L, d_V))
     t81 = np.reshape((np.reshape(t73.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t73.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5318,7 +5318,7 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t5, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5331,12 +5331,12 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = (X * t16).transpose(2, 0, 1)
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t19 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA14 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t20 = (t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))
     t21 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t22 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t20.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
@@ -5352,7 +5352,7 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t31.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t5, (1, 1, L, L)) * np.reshape(t31, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t31, (n_batch, L, L, 1))) - (np.reshape(t31, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t32 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5376,7 +5376,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t5.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5389,7 +5389,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = (np.reshape((np.reshape(A11.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
+    dA13 = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A11, (n_batch, L, d_V, 1))) - (np.reshape(A11, (n_batch, L, 1, d_V)) * np.reshape(A11, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t16 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V, d_V))
@@ -5409,7 +5409,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t28 = t27 - (A * t27).sum(-1, keepdims=True)
     t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t29.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t29, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t29, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t4, (1, 1, L, L)) * np.reshape(t29, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t29, (n_batch, L, L, 1))) - (np.reshape(t29, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t30 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5431,7 +5431,7 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t5, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5444,15 +5444,15 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t18 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t18 = (dA14 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t19 = (t18.transpose(0, 1, 3, 2) @ t17.transpose(1, 2, 0, 3))
     t20 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t21 = ((t20 @ t19)).transpose(3, 2, 0, 1)
-    t22 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t16, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t22 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t16.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t10
     t23 = np.exp(F - F.max(-1, keepdims=True))
     A24 = t23 / t23.sum(-1, keepdims=True)
@@ -5465,13 +5465,13 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t31.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t5, (1, 1, L, L)) * np.reshape(t31, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t31, (n_batch, L, L, 1))) - (np.reshape(t31, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t32 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t33 = (1/n_batch) * t1
     t34 = M_3.transpose(2, 3, 0, 1)
-    t35 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t35 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t33.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t36 = np.reshape(t22, (d_V**2, L*n_batch))
     t37 = np.reshape(t35, (d_V**2, L*n_batch))
     t38 = np.reshape(t21.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
@@ -5494,7 +5494,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5504,9 +5504,9 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(W_V, -1, -2)
-    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA12 * np.reshape(t6, (n_batch, L, d_V, 1)))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V))
@@ -5533,7 +5533,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t37.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t37, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t37, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t4, (1, 1, L, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t37, (n_batch, L, L, 1))) - (np.reshape(t37, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t38 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t39 = t16 * t38
     t40 = np.reshape((np.reshape(t38.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -5563,7 +5563,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdims=True)
     t5 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t5, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t5, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t6 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t6.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -5576,12 +5576,12 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * X
     t16 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t17 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t17 = (dA14 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t18 = ((t17.transpose(0, 1, 3, 2) @ t16.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    t19 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t15, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t10
     t20 = np.exp(F - F.max(-1, keepdims=True))
     A21 = t20 / t20.sum(-1, keepdims=True)
@@ -5591,7 +5591,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     G = t24
     t25 = (1/n_batch) * X
     t26 = M_2.transpose(3, 2, 0, 1)
-    t27 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t25, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t27 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t25.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t27.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -5609,7 +5609,7 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5619,9 +5619,9 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
     t13 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA12 * np.reshape(t6, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t13.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t16 = (t15 @ dA)
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5640,7 +5640,7 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     t28 = np.reshape((t13.transpose(1, 0, 2) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
     t29 = (t28.transpose(0, 2, 3, 1) @ t14)
     t30 = np.reshape((np.reshape(t29, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t31 = np.reshape((np.reshape(t30.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t31 = (t30.transpose(0, 1, 3, 4, 2) * np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t32 = np.reshape((np.reshape(t31.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t33 = np.reshape((np.reshape(t32.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t34 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5676,7 +5676,7 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A11.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A11, (n_batch, L, d_V, 1))) - (np.reshape(A11, (n_batch, L, 1, d_V)) * np.reshape(A11, (n_batch, L, d_V, 1)))
     t13 = (1/(L*n_batch)) * t6
     t14 = (M_1 * t13.transpose(0, 2, 1)).transpose(2, 0, 1)
     t15 = (oe.contract('abcc,abc->abc', dA, t8)).transpose(2, 0, 1)
@@ -5704,7 +5704,7 @@ def ce_causal0__trace__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
     t12 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t5.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t13 = oe.contract('abcc,abc->ab', dA, t7)
     return (1/(L*n_batch)) * (t13 * t12).sum()
@@ -5737,23 +5737,23 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t14 = np.swapaxes(G, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t15, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t16 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t17 = (1/n_batch) * t14
     t18 = M_2.transpose(2, 3, 0, 1)
-    t19 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t17.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t19 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t20 = np.swapaxes(M_1, -1, -2)
     t21 = np.exp(t8 - t8.max(-1, keepdims=True))
     A22 = t21 / t21.sum(-1, keepdims=True)
     t23 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA24 = (np.reshape((np.reshape(A22.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t23, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A22, (n_batch, L, d_V, 1)) * np.reshape(A22, (n_batch, L, 1, d_V)))
+    dA24 = (np.reshape(t23, (1, 1, d_V, d_V)) * np.reshape(A22, (n_batch, L, d_V, 1))) - (np.reshape(A22, (n_batch, L, 1, d_V)) * np.reshape(A22, (n_batch, L, d_V, 1)))
     t25 = np.swapaxes(W_V, -1, -2)
     t26 = (1/(L*n_batch)) * t20
-    t27 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t26.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t28 = np.reshape((np.reshape(dA24, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t27 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t26.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t28 = (dA24 * np.reshape(t2, (n_batch, L, d_V, 1)))
     t29 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t25.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t30 = ((t29 @ t28.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t18.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
@@ -5786,7 +5786,7 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t14, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t14, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t15 = np.reshape((np.reshape(t13.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t13.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5799,15 +5799,15 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     A24 = t23 / t23.sum(-1, keepdims=True)
     t25 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA26 = (np.reshape((np.reshape(A24.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t25, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A24, (n_batch, L, d_V, 1)) * np.reshape(A24, (n_batch, L, 1, d_V)))
+    dA26 = (np.reshape(t25, (1, 1, d_V, d_V)) * np.reshape(A24, (n_batch, L, d_V, 1))) - (np.reshape(A24, (n_batch, L, 1, d_V)) * np.reshape(A24, (n_batch, L, d_V, 1)))
     t27 = np.swapaxes(W_V, -1, -2)
-    t28 = np.reshape((np.reshape(dA26, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t28 = (dA26 * np.reshape(t1, (n_batch, L, d_V, 1)))
     t29 = np.reshape((np.reshape(t22.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t30 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V))
     t31 = np.reshape((np.reshape(t29.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t32 = np.reshape((t30 @ np.reshape(t28.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t33 = (t32.transpose(0, 2, 3, 1) @ dA)
-    t34 = np.reshape((np.reshape(t31, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t17.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t34 = (t31 * np.reshape(t17.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1)))
     t35 = np.reshape((np.reshape(t34, (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t36 = np.reshape((np.reshape(t35.transpose(0, 3, 1, 2, 4), (L*n_batch, L**2*n_batch)) @ np.reshape(t33.transpose(0, 1, 3, 2), (L**2*n_batch, d_V))), (n_batch, L, d_V))
     t37 = np.reshape((np.reshape(t22.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t22.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5841,10 +5841,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A11.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t12, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A11, (n_batch, L, d_V, 1)) * np.reshape(A11, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(A11, (n_batch, L, d_V, 1))) - (np.reshape(A11, (n_batch, L, 1, d_V)) * np.reshape(A11, (n_batch, L, d_V, 1)))
     t13 = (1/(L*n_batch)) * t6
-    t14 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t8.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t15 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t13.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t14 = (dA.transpose(2, 3, 0, 1) * np.reshape(t8.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t15 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t13.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t15, (d_V**2, L*n_batch)) @ np.reshape(t14.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -5869,8 +5869,8 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
-    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
+    t12 = (dA * np.reshape(t7, (n_batch, L, d_V, 1)))
     t13 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t14 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(t12, (L*n_batch, d_V**2)) @ np.reshape(t12.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -5892,7 +5892,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5902,9 +5902,9 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
     t13 = np.swapaxes(W_V, -1, -2)
-    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA12 * np.reshape(t6, (n_batch, L, d_V, 1)))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t16 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t13.transpose(1, 0)), (n_batch, L, d_V))
@@ -5932,7 +5932,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdims=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t38.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t38, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t38, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t4, (1, 1, L, L)) * np.reshape(t38, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t38, (n_batch, L, L, 1))) - (np.reshape(t38, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t39 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t40 = t16 * t39
     t41 = np.reshape((np.reshape(t39.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -5964,7 +5964,7 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdims=True)
     t4 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t4, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t4, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = A @ X
@@ -5974,9 +5974,9 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA12 = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
     t13 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t14 = np.reshape((np.reshape(dA12, (n_batch, L, d_V, d_V, 1)) * np.reshape(t6, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t14 = (dA12 * np.reshape(t6, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t14.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t13.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t16 = (t15 @ dA)
     t17 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6003,7 +6003,7 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     t36 = np.reshape((t13.transpose(1, 0, 2) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
     t37 = (t36.transpose(0, 2, 3, 1) @ t14)
     t38 = np.reshape((np.reshape(t37, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t39 = np.reshape((np.reshape(t38.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t39 = (t38.transpose(0, 1, 3, 4, 2) * np.reshape(t17.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t40 = np.reshape((np.reshape(t39.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t17.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t41 = np.reshape((np.reshape(t40.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t42 = (2/(L*n_batch**2)) * (t41 * t35.transpose(0, 2, 3, 1)).sum()
@@ -6034,12 +6034,12 @@ def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
     t12 = np.swapaxes(W_V, -1, -2)
     t13 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t13, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
-    t15 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA14 = (np.reshape(t13, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    t15 = (dA * np.reshape(t7, (n_batch, L, d_V, 1)))
     t16 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t12.transpose(1, 0)), (n_batch, L, d_V))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6068,7 +6068,7 @@ def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t39 = np.reshape((t17.transpose(0, 2, 1) @ np.reshape(dA14.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
     t40 = (t39.transpose(0, 2, 3, 1) @ t15.transpose(0, 1, 3, 2))
     t41 = np.reshape((np.reshape(t40, (L**2*n_batch, d_V)) @ np.reshape(t30.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t42 = np.reshape((np.reshape(t41.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t42 = (t41.transpose(0, 1, 3, 4, 2) * np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t43 = np.reshape((np.reshape(t42.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t44 = np.reshape((np.reshape(t43.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA14.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t45 = (2/(L*n_batch**2)) * (t44 * t38.transpose(0, 2, 3, 1)).sum()
@@ -6099,8 +6099,8 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A10.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t11, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A10, (n_batch, L, d_V, 1)) * np.reshape(A10, (n_batch, L, 1, d_V)))
-    t12 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t7, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t11, (1, 1, d_V, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1))) - (np.reshape(A10, (n_batch, L, 1, d_V)) * np.reshape(A10, (n_batch, L, d_V, 1)))
+    t12 = (dA * np.reshape(t7, (n_batch, L, d_V, 1)))
     t13 = np.reshape((np.reshape(t5.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t5.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t14 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t15 = np.reshape((np.reshape(t12, (L*n_batch, d_V**2)) @ np.reshape(t12.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6188,7 +6188,7 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6201,32 +6201,32 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*n_batch)) * X
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t21 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t22 = (t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))
     t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t24 = ((t23 @ t22)).transpose(3, 2, 0, 1)
-    t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t26 = H[0:d_V**2, d_V**2:2*d_V**2]
     t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
     t28 = ((t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    t29 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t27[...] = (np.reshape((np.reshape(t29, (d_V**2, L*n_batch)) @ np.reshape(t28.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t30 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t31 = np.reshape(t30, (d_V, d_V, d_V, d_V), copy=False)
     t32 = np.swapaxes(M_1, -1, -2)
     t33 = (1/(L*n_batch)) * t32
-    t34 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t34 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t33.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t35 = ((t23 @ t21.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t31[...] = (np.reshape((np.reshape(t34, (d_V**2, L*n_batch)) @ np.reshape(t35.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t37 = np.reshape(t36, (d_V, d_V, d_V, d_V), copy=False)
-    t38 = (np.reshape((np.reshape(dA17.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t39 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t33.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t38 = (dA17.transpose(2, 3, 0, 1) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t39 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t33.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t37[...] = (np.reshape((np.reshape(t39, (d_V**2, L*n_batch)) @ np.reshape(t38.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -6287,7 +6287,7 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -6297,9 +6297,9 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
-    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t16 = (dA14 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
@@ -6356,7 +6356,7 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6369,12 +6369,12 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = (X * t18).transpose(2, 0, 1)
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t21 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t22 = (t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))
     t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t24 = np.reshape((np.reshape(t23.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t22.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
@@ -6396,7 +6396,7 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6409,7 +6409,7 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t18 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_V))
@@ -6436,7 +6436,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6449,15 +6449,15 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t20 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t21 = (t20.transpose(0, 1, 3, 2) @ t19.transpose(1, 2, 0, 3))
     t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t23 = ((t22 @ t21)).transpose(3, 2, 0, 1)
-    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t24 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t18.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t24, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -6476,7 +6476,7 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -6486,9 +6486,9 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
-    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t16 = (dA14 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
@@ -6524,7 +6524,7 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -6537,12 +6537,12 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = (1/(L*n_batch)) * X
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t20 = ((t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    t21 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -6561,7 +6561,7 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -6571,9 +6571,9 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t16 = (dA14 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t17 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t15.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t18 = (t17 @ dA)
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6610,7 +6610,7 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (M_1 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
@@ -6640,7 +6640,7 @@ def ce_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t14 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -6670,17 +6670,17 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA17 = (np.reshape(t16, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t18 = np.reshape((np.reshape(dA17.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/(L*n_batch)) * t8
-    t20 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t21 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t19.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t21 = (dA * np.reshape(t10, (n_batch, L, d_V, 1)))
     t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t23 = ((t22 @ t21.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t20, (d_V**2, L*n_batch)) @ np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
@@ -6709,12 +6709,12 @@ def ce_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA16 = (np.reshape(t15, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    t17 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6752,10 +6752,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t10.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t17 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (dA.transpose(2, 3, 0, 1) * np.reshape(t10.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t17 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -6782,8 +6782,8 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
+    t14 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -6827,31 +6827,31 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     t22 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t21.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t21, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t21, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t22, (1, 1, L, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t21, (n_batch, L, L, 1))) - (np.reshape(t21, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t23 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t23.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t24 = (1/n_batch) * t2
     t25 = M_3.transpose(2, 3, 0, 1)
-    t26 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t24.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t26 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t24.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t1[...] = (np.reshape((np.reshape(t26, (d_V**2, L*n_batch)) @ np.reshape(t25.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t27 = H[0:d_V**2, d_V**2:2*d_V**2]
     t28 = np.reshape(t27, (d_V, d_V, d_V, d_V), copy=False)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t22, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t22, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t29 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t29.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t30 = (1/n_batch) * X
     t31 = M_2.transpose(3, 2, 0, 1)
-    t32 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t30, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t32 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t30.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t28[...] = (np.reshape((np.reshape(t31, (d_V**2, L*n_batch)) @ np.reshape(t32.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t33 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t34 = np.reshape(t33, (d_V, d_V, d_V, d_V), copy=False)
     t35 = np.swapaxes(G, -1, -2)
     t36 = (1/n_batch) * t35
     t37 = M_2.transpose(2, 3, 0, 1)
-    t38 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t38 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t36.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t34[...] = (np.reshape((np.reshape(t38, (d_V**2, L*n_batch)) @ np.reshape(t37.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t39 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t39[...] = 0
@@ -6936,7 +6936,7 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t20, (1, 1, L, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(t19, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t22 * t21
@@ -6946,7 +6946,7 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t27 = (n_batch**(-2)) * (t26 * t23.transpose(0, 2, 3, 1)).sum()
     t28 = np.sqrt(np.maximum(t27, 0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t20, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t29 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t30 = t29 * t22
     t31 = np.reshape((np.reshape(t21.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -6996,7 +6996,7 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t21, (1, 1, L, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(t20, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7038,7 +7038,7 @@ def ce_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t20, (1, 1, L, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(t19, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t21.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7079,13 +7079,13 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t20.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t21, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t20, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t20, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t21, (1, 1, L, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t20, (n_batch, L, L, 1))) - (np.reshape(t20, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t22 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t22.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * t1
     t24 = M_3.transpose(2, 3, 0, 1)
-    t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t23.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t23.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t25, (d_V**2, L*n_batch)) @ np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -7121,7 +7121,7 @@ def ce_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = np.eye(L, dtype=X.dtype)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t19.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t20, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t19, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t19, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t20, (1, 1, L, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t19, (n_batch, L, L, 1))) - (np.reshape(t19, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t21 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t22 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t23 = t22 * t21
@@ -7149,7 +7149,7 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7167,7 +7167,7 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     G = t17
     t18 = (1/n_batch) * X
     t19 = M_2.transpose(3, 2, 0, 1)
-    t20 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t20 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t18.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t19, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -7186,7 +7186,7 @@ def ce_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -7259,13 +7259,13 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t17, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t18 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/n_batch) * t16
     t20 = M_2.transpose(2, 3, 0, 1)
-    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t19.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
 
@@ -7297,7 +7297,7 @@ def ce_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t16, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t17 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t15.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7346,7 +7346,7 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdims=True)
     t8 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t8, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t9 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t9.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7359,15 +7359,15 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = (np.reshape((np.reshape(A15.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t16, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A15, (n_batch, L, d_V, 1)) * np.reshape(A15, (n_batch, L, 1, d_V)))
+    dA17 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1))) - (np.reshape(A15, (n_batch, L, 1, d_V)) * np.reshape(A15, (n_batch, L, d_V, 1)))
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = (1/(L*n_batch)) * X
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t21 = np.reshape((np.reshape(dA17, (n_batch, L, d_V, d_V, 1)) * np.reshape(t11, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (dA17 * np.reshape(t11, (n_batch, L, d_V, 1)))
     t22 = (t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))
     t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t18.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t24 = ((t23 @ t22)).transpose(3, 2, 0, 1)
-    t25 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t25 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t13
     t26 = np.exp(F - F.max(-1, keepdims=True))
     A27 = t26 / t26.sum(-1, keepdims=True)
@@ -7380,13 +7380,13 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdims=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t34.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t8, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t34, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t34, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t8, (1, 1, L, L)) * np.reshape(t34, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t34, (n_batch, L, L, 1))) - (np.reshape(t34, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t35 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t2.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t35.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t36 = (1/n_batch) * t2
     t37 = M_3.transpose(2, 3, 0, 1)
-    t38 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t36.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t38 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t36.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t39 = np.reshape(t25, (d_V**2, L*n_batch))
     t40 = np.reshape(t38, (d_V**2, L*n_batch))
     t41 = np.reshape(t24.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
@@ -7397,10 +7397,10 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t45 = H[0:d_V**2, d_V**2:2*d_V**2]
     t46 = np.reshape(t45, (d_V, d_V, d_V, d_V), copy=False)
     t47 = ((t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    t48 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t19, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t48 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t19.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t49 = (1/n_batch) * X
     t50 = M_2.transpose(3, 2, 0, 1)
-    t51 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t49, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t51 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t49.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t46[...] = (np.reshape((np.reshape(t48, (d_V**2, L*n_batch)) @ np.reshape(t47.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t46 += (np.reshape((np.reshape(t50, (d_V**2, L*n_batch)) @ np.reshape(t51.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t52 = H[d_V**2:2*d_V**2, 0:d_V**2]
@@ -7408,17 +7408,17 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t54 = np.swapaxes(G, -1, -2)
     t55 = (1/n_batch) * t54
     t56 = M_2.transpose(2, 3, 0, 1)
-    t57 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t55.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t57 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t55.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t58 = np.swapaxes(M_1, -1, -2)
     t59 = (1/(L*n_batch)) * t58
-    t60 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t60 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t61 = ((t23 @ t21.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t53[...] = (np.reshape((np.reshape(t57, (d_V**2, L*n_batch)) @ np.reshape(t56.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     t53 += (np.reshape((np.reshape(t60, (d_V**2, L*n_batch)) @ np.reshape(t61.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t62 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t63 = np.reshape(t62, (d_V, d_V, d_V, d_V), copy=False)
-    t64 = (np.reshape((np.reshape(dA17.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t11.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t65 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t59.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t64 = (dA17.transpose(2, 3, 0, 1) * np.reshape(t11.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t65 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t59.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t63[...] = (np.reshape((np.reshape(t65, (d_V**2, L*n_batch)) @ np.reshape(t64.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return H
 
@@ -7497,7 +7497,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -7507,9 +7507,9 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
-    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t16 = (dA14 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
@@ -7536,7 +7536,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t39.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t6, (1, 1, L, L)) * np.reshape(t39, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t39, (n_batch, L, L, 1))) - (np.reshape(t39, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t40 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t41 = t18 * t40
     t42 = np.reshape((np.reshape(t40.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -7559,7 +7559,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t59 = np.reshape((t17.transpose(1, 0, 2) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
     t60 = (t59.transpose(0, 2, 3, 1) @ t16)
     t61 = np.reshape((np.reshape(t60, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t62 = np.reshape((np.reshape(t61.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t62 = (t61.transpose(0, 1, 3, 4, 2) * np.reshape(t18.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t63 = np.reshape((np.reshape(t62.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t64 = np.reshape((np.reshape(t63.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t65 = np.reshape((np.reshape(G, (L*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7577,7 +7577,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t77 = np.reshape((np.reshape(t76.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t78 = np.reshape((t19 @ np.reshape(t16.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t79 = (t78.transpose(0, 2, 3, 1) @ dA)
-    t80 = np.reshape((np.reshape(t77, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t18.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t80 = (t77 * np.reshape(t18.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1)))
     t81 = np.reshape((np.reshape(t80, (n_batch, n_batch, L**2, L)) @ t18.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t82 = np.reshape((np.reshape(t81.transpose(0, 3, 1, 2, 4), (L*n_batch, L**2*n_batch)) @ np.reshape(t79.transpose(0, 1, 3, 2), (L**2*n_batch, d_V))), (n_batch, L, d_V))
     t83 = np.reshape((np.reshape(t75.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t75.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7609,7 +7609,7 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7622,12 +7622,12 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = (X * t18).transpose(2, 0, 1)
     t20 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t21 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t21 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t22 = (t21.transpose(0, 1, 3, 2) @ t20.transpose(1, 2, 0, 3))
     t23 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t24 = np.reshape((np.reshape(t23.transpose(2, 0, 1, 3), (d_V, n_batch, L, 1, d_V)) @ np.reshape(t22.transpose(3, 0, 1, 2), (d_V, n_batch, L, d_V, 1))), (d_V, n_batch, L))
@@ -7643,7 +7643,7 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdims=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t33.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t33, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t33, (n_batch, L, L, 1))) - (np.reshape(t33, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t34 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7669,7 +7669,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t7.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7682,7 +7682,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA15 = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = np.reshape((np.reshape(X, (n_batch, L, 1, d_V)) @ np.reshape(X, (n_batch, L, d_V, 1))), (n_batch, L))
     t18 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t16.transpose(1, 0)), (n_batch, L, d_V, d_V))
@@ -7702,7 +7702,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdims=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t31.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t31, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t31, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t6, (1, 1, L, L)) * np.reshape(t31, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t31, (n_batch, L, L, 1))) - (np.reshape(t31, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t32 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t0.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7726,7 +7726,7 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7739,15 +7739,15 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t20 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t20 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t21 = (t20.transpose(0, 1, 3, 2) @ t19.transpose(1, 2, 0, 3))
     t22 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t17.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t23 = ((t22 @ t21)).transpose(3, 2, 0, 1)
-    t24 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t18, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t24 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t18.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t12
     t25 = np.exp(F - F.max(-1, keepdims=True))
     A26 = t25 / t25.sum(-1, keepdims=True)
@@ -7760,13 +7760,13 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdims=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t33.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t33, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t33, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t7, (1, 1, L, L)) * np.reshape(t33, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t33, (n_batch, L, L, 1))) - (np.reshape(t33, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t34 = np.reshape((np.reshape(d2A.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = np.reshape((np.reshape(t34.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t35 = (1/n_batch) * t1
     t36 = M_3.transpose(2, 3, 0, 1)
-    t37 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t35.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t37 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t35.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t38 = np.reshape(t24, (d_V**2, L*n_batch))
     t39 = np.reshape(t37, (d_V**2, L*n_batch))
     t40 = np.reshape(t23.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))
@@ -7791,7 +7791,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -7801,9 +7801,9 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
-    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t16 = (dA14 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
@@ -7830,7 +7830,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdims=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t39.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t39, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t39, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t6, (1, 1, L, L)) * np.reshape(t39, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t39, (n_batch, L, L, 1))) - (np.reshape(t39, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t40 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t41 = t18 * t40
     t42 = np.reshape((np.reshape(t40.transpose(0, 2, 3, 1), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -7862,7 +7862,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdims=True)
     t7 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t7, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t7, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t8 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t1.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t8.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
@@ -7875,12 +7875,12 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = (np.reshape((np.reshape(A14.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t15, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A14, (n_batch, L, d_V, 1)) * np.reshape(A14, (n_batch, L, 1, d_V)))
+    dA16 = (np.reshape(t15, (1, 1, d_V, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1))) - (np.reshape(A14, (n_batch, L, 1, d_V)) * np.reshape(A14, (n_batch, L, d_V, 1)))
     t17 = (1/(L*n_batch)) * X
     t18 = np.reshape((W_V.transpose(1, 0) @ np.reshape(M_2.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))
-    t19 = np.reshape((np.reshape(dA16, (n_batch, L, d_V, d_V, 1)) * np.reshape(t10, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t19 = (dA16 * np.reshape(t10, (n_batch, L, d_V, 1)))
     t20 = ((t19.transpose(0, 1, 3, 2) @ t18.transpose(1, 2, 0, 3))).transpose(3, 2, 0, 1)
-    t21 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t17, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t17.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     F = t12
     t22 = np.exp(F - F.max(-1, keepdims=True))
     A23 = t22 / t22.sum(-1, keepdims=True)
@@ -7890,7 +7890,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     G = t26
     t27 = (1/n_batch) * X
     t28 = M_2.transpose(3, 2, 0, 1)
-    t29 = ((np.reshape(G, (n_batch, L, d_V, 1)) * np.reshape(t27, (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t29 = (np.reshape(G.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t27.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     t0 += (np.reshape((np.reshape(t28, (d_V**2, L*n_batch)) @ np.reshape(t29.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
     return out
@@ -7910,7 +7910,7 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -7920,9 +7920,9 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t16 = (dA14 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t17 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t15.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t18 = (t17 @ dA)
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7941,7 +7941,7 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     t30 = np.reshape((t15.transpose(1, 0, 2) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
     t31 = (t30.transpose(0, 2, 3, 1) @ t16)
     t32 = np.reshape((np.reshape(t31, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t33 = np.reshape((np.reshape(t32.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t33 = (t32.transpose(0, 1, 3, 4, 2) * np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t34 = np.reshape((np.reshape(t33.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t35 = np.reshape((np.reshape(t34.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t36 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -7979,7 +7979,7 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (M_1 * t15.transpose(0, 2, 1)).transpose(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).transpose(2, 0, 1)
@@ -8009,7 +8009,7 @@ def ce_causal1__trace__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t14 = np.reshape((np.reshape(M_1, (n_batch, L, 1, d_V)) @ np.reshape(t7.transpose(0, 2, 1), (n_batch, L, d_V, 1))), (n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -8044,23 +8044,23 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t16 = np.swapaxes(G, -1, -2)
     t17 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t17, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t17, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t18 = np.reshape((np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L)) @ t3.transpose(0, 2, 1)), (n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = np.reshape((np.reshape(t18.transpose(0, 1, 3, 2), (n_batch, L*d_V, L)) @ X), (n_batch, L, d_V, d_V))
     t19 = (1/n_batch) * t16
     t20 = M_2.transpose(2, 3, 0, 1)
-    t21 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t19.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t21 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t19.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t22 = np.swapaxes(M_1, -1, -2)
     t23 = np.exp(t10 - t10.max(-1, keepdims=True))
     A24 = t23 / t23.sum(-1, keepdims=True)
     t25 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA26 = (np.reshape((np.reshape(A24.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t25, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A24, (n_batch, L, d_V, 1)) * np.reshape(A24, (n_batch, L, 1, d_V)))
+    dA26 = (np.reshape(t25, (1, 1, d_V, d_V)) * np.reshape(A24, (n_batch, L, d_V, 1))) - (np.reshape(A24, (n_batch, L, 1, d_V)) * np.reshape(A24, (n_batch, L, d_V, 1)))
     t27 = np.swapaxes(W_V, -1, -2)
     t28 = (1/(L*n_batch)) * t22
-    t29 = ((np.reshape(X, (n_batch, L, d_V, 1)) * np.reshape(t28.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
-    t30 = np.reshape((np.reshape(dA26, (n_batch, L, d_V, d_V, 1)) * np.reshape(t2, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t29 = (np.reshape(X.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t28.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
+    t30 = (dA26 * np.reshape(t2, (n_batch, L, d_V, 1)))
     t31 = np.reshape((np.reshape(M_2.transpose(0, 1, 3, 2), (L*d_V*n_batch, d_V)) @ t27.transpose(1, 0)), (n_batch, L, d_V, d_V))
     t32 = ((t31 @ t30.transpose(0, 1, 3, 2))).transpose(3, 2, 0, 1)
     t0[...] = (np.reshape((np.reshape(t21, (d_V**2, L*n_batch)) @ np.reshape(t20.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(2, 0, 1, 3)
@@ -8095,7 +8095,7 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     t16 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t16, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t16, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t17 = np.reshape((np.reshape(t15.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t15.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t18 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8108,15 +8108,15 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     A26 = t25 / t25.sum(-1, keepdims=True)
     t27 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA28 = (np.reshape((np.reshape(A26.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t27, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A26, (n_batch, L, d_V, 1)) * np.reshape(A26, (n_batch, L, 1, d_V)))
+    dA28 = (np.reshape(t27, (1, 1, d_V, d_V)) * np.reshape(A26, (n_batch, L, d_V, 1))) - (np.reshape(A26, (n_batch, L, 1, d_V)) * np.reshape(A26, (n_batch, L, d_V, 1)))
     t29 = np.swapaxes(W_V, -1, -2)
-    t30 = np.reshape((np.reshape(dA28, (n_batch, L, d_V, d_V, 1)) * np.reshape(t1, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t30 = (dA28 * np.reshape(t1, (n_batch, L, d_V, 1)))
     t31 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t2.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t32 = np.reshape((np.reshape(t2.transpose(0, 2, 1), (L*n_batch, d_V)) @ t29.transpose(1, 0)), (n_batch, L, d_V))
     t33 = np.reshape((np.reshape(t31.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
     t34 = np.reshape((t32 @ np.reshape(t30.transpose(0, 3, 1, 2), (n_batch, d_V, L*d_V))), (n_batch, L, L, d_V))
     t35 = (t34.transpose(0, 2, 3, 1) @ dA)
-    t36 = np.reshape((np.reshape(t33, (n_batch, n_batch, L, L, L, 1)) * np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1, 1))), (n_batch, n_batch, L, L, L))
+    t36 = (t33 * np.reshape(t19.transpose(2, 0, 1, 3), (n_batch, n_batch, L, L, 1)))
     t37 = np.reshape((np.reshape(t36, (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t38 = np.reshape((np.reshape(t37.transpose(0, 3, 1, 2, 4), (L*n_batch, L**2*n_batch)) @ np.reshape(t35.transpose(0, 1, 3, 2), (L**2*n_batch, d_V))), (n_batch, L, d_V))
     t39 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t24.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8152,10 +8152,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A13.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t14, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A13, (n_batch, L, d_V, 1)) * np.reshape(A13, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t14, (1, 1, d_V, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1))) - (np.reshape(A13, (n_batch, L, 1, d_V)) * np.reshape(A13, (n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = (np.reshape((np.reshape(dA.transpose(2, 0, 1, 3), (d_V, n_batch, L, d_V, 1)) * np.reshape(t10.transpose(2, 0, 1), (d_V, n_batch, L, 1, 1))), (d_V, n_batch, L, d_V))).transpose(0, 3, 1, 2)
-    t17 = ((np.reshape(M_1, (n_batch, L, d_V, 1)) * np.reshape(t15.transpose(0, 2, 1), (n_batch, L, 1, d_V)))).transpose(3, 2, 0, 1)
+    t16 = (dA.transpose(2, 3, 0, 1) * np.reshape(t10.transpose(2, 0, 1), (d_V, 1, n_batch, L)))
+    t17 = (np.reshape(M_1.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t15.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
     t0[...] = (np.reshape((np.reshape(t17, (d_V**2, L*n_batch)) @ np.reshape(t16.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
     return out
 
@@ -8182,8 +8182,8 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
+    t14 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8207,7 +8207,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -8217,9 +8217,9 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t15 = np.swapaxes(W_V, -1, -2)
-    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t16 = (dA14 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t17 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
     t18 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t15.transpose(1, 0)), (n_batch, L, d_V))
@@ -8247,7 +8247,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t39 = t38 - (A * t38).sum(-1, keepdims=True)
     t40 = A * t39
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (np.reshape((np.reshape(t40.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(t40, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L))) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(t40, (n_batch, L, 1, L)))
+    d2A = (np.reshape(t6, (1, 1, L, L)) * np.reshape(t40, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(t40, (n_batch, L, L, 1))) - (np.reshape(t40, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t41 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t42 = t18 * t41
     t43 = np.reshape((np.reshape(t41.transpose(2, 0, 1, 3), (n_batch, L*n_batch, L)) @ np.reshape(d2A.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, n_batch, L, L, L))
@@ -8281,7 +8281,7 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdims=True)
     t6 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t6, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
+    dA = (np.reshape(t6, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdims=True)
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = A @ X
@@ -8291,9 +8291,9 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA14 = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t15 = np.reshape((W_V.transpose(1, 0) @ np.reshape(t0.transpose(1, 0, 2), (d_V, L*n_batch))), (d_V, n_batch, L))
-    t16 = np.reshape((np.reshape(dA14, (n_batch, L, d_V, d_V, 1)) * np.reshape(t8, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    t16 = (dA14 * np.reshape(t8, (n_batch, L, d_V, 1)))
     t17 = np.reshape((np.reshape(t16.transpose(0, 1, 3, 2), (n_batch, L*d_V, d_V)) @ t15.transpose(1, 0, 2)), (n_batch, L, d_V, L))
     t18 = (t17 @ dA)
     t19 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8320,7 +8320,7 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     t38 = np.reshape((t15.transpose(1, 0, 2) @ np.reshape(dA.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
     t39 = (t38.transpose(0, 2, 3, 1) @ t16)
     t40 = np.reshape((np.reshape(t39, (L**2*n_batch, d_V)) @ np.reshape(G.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t41 = np.reshape((np.reshape(t40.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t41 = (t40.transpose(0, 1, 3, 4, 2) * np.reshape(t19.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t42 = np.reshape((np.reshape(t41.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t19.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t43 = np.reshape((np.reshape(t42.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t44 = (2/(L*n_batch**2)) * (t43 * t37.transpose(0, 2, 3, 1)).sum()
@@ -8353,12 +8353,12 @@ def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = np.eye(L, dtype=X.dtype)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = (np.reshape((np.reshape(A.transpose(2, 0, 1), (L, L*n_batch, 1)) * np.reshape(t15, (L, 1, L))), (L, n_batch, L, L))).transpose(1, 2, 0, 3) - (np.reshape(A, (n_batch, L, L, 1)) * np.reshape(A, (n_batch, L, 1, L)))
-    t17 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA16 = (np.reshape(t15, (1, 1, L, L)) * np.reshape(A, (n_batch, L, L, 1))) - (np.reshape(A, (n_batch, L, 1, L)) * np.reshape(A, (n_batch, L, L, 1)))
+    t17 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
     t18 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t19 = np.reshape((np.reshape(t0.transpose(0, 2, 1), (L*n_batch, d_V)) @ t14.transpose(1, 0)), (n_batch, L, d_V))
     t20 = np.reshape((np.reshape(X, (L*n_batch, d_V)) @ np.reshape(X.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
@@ -8387,7 +8387,7 @@ def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t41 = np.reshape((t19.transpose(0, 2, 1) @ np.reshape(dA16.transpose(0, 2, 1, 3), (n_batch, L, L**2))), (n_batch, d_V, L, L))
     t42 = (t41.transpose(0, 2, 3, 1) @ t17.transpose(0, 1, 3, 2))
     t43 = np.reshape((np.reshape(t42, (L**2*n_batch, d_V)) @ np.reshape(t32.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, L, n_batch, L))
-    t44 = np.reshape((np.reshape(t43.transpose(0, 1, 3, 4, 2), (n_batch, L, n_batch, L, L, 1)) * np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1, 1))), (n_batch, L, n_batch, L, L))
+    t44 = (t43.transpose(0, 1, 3, 4, 2) * np.reshape(t20.transpose(2, 3, 0, 1), (n_batch, L, n_batch, L, 1)))
     t45 = np.reshape((np.reshape(t44.transpose(0, 2, 1, 3, 4), (n_batch, n_batch, L**2, L)) @ t20.transpose(2, 0, 3, 1)), (n_batch, n_batch, L, L, L))
     t46 = np.reshape((np.reshape(t45.transpose(1, 0, 2, 3, 4), (n_batch, L*n_batch, L**2)) @ np.reshape(dA16.transpose(0, 1, 3, 2), (n_batch, L**2, L))), (n_batch, n_batch, L, L))
     t47 = (2/(L*n_batch**2)) * (t46 * t40.transpose(0, 2, 3, 1)).sum()
@@ -8420,8 +8420,8 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.eye(d_V, dtype=X.dtype)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = (np.reshape((np.reshape(A12.transpose(2, 0, 1), (d_V, L*n_batch, 1)) * np.reshape(t13, (d_V, 1, d_V))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3) - (np.reshape(A12, (n_batch, L, d_V, 1)) * np.reshape(A12, (n_batch, L, 1, d_V)))
-    t14 = np.reshape((np.reshape(dA, (n_batch, L, d_V, d_V, 1)) * np.reshape(t9, (n_batch, L, d_V, 1, 1))), (n_batch, L, d_V, d_V))
+    dA = (np.reshape(t13, (1, 1, d_V, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1))) - (np.reshape(A12, (n_batch, L, 1, d_V)) * np.reshape(A12, (n_batch, L, d_V, 1)))
+    t14 = (dA * np.reshape(t9, (n_batch, L, d_V, 1)))
     t15 = np.reshape((np.reshape(t7.transpose(0, 2, 1), (L*n_batch, d_V)) @ np.reshape(t7.transpose(1, 0, 2), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t16 = np.reshape((np.reshape(M_1, (L*n_batch, d_V)) @ np.reshape(M_1.transpose(2, 0, 1), (d_V, L*n_batch))), (n_batch, L, n_batch, L))
     t17 = np.reshape((np.reshape(t14, (L*n_batch, d_V**2)) @ np.reshape(t14.transpose(2, 3, 0, 1), (d_V**2, L*n_batch))), (n_batch, L, n_batch, L))

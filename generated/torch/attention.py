@@ -100,7 +100,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -111,13 +111,13 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t15 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t16 = (t15 @ t14)
     t17 = ((W_K.permute(1, 0) @ t16.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t18 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t20 = t19.view((d_V, d_K, d_V, d_K))
     t21 = ((t15 @ t14)).permute(3, 2, 0, 1)
     t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t23 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (t22.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t20[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t25 = t24.view((d_V, d_K, d_V, d_V))
@@ -126,7 +126,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t27 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t28 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t29 = ((W_V.permute(1, 0) @ t28.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t30 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t30 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t25[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t32 = t31.view((d_V, d_K, d_V, d_K))
@@ -136,19 +136,19 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t36 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t37 = ((t36.permute(1, 2, 0, 3) @ t35.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t38 = (X.reshape((L*n_batch, d_V)) @ t34.permute(1, 0)).reshape((n_batch, L, d_K))
-    t39 = ((t38.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t39 = (t38.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t32[...] = ((t39.reshape((d_K*d_V, L*n_batch)) @ t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t41 = t40.view((d_V, d_K, d_V, d_K))
     t42 = ((t35.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t43 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t38.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t43 = (t22.reshape((1, d_K, n_batch, L)) * t38.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t41[...] = ((t42.reshape((d_V**2, L*n_batch)) @ t43.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t44 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t45 = t44.view((d_V, d_K, d_V, d_V))
     t46 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t33
     t47 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t48 = (X.reshape((L*n_batch, d_V)) @ t46.permute(1, 0)).reshape((n_batch, L, d_K))
-    t49 = ((t48.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t49 = (t48.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t45[...] = ((t49.reshape((d_K*d_V, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t51 = t50.view((d_V, d_V, d_V, d_K))
@@ -156,12 +156,12 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t53 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t52
     t54 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t55 = ((W_K.permute(1, 0) @ t54.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t56 = ((X.reshape((n_batch, L, d_V, 1)) * t53.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t56 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t53.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t51[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t58 = t57.view((d_V, d_V, d_V, d_K))
     t59 = (t11 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    t60 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t53.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t60 = (t22.reshape((1, d_K, n_batch, L)) * t53.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t58[...] = ((t59.reshape((d_V**2, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t61[...] = 0
@@ -170,7 +170,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t64 = t52 @ M_1
     t65 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t66 = (2/(L*d_V*n_batch)) * t65
-    t63 += (t64.sum((0,)).reshape((d_V**2, 1)) * t66.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t63.addcmul_(t66.reshape((1, 1, d_V)), t64.sum((0,)).reshape((d_V, d_V, 1)))
     return H
 
 
@@ -236,7 +236,7 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -332,7 +332,7 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -364,7 +364,7 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -396,7 +396,7 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -407,7 +407,7 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t15 = (t14 @ t13)
     t16 = ((W_K.permute(1, 0) @ t15.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t17 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -428,7 +428,7 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -467,7 +467,7 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -478,7 +478,7 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t15 = ((t14 @ t13)).permute(3, 2, 0, 1)
     t16 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t17 = ((t16.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (t16.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -499,7 +499,7 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -538,7 +538,7 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -547,7 +547,7 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t12 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t13 = ((W_V.permute(1, 0) @ t12.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t14 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -568,7 +568,7 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = A @ X
     M_1 = t8
     t9 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -605,7 +605,7 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -638,7 +638,7 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -671,7 +671,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -682,7 +682,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t16 = ((t15.permute(1, 2, 0, 3) @ t14.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t17 = (X.reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_K))
-    t18 = ((t17.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t18 = (t17.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t18.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -704,7 +704,7 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -744,7 +744,7 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -755,7 +755,7 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = ((t14.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
     t16 = (X.reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t18 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t16.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t18 = (t17.reshape((1, d_K, n_batch, L)) * t16.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -777,7 +777,7 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -817,7 +817,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -826,7 +826,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t13 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t14 = (X.reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_K))
-    t15 = ((t14.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t15 = (t14.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -848,7 +848,7 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = A @ X
     M_1 = t9
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -935,14 +935,14 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t14 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t10.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t15 = ((W_K.permute(1, 0) @ t14.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t13.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -967,7 +967,7 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1005,14 +1005,14 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t14 = (t10 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t16 = ((t15.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (t15.reshape((1, d_K, n_batch, L)) * t13.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -1037,7 +1037,7 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1077,7 +1077,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ M_1
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += (t11.sum((0,)).reshape((d_V**2, 1)) * t13.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t1.addcmul_(t13.reshape((1, 1, d_V)), t11.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -1135,37 +1135,37 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t18.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t2
     t21 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t22 = ((W_K.permute(1, 0) @ t21.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t25 = t24.view((d_V, d_K, d_V, d_K))
     t26 = (t20 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t28 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t28 = (t27.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t29 = t25.diagonal(0, 1, 3)
     t30 = t17 @ X
     t31 = t3 @ t30
     t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
     t25[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t29 += (t31.sum((0,)).reshape((d_V**2, 1)) * t33.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t29.addcmul_(t33.reshape((1, 1, d_K)), t31.sum((0,)).reshape((d_V, d_V, 1)))
     t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t35 = t34.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t36 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t36.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t38 = (t37 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t39 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t39 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t35[...] = ((t38.reshape((d_K*d_V, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t41 = t40.view((d_V, d_K, d_V, d_K))
@@ -1173,34 +1173,34 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t43 = (1/(d_K*n_batch)) * t42
     t44 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t45 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t43.permute(1, 0)).reshape((n_batch, L, d_K))
-    t46 = ((t45.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t46 = (t45.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t47 = t41.diagonal(0, 1, 3)
     t48 = t31.transpose(-1, -2)
     t41[...] = ((t46.reshape((d_K*d_V, L*n_batch)) @ t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t47 += (t48.sum((0,)).reshape((d_V**2, 1)) * t33.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t47.addcmul_(t33.reshape((1, 1, d_K)), t48.sum((0,)).reshape((d_V, d_V, 1)))
     t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t50 = t49.view((d_V, d_K, d_V, d_K))
     t51 = M_3.permute(2, 3, 0, 1)
-    t52 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t45.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t52 = (t27.reshape((1, d_K, n_batch, L)) * t45.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t50[...] = ((t51.reshape((d_V**2, L*n_batch)) @ t52.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t54 = t53.view((d_V, d_K, d_V, d_V))
     t55 = (1/(math.sqrt(d_K)*n_batch)) * t42
     t56 = M_2.permute(3, 2, 0, 1)
     t57 = (X.reshape((L*n_batch, d_V)) @ t55.permute(1, 0)).reshape((n_batch, L, d_K))
-    t58 = ((t57.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t58 = (t57.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t54[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t58.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t60 = t59.view((d_V, d_V, d_V, d_K))
     t61 = G.transpose(-1, -2)
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
-    t63 = ((X.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t63 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t62.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t64 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t60[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t64.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t66 = t65.view((d_V, d_V, d_V, d_K))
     t67 = M_2.permute(2, 3, 0, 1)
-    t68 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t68 = (t27.reshape((1, d_K, n_batch, L)) * t62.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t66[...] = ((t67.reshape((d_V**2, L*n_batch)) @ t68.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t69[...] = 0
@@ -1296,7 +1296,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = (t16.reshape((1, 1, L, L)) * t15.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t15.reshape((n_batch, L, L, 1))) - (t15.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1324,7 +1324,7 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t41 = (n_batch**(-2)) * (t30.sum((0,)) * t30.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t35 * t33).sum() + (1/(d_K**2*n_batch**2)) * (t40 * t37.permute(0, 2, 3, 1)).sum()
     t42 = torch.sqrt(torch.clamp(t41, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t16.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t43 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t44 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t45 = t44 * t20
@@ -1404,7 +1404,7 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
+    d2A = (t17.reshape((1, 1, L, L)) * t16.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t16.reshape((n_batch, L, L, 1))) - (t16.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1444,7 +1444,7 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = (t16.reshape((1, 1, L, L)) * t15.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t15.reshape((n_batch, L, L, 1))) - (t15.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t17 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1484,14 +1484,14 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
+    d2A = (t17.reshape((1, 1, L, L)) * t16.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t16.reshape((n_batch, L, L, 1))) - (t16.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/(d_K*n_batch)) * t1
     t20 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t21 = ((W_K.permute(1, 0) @ t20.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -1524,7 +1524,7 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = (t16.reshape((1, 1, L, L)) * t15.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t15.reshape((n_batch, L, L, 1))) - (t15.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1570,21 +1570,21 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
+    d2A = (t17.reshape((1, 1, L, L)) * t16.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t16.reshape((n_batch, L, L, 1))) - (t16.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/(d_K*n_batch)) * t1
     t20 = (t19 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t22 = ((t21.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = (t21.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t23 = t0.diagonal(0, 1, 3)
     t24 = t16 @ X
     t25 = t2 @ t24
     t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
     t0[...] = ((t20.reshape((d_K*d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t23 += (t25.sum((0,)).reshape((d_V**2, 1)) * t27.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t23.addcmul_(t27.reshape((1, 1, d_K)), t25.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -1618,7 +1618,7 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t0 @ t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = (t18.reshape((1, 1, L, L)) * t15.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t15.reshape((n_batch, L, L, 1))) - (t15.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.sum((0,))).reshape((n_batch, L, d_V))
     t20 = (t19 @ X.permute(0, 2, 1))
     t21 = (t20.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -1656,7 +1656,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1669,7 +1669,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t15 = (t14 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t16 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -1690,7 +1690,7 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = A @ X
     M_1 = t8
     t9 = M_1 @ W_V
@@ -1743,7 +1743,7 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t18.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1785,7 +1785,7 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
+    d2A = (t17.reshape((1, 1, L, L)) * t16.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t16.reshape((n_batch, L, L, 1))) - (t16.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1827,14 +1827,14 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t18.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t1
     t21 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t22 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
-    t23 = ((t22.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t23 = (t22.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t24 = t0.diagonal(0, 1, 3)
     t25 = t17.transpose(-1, -2)
     t26 = t25 @ X
@@ -1842,7 +1842,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
     t0[...] = ((t23.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t24 += (t27.sum((0,)).reshape((d_V**2, 1)) * t29.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t24.addcmul_(t29.reshape((1, 1, d_K)), t27.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -1878,7 +1878,7 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = W_Q.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = (t20.reshape((1, 1, L, L)) * t15.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t15.reshape((n_batch, L, L, 1))) - (t15.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.sum((0,))).reshape((n_batch, L, d_V))
     t22 = (t21 @ X.permute(0, 2, 1))
     t23 = (t22.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -1929,7 +1929,7 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t18.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1937,7 +1937,7 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = M_3.permute(2, 3, 0, 1)
     t22 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
     t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t24 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t22.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t24 = (t23.reshape((1, d_K, n_batch, L)) * t22.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -1971,7 +1971,7 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
+    d2A = (t17.reshape((1, 1, L, L)) * t16.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t16.reshape((n_batch, L, L, 1))) - (t16.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t18 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2006,7 +2006,7 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2020,7 +2020,7 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t16 = M_2.permute(3, 2, 0, 1)
     t17 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
-    t18 = ((t17.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t18 = (t17.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -2042,7 +2042,7 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
@@ -2111,12 +2111,12 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = G.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t13.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t12
-    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t17 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
@@ -2146,7 +2146,7 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = G.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t12.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t13 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t11.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2187,14 +2187,14 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = G.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t13.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t12
     t16 = M_2.permute(2, 3, 0, 1)
     t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t18 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (t17.reshape((1, d_K, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -2223,7 +2223,7 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = G.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t12.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t13 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t11.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2278,7 +2278,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2289,7 +2289,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t15 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t16 = (t15 @ t14)
     t17 = ((W_K.permute(1, 0) @ t16.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t18 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t19 = A @ X
     M_1 = t19
     t20 = M_1 @ W_V
@@ -2302,14 +2302,14 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t26.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t26.reshape((n_batch, L, L, 1))) - (t26.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t2
     t29 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t30 = ((W_K.permute(1, 0) @ t29.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t31 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t31 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t32 = t18.reshape((d_V**2, L*n_batch))
     t33 = t31.reshape((d_V**2, L*n_batch))
     t34 = t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -2321,9 +2321,9 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t39 = t38.view((d_V, d_K, d_V, d_K))
     t40 = (t28 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t41 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t42 = ((t41.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t42 = (t41.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t43 = ((t15 @ t14)).permute(3, 2, 0, 1)
-    t44 = ((t41.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t44 = (t41.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t45 = t39.diagonal(0, 1, 3)
     t46 = t26 @ X
     t47 = t3 @ t46
@@ -2336,16 +2336,16 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t54 = torch.cat([t50, t51], dim=-1)
     t55 = torch.cat([t52, t53], dim=-2)
     t39[...] = ((t54 @ t55).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t45 += (t47.sum((0,)).reshape((d_V**2, 1)) * t49.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t45.addcmul_(t49.reshape((1, 1, d_K)), t47.sum((0,)).reshape((d_V, d_V, 1)))
     t56 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t57 = t56.view((d_V, d_K, d_V, d_V))
     t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t59 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t58.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t60 = ((W_V.permute(1, 0) @ t59.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t61 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t61 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t63 = (t62 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t64 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t64 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t57[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t57 += ((t63.reshape((d_K*d_V, L*n_batch)) @ t64.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t65 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -2354,13 +2354,13 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t68 = (1/(d_K*n_batch)) * t67
     t69 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t70 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t68.permute(1, 0)).reshape((n_batch, L, d_K))
-    t71 = ((t70.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t71 = (t70.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t72 = (2/(L*d_K*d_V*n_batch)) * t67
     t73 = (t12.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t74 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t75 = ((t74.permute(1, 2, 0, 3) @ t73.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t76 = (X.reshape((L*n_batch, d_V)) @ t72.permute(1, 0)).reshape((n_batch, L, d_K))
-    t77 = ((t76.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t77 = (t76.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t78 = t66.diagonal(0, 1, 3)
     t79 = t47.transpose(-1, -2)
     t80 = t71.reshape((d_K*d_V, L*n_batch))
@@ -2370,13 +2370,13 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t84 = torch.cat([t80, t81], dim=-1)
     t85 = torch.cat([t82, t83], dim=-2)
     t66[...] = ((t84 @ t85).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t78 += (t79.sum((0,)).reshape((d_V**2, 1)) * t49.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t78.addcmul_(t49.reshape((1, 1, d_K)), t79.sum((0,)).reshape((d_V, d_V, 1)))
     t86 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t87 = t86.view((d_V, d_K, d_V, d_K))
     t88 = ((t73.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t89 = ((t41.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t76.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t89 = (t41.reshape((1, d_K, n_batch, L)) * t76.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t90 = M_3.permute(2, 3, 0, 1)
-    t91 = ((t41.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t70.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t91 = (t41.reshape((1, d_K, n_batch, L)) * t70.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t92 = t88.reshape((d_V**2, L*n_batch))
     t93 = t90.reshape((d_V**2, L*n_batch))
     t94 = t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -2389,11 +2389,11 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t100 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
     t101 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t102 = (X.reshape((L*n_batch, d_V)) @ t100.permute(1, 0)).reshape((n_batch, L, d_K))
-    t103 = ((t102.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t103 = (t102.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t104 = (1/(math.sqrt(d_K)*n_batch)) * t67
     t105 = M_2.permute(3, 2, 0, 1)
     t106 = (X.reshape((L*n_batch, d_V)) @ t104.permute(1, 0)).reshape((n_batch, L, d_K))
-    t107 = ((t106.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t107 = (t106.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t99[...] = ((t103.reshape((d_K*d_V, L*n_batch)) @ t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t99 += ((t105.reshape((d_V**2, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t108 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
@@ -2402,19 +2402,19 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t111 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t110
     t112 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t113 = ((W_K.permute(1, 0) @ t112.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t114 = ((X.reshape((n_batch, L, d_V, 1)) * t111.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t114 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t111.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t115 = G.transpose(-1, -2)
     t116 = (1/(math.sqrt(d_K)*n_batch)) * t115
-    t117 = ((X.reshape((n_batch, L, d_V, 1)) * t116.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t117 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t116.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t118 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t109[...] = ((t114.reshape((d_V**2, L*n_batch)) @ t113.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t109 += ((t117.reshape((d_V**2, L*n_batch)) @ t118.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t119 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t120 = t119.view((d_V, d_V, d_V, d_K))
     t121 = (t11 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    t122 = ((t41.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t111.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t122 = (t41.reshape((1, d_K, n_batch, L)) * t111.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t123 = M_2.permute(2, 3, 0, 1)
-    t124 = ((t41.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t116.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t124 = (t41.reshape((1, d_K, n_batch, L)) * t116.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t120[...] = ((t121.reshape((d_V**2, L*n_batch)) @ t122.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t120 += ((t123.reshape((d_V**2, L*n_batch)) @ t124.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t125 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -2424,7 +2424,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t128 = t110 @ M_1
     t129 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t130 = (2/(L*d_V*n_batch)) * t129
-    t127 += (t128.sum((0,)).reshape((d_V**2, 1)) * t130.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t127.addcmul_(t130.reshape((1, 1, d_V)), t128.sum((0,)).reshape((d_V, d_V, 1)))
     return H
 
 
@@ -2513,7 +2513,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -2541,7 +2541,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 - (A * t28).sum(-1, keepdim=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t30.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
+    d2A = (t7.reshape((1, 1, L, L)) * t30.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t30.reshape((n_batch, L, L, 1))) - (t30.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t31 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = t14 * t31
@@ -2596,7 +2596,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t82 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t83 = (t75.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t84 = (t82.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t85 = (t84.reshape((n_batch, n_batch, L, L, L, 1)) * t14.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t85 = (t84 * t14.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t86 = (t85.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t83.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t87 = (t86.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t88 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2674,7 +2674,7 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t160 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t151.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t161 = (t152.reshape((L*n_batch, d_V)) @ t159.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t162 = (t160.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t163 = (t162.reshape((n_batch, n_batch, L, L, L, 1)) * t14.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t163 = (t162 * t14.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t164 = (t163.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t161.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t165 = (t164.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t166 = (t159.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t159.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2716,7 +2716,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2740,7 +2740,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = (t8.reshape((1, 1, L, L)) * t25.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t25.reshape((n_batch, L, L, 1))) - (t25.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2769,7 +2769,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2792,7 +2792,7 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = (t7.reshape((1, 1, L, L)) * t23.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t23.reshape((n_batch, L, L, 1))) - (t23.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2819,7 +2819,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2830,7 +2830,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t15 = (t14 @ t13)
     t16 = ((W_K.permute(1, 0) @ t15.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t17 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t18 = A @ X
     M_1 = t18
     t19 = M_1 @ W_V
@@ -2843,14 +2843,14 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = (t8.reshape((1, 1, L, L)) * t25.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t25.reshape((n_batch, L, L, 1))) - (t25.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
     t28 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t29 = ((W_K.permute(1, 0) @ t28.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t30 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t30 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t31 = t17.reshape((d_V**2, L*n_batch))
     t32 = t30.reshape((d_V**2, L*n_batch))
     t33 = t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -2877,7 +2877,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -2905,7 +2905,7 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t29 = t28 - (A * t28).sum(-1, keepdim=True)
     t30 = A * t29
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t30.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t30.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t30.reshape((n_batch, L, 1, L)))
+    d2A = (t7.reshape((1, 1, L, L)) * t30.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t30.reshape((n_batch, L, L, 1))) - (t30.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t31 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = t14 * t31
@@ -2954,16 +2954,16 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
+    d2A = (t17.reshape((1, 1, L, L)) * t16.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t16.reshape((n_batch, L, L, 1))) - (t16.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/(d_K*n_batch)) * t1
     t20 = (t19 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t22 = ((t21.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = (t21.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t17.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t23 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2972,7 +2972,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t26 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t27 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t28 = ((t27 @ t26)).permute(3, 2, 0, 1)
-    t29 = ((t21.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29 = (t21.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t30 = t0.diagonal(0, 1, 3)
     t31 = t16 @ X
     t32 = t2 @ t31
@@ -2985,7 +2985,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t39 = torch.cat([t35, t36], dim=-1)
     t40 = torch.cat([t37, t38], dim=-2)
     t0[...] = ((t39 @ t40).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t30 += (t32.sum((0,)).reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t30.addcmul_(t34.reshape((1, 1, d_K)), t32.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -3019,7 +3019,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = t0 @ t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = (t18.reshape((1, 1, L, L)) * t15.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t15.reshape((n_batch, L, L, 1))) - (t15.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.sum((0,))).reshape((n_batch, L, d_V))
     t20 = (t19 @ X.permute(0, 2, 1))
     t21 = (t20.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -3027,7 +3027,7 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t23.permute(1, 2, 0) @ t22.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t25 = W_V @ t11
     t26 = (X.reshape((L*n_batch, d_V)) @ t17.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
@@ -3081,7 +3081,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3090,7 +3090,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t12 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t13 = ((W_V.permute(1, 0) @ t12.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t14 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t15 = M_1 @ W_V
     F = t15
     t16 = F - Y
@@ -3098,7 +3098,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t17
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t19 = (t18 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t20 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t19.reshape((d_K*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -3120,7 +3120,7 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = A @ X
     M_1 = t8
     t9 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -3141,7 +3141,7 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = (t10.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (t22.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t25 = (t24.reshape((n_batch, n_batch, L, L, L, 1)) * t11.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t25 = (t24 * t11.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t26 = (t25.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t27 = (t26.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t28 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3174,7 +3174,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3198,7 +3198,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t26.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t26.reshape((n_batch, L, L, 1))) - (t26.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3228,7 +3228,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3251,7 +3251,7 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = t22 - (A * t22).sum(-1, keepdim=True)
     t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = (t8.reshape((1, 1, L, L)) * t24.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t24.reshape((n_batch, L, L, 1))) - (t24.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3292,16 +3292,16 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t18.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(d_K*n_batch)) * t1
     t21 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t22 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
-    t23 = ((t22.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t23 = (t22.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3311,7 +3311,7 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t28 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t29 = ((t28.permute(1, 2, 0, 3) @ t27.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t30 = (X.reshape((L*n_batch, d_V)) @ t26.permute(1, 0)).reshape((n_batch, L, d_K))
-    t31 = ((t30.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t31 = (t30.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t32 = t0.diagonal(0, 1, 3)
     t33 = t17.transpose(-1, -2)
     t34 = t33 @ X
@@ -3325,7 +3325,7 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t42 = torch.cat([t38, t39], dim=-1)
     t43 = torch.cat([t40, t41], dim=-2)
     t0[...] = ((t42 @ t43).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t32 += (t35.sum((0,)).reshape((d_V**2, 1)) * t37.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t32.addcmul_(t37.reshape((1, 1, d_K)), t35.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -3361,7 +3361,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = W_Q.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = (t20.reshape((1, 1, L, L)) * t15.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t15.reshape((n_batch, L, L, 1))) - (t15.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.sum((0,))).reshape((n_batch, L, d_V))
     t22 = (t21 @ X.permute(0, 2, 1))
     t23 = (t22.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -3369,7 +3369,7 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t26 = (t25.permute(1, 2, 0) @ t24.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t20.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t27 = W_V @ t11
     t28 = (X.reshape((L*n_batch, d_V)) @ t18.sum((0,))).reshape((n_batch, L, d_V))
     t29 = (t28 @ X.permute(0, 2, 1))
@@ -3425,7 +3425,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3436,7 +3436,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = ((t14.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
     t16 = (X.reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t18 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t16.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t18 = (t17.reshape((1, d_K, n_batch, L)) * t16.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t19 = A @ X
     M_1 = t19
     t20 = M_1 @ W_V
@@ -3449,14 +3449,14 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t26.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t26.reshape((n_batch, L, L, 1))) - (t26.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t28 = (1/(d_K*n_batch)) * t1
     t29 = M_3.permute(2, 3, 0, 1)
     t30 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_K))
-    t31 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t30.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t31 = (t17.reshape((1, d_K, n_batch, L)) * t30.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t32 = t15.reshape((d_V**2, L*n_batch))
     t33 = t29.reshape((d_V**2, L*n_batch))
     t34 = t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -3484,7 +3484,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -3512,7 +3512,7 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t31.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
+    d2A = (t8.reshape((1, 1, L, L)) * t31.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t31.reshape((n_batch, L, L, 1))) - (t31.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = (t32.reshape((L*n_batch, d_K)) @ t11.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3550,7 +3550,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3559,7 +3559,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t13 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t14 = (X.reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_K))
-    t15 = ((t14.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t15 = (t14.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t16 = M_1 @ W_V
     F = t16
     t17 = F - Y
@@ -3568,7 +3568,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t20 = M_2.permute(3, 2, 0, 1)
     t21 = (X.reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_K))
-    t22 = ((t21.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t22 = (t21.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t20.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
@@ -3591,7 +3591,7 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = A @ X
     M_1 = t9
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -3695,14 +3695,14 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t14 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t10.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t15 = ((W_K.permute(1, 0) @ t14.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t13.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t17 = M_1 @ W_V
     F = t17
     t18 = F - Y
@@ -3710,7 +3710,7 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t19
     t20 = G.transpose(-1, -2)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t21.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t23 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t0 += ((t22.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
@@ -3737,7 +3737,7 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3757,7 +3757,7 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t26 = (t11.reshape((L*n_batch, d_V)) @ t24.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t27 = (t25.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t28 = (t27.reshape((n_batch, n_batch, L, L, L, 1)) * t14.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27 * t14.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t29 = (t28.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t26.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t30 = (t29.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t31 = (t24.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t24.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3793,14 +3793,14 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
     t14 = (t10 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t16 = ((t15.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (t15.reshape((1, d_K, n_batch, L)) * t13.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t17 = M_1 @ W_V
     F = t17
     t18 = F - Y
@@ -3809,7 +3809,7 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = G.transpose(-1, -2)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
     t22 = M_2.permute(2, 3, 0, 1)
-    t23 = ((t15.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (t15.reshape((1, d_K, n_batch, L)) * t21.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t0 += ((t22.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
@@ -3835,7 +3835,7 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3893,7 +3893,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ M_1
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += (t11.sum((0,)).reshape((d_V**2, 1)) * t13.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t1.addcmul_(t13.reshape((1, 1, d_V)), t11.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -3936,7 +3936,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -3965,7 +3965,7 @@ def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t31.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
+    d2A = (t7.reshape((1, 1, L, L)) * t31.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t31.reshape((n_batch, L, L, 1))) - (t31.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = t14 * t33
@@ -4004,7 +4004,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4035,7 +4035,7 @@ def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t32 = t31 @ X
     t33 = t1 @ t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t31.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
+    d2A = (t7.reshape((1, 1, L, L)) * t31.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t31.reshape((n_batch, L, L, 1))) - (t31.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t33.sum((0,))).reshape((n_batch, L, d_V))
     t35 = (t34 @ X.permute(0, 2, 1))
     t36 = (t35.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -4084,7 +4084,7 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = A @ X
     M_1 = t8
     t9 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4113,7 +4113,7 @@ def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t30 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t31 = (t10.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t32 = (t30.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t33 = (t32.reshape((n_batch, n_batch, L, L, L, 1)) * t11.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t33 = (t32 * t11.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t34 = (t33.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t31.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t35 = (t34.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t36 = (4/(L*d_K*d_V*n_batch**2)) * (t35 * t14.permute(2, 0, 1, 3)).sum()
@@ -4141,7 +4141,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4173,7 +4173,7 @@ def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t34 = t33 @ X
     t35 = t1 @ t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t32.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
+    d2A = (t8.reshape((1, 1, L, L)) * t32.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t32.reshape((n_batch, L, L, 1))) - (t32.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t36 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t35.sum((0,))).reshape((n_batch, L, d_V))
     t37 = (t36 @ X.permute(0, 2, 1))
     t38 = (t37.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -4223,7 +4223,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4252,7 +4252,7 @@ def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t32.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
+    d2A = (t8.reshape((1, 1, L, L)) * t32.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t32.reshape((n_batch, L, L, 1))) - (t32.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t35 = (t33.reshape((L*n_batch, d_K)) @ t33.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -4292,7 +4292,7 @@ def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = A @ X
     M_1 = t9
     t10 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4352,7 +4352,7 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -4380,7 +4380,7 @@ def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = (t11.reshape((L*n_batch, d_V)) @ t25.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t35 = (t33.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t36 = (t35.reshape((n_batch, n_batch, L, L, L, 1)) * t14.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t36 = (t35 * t14.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t37 = (t36.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t34.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t38 = (t37.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t39 = (4/(L*d_K*d_V*n_batch**2)) * (t38 * t17.permute(2, 0, 1, 3)).sum()
@@ -4411,7 +4411,7 @@ def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t13 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -4498,13 +4498,13 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
     t11 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t12 = (t10.reshape((n_batch, L, d_V, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t13 = (t12.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L)) @ t11.permute(1, 2, 0)).reshape((n_batch, L, d_V, d_K))
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t13.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t2[...] = (X.reshape((n_batch, L, 1, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, d_K)))
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t16 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K))
     t17 = (t10.permute(0, 2, 1) @ t14.permute(0, 2, 1))
     t18 = (t17.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += (t18.reshape((n_batch, L, d_V**2, 1)) * t16.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t2 += (t16.reshape((n_batch, L, 1, 1, d_K)) * t18.reshape((n_batch, L, d_V, d_V, 1)))
     return out
 
 
@@ -4530,13 +4530,13 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t11 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t12 = (t10.reshape((n_batch, L, d_V, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t13 = (t12.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L)) @ t11.permute(1, 2, 0)).reshape((n_batch, L, d_V, d_K))
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t13.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t2[...] = (X.reshape((n_batch, L, 1, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, d_K)))
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t16 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K))
     t17 = (t10.permute(0, 2, 1) @ t14.permute(0, 2, 1))
     t18 = (t17.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += (t18.reshape((n_batch, L, d_V**2, 1)) * t16.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t2 += (t16.reshape((n_batch, L, 1, 1, d_K)) * t18.reshape((n_batch, L, d_V, d_V, 1)))
     return (J,)
 
 
@@ -4562,13 +4562,13 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (X.reshape((n_batch, L, d_V, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t13 = ((t11.permute(0, 2, 1) @ t12.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
-    t2[...] = (t13.reshape((n_batch, L, d_V**2, 1)) * t10.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t2[...] = (t10.reshape((n_batch, L, 1, 1, d_K)) * t13.reshape((n_batch, L, d_V, d_V, 1)))
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (t14 @ t11)
     t16 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t18 = (t16.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t17.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t2 += (t15.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
+    t18 = (t17.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)) * t16.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
+    t2 += (t15.reshape((n_batch, L, d_V, 1, 1)) * t18.reshape((n_batch, L, 1, d_V, d_K)))
     return out
 
 
@@ -4594,13 +4594,13 @@ def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t11 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t12 = (X.reshape((n_batch, L, d_V, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t13 = ((t11.permute(0, 2, 1) @ t12.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
-    t2[...] = (t13.reshape((n_batch, L, d_V**2, 1)) * t10.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t2[...] = (t10.reshape((n_batch, L, 1, 1, d_K)) * t13.reshape((n_batch, L, d_V, d_V, 1)))
     t14 = (-1/math.sqrt(d_K)) * A
     t15 = (t14 @ t11)
     t16 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t18 = (t16.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t17.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t2 += (t15.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
+    t18 = (t17.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)) * t16.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
+    t2 += (t15.reshape((n_batch, L, d_V, 1, 1)) * t18.reshape((n_batch, L, 1, d_V, d_K)))
     return (J,)
 
 
@@ -4735,7 +4735,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4746,13 +4746,13 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t17 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
     t19 = ((W_K.permute(1, 0) @ t18.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t20 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t22 = t21.view((d_V, d_K, d_V, d_K))
     t23 = ((t17 @ t16)).permute(3, 2, 0, 1)
     t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t25 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = (t24.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t22[...] = ((t23.reshape((d_K*d_V, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t27 = t26.view((d_V, d_K, d_V, d_V))
@@ -4761,7 +4761,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t29 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t30 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t31 = ((W_V.permute(1, 0) @ t30.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t32 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t32 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t27[...] = ((t32.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t34 = t33.view((d_V, d_K, d_V, d_K))
@@ -4771,19 +4771,19 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t38 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t39 = ((t38.permute(1, 2, 0, 3) @ t37.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t40 = (X.reshape((L*n_batch, d_V)) @ t36.permute(1, 0)).reshape((n_batch, L, d_K))
-    t41 = ((t40.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t41 = (t40.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t34[...] = ((t41.reshape((d_K*d_V, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = t42.view((d_V, d_K, d_V, d_K))
     t44 = ((t37.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t45 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t40.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t45 = (t24.reshape((1, d_K, n_batch, L)) * t40.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t43[...] = ((t44.reshape((d_V**2, L*n_batch)) @ t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t47 = t46.view((d_V, d_K, d_V, d_V))
     t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
     t49 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t50 = (X.reshape((L*n_batch, d_V)) @ t48.permute(1, 0)).reshape((n_batch, L, d_K))
-    t51 = ((t50.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t51 = (t50.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t47[...] = ((t51.reshape((d_K*d_V, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t53 = t52.view((d_V, d_V, d_V, d_K))
@@ -4791,12 +4791,12 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t55 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
     t56 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t57 = ((W_K.permute(1, 0) @ t56.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t58 = ((X.reshape((n_batch, L, d_V, 1)) * t55.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t58 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t55.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t53[...] = ((t58.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t60 = t59.view((d_V, d_V, d_V, d_K))
     t61 = (t13 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    t62 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t55.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t62 = (t24.reshape((1, d_K, n_batch, L)) * t55.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t60[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t63[...] = 0
@@ -4805,7 +4805,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t66 = t54 @ M_1
     t67 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t68 = (2/(L*d_V*n_batch)) * t67
-    t65 += (t66.sum((0,)).reshape((d_V**2, 1)) * t68.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t65.addcmul_(t68.reshape((1, 1, d_V)), t66.sum((0,)).reshape((d_V, d_V, 1)))
     return H
 
 
@@ -4875,7 +4875,7 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -4973,7 +4973,7 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5007,7 +5007,7 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5041,7 +5041,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5052,7 +5052,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t17 = (t16 @ t15)
     t18 = ((W_K.permute(1, 0) @ t17.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t19 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -5075,7 +5075,7 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5116,7 +5116,7 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5127,7 +5127,7 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t17 = ((t16 @ t15)).permute(3, 2, 0, 1)
     t18 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t19 = ((t18.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = (t18.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -5150,7 +5150,7 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5191,7 +5191,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5200,7 +5200,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t15 = ((W_V.permute(1, 0) @ t14.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t16 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -5223,7 +5223,7 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = A @ X
     M_1 = t10
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5262,7 +5262,7 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5297,7 +5297,7 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5332,7 +5332,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5343,7 +5343,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t18 = ((t17.permute(1, 2, 0, 3) @ t16.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t19 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
-    t20 = ((t19.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t20 = (t19.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t20.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -5367,7 +5367,7 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5409,7 +5409,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5420,7 +5420,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = ((t16.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
     t18 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t20 = ((t19.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t18.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t20 = (t19.reshape((1, d_K, n_batch, L)) * t18.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -5444,7 +5444,7 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5486,7 +5486,7 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5495,7 +5495,7 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t15 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t16 = (X.reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_K))
-    t17 = ((t16.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t17 = (t16.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -5519,7 +5519,7 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = A @ X
     M_1 = t11
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -5612,14 +5612,14 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t13.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t17 = ((W_K.permute(1, 0) @ t16.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t18 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -5646,7 +5646,7 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t12.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5686,14 +5686,14 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t13.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t16 = (t12 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t18 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (t17.reshape((1, d_K, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -5720,7 +5720,7 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t12.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5762,7 +5762,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ M_1
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t1 += (t13.sum((0,)).reshape((d_V**2, 1)) * t15.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t1.addcmul_(t15.reshape((1, 1, d_V)), t13.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -5824,37 +5824,37 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = (t20.reshape((1, 1, L, L)) * t19.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t19.reshape((n_batch, L, L, 1))) - (t19.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t2
     t23 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t24 = ((W_K.permute(1, 0) @ t23.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t25 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t27 = t26.view((d_V, d_K, d_V, d_K))
     t28 = (t22 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t29 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t30 = ((t29.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t30 = (t29.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t31 = t27.diagonal(0, 1, 3)
     t32 = t19 @ X
     t33 = t3 @ t32
     t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
     t27[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t31 += (t33.sum((0,)).reshape((d_V**2, 1)) * t35.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t31.addcmul_(t35.reshape((1, 1, d_K)), t33.sum((0,)).reshape((d_V, d_V, 1)))
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = t36.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t20.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t38 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t39 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t40 = (t39 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t41 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t41 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t37[...] = ((t40.reshape((d_K*d_V, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t43 = t42.view((d_V, d_K, d_V, d_K))
@@ -5862,34 +5862,34 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t45 = (1/(d_K*n_batch)) * t44
     t46 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t47 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t45.permute(1, 0)).reshape((n_batch, L, d_K))
-    t48 = ((t47.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t48 = (t47.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t49 = t43.diagonal(0, 1, 3)
     t50 = t33.transpose(-1, -2)
     t43[...] = ((t48.reshape((d_K*d_V, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t49 += (t50.sum((0,)).reshape((d_V**2, 1)) * t35.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t49.addcmul_(t35.reshape((1, 1, d_K)), t50.sum((0,)).reshape((d_V, d_V, 1)))
     t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t52 = t51.view((d_V, d_K, d_V, d_K))
     t53 = M_3.permute(2, 3, 0, 1)
-    t54 = ((t29.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t47.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t54 = (t29.reshape((1, d_K, n_batch, L)) * t47.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t52[...] = ((t53.reshape((d_V**2, L*n_batch)) @ t54.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t56 = t55.view((d_V, d_K, d_V, d_V))
     t57 = (1/(math.sqrt(d_K)*n_batch)) * t44
     t58 = M_2.permute(3, 2, 0, 1)
     t59 = (X.reshape((L*n_batch, d_V)) @ t57.permute(1, 0)).reshape((n_batch, L, d_K))
-    t60 = ((t59.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t60 = (t59.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t56[...] = ((t58.reshape((d_V**2, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t62 = t61.view((d_V, d_V, d_V, d_K))
     t63 = G.transpose(-1, -2)
     t64 = (1/(math.sqrt(d_K)*n_batch)) * t63
-    t65 = ((X.reshape((n_batch, L, d_V, 1)) * t64.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t65 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t64.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t66 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t62[...] = ((t65.reshape((d_V**2, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t68 = t67.view((d_V, d_V, d_V, d_K))
     t69 = M_2.permute(2, 3, 0, 1)
-    t70 = ((t29.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t64.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t70 = (t29.reshape((1, d_K, n_batch, L)) * t64.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t68[...] = ((t69.reshape((d_V**2, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t71[...] = 0
@@ -5989,7 +5989,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t18.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6017,7 +6017,7 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t43 = (n_batch**(-2)) * (t32.sum((0,)) * t32.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t37 * t35).sum() + (1/(d_K**2*n_batch**2)) * (t42 * t39.permute(0, 2, 3, 1)).sum()
     t44 = torch.sqrt(torch.clamp(t43, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t45 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t46 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t47 = t46 * t22
@@ -6099,7 +6099,7 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = (t19.reshape((1, 1, L, L)) * t18.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t18.reshape((n_batch, L, L, 1))) - (t18.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6141,7 +6141,7 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t18.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6183,14 +6183,14 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = (t19.reshape((1, 1, L, L)) * t18.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t18.reshape((n_batch, L, L, 1))) - (t18.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t21 = (1/(d_K*n_batch)) * t1
     t22 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t23 = ((W_K.permute(1, 0) @ t22.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t24 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -6225,7 +6225,7 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t18.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6273,21 +6273,21 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = (t19.reshape((1, 1, L, L)) * t18.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t18.reshape((n_batch, L, L, 1))) - (t18.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t21 = (1/(d_K*n_batch)) * t1
     t22 = (t21 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t24 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t24 = (t23.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t25 = t0.diagonal(0, 1, 3)
     t26 = t18 @ X
     t27 = t2 @ t26
     t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
     t0[...] = ((t22.reshape((d_K*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t25 += (t27.sum((0,)).reshape((d_V**2, 1)) * t29.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t25.addcmul_(t29.reshape((1, 1, d_K)), t27.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -6323,7 +6323,7 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t0 @ t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t20.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.sum((0,))).reshape((n_batch, L, d_V))
     t22 = (t21 @ X.permute(0, 2, 1))
     t23 = (t22.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -6363,7 +6363,7 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6376,7 +6376,7 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t17 = (t16 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t18 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -6399,7 +6399,7 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
@@ -6454,7 +6454,7 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = (t20.reshape((1, 1, L, L)) * t19.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t19.reshape((n_batch, L, L, 1))) - (t19.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6498,7 +6498,7 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = (t19.reshape((1, 1, L, L)) * t18.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t18.reshape((n_batch, L, L, 1))) - (t18.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6542,14 +6542,14 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = (t20.reshape((1, 1, L, L)) * t19.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t19.reshape((n_batch, L, L, 1))) - (t19.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t1
     t23 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t24 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
-    t25 = ((t24.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t25 = (t24.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t26 = t0.diagonal(0, 1, 3)
     t27 = t19.transpose(-1, -2)
     t28 = t27 @ X
@@ -6557,7 +6557,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
     t0[...] = ((t25.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t26 += (t29.sum((0,)).reshape((d_V**2, 1)) * t31.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t26.addcmul_(t31.reshape((1, 1, d_K)), t29.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -6595,7 +6595,7 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = W_Q.transpose(-1, -2)
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t22.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t23 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
     t24 = (t23 @ X.permute(0, 2, 1))
     t25 = (t24.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -6648,7 +6648,7 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = (t20.reshape((1, 1, L, L)) * t19.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t19.reshape((n_batch, L, L, 1))) - (t19.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6656,7 +6656,7 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = M_3.permute(2, 3, 0, 1)
     t24 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
     t25 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t26 = ((t25.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t24.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t26 = (t25.reshape((1, d_K, n_batch, L)) * t24.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -6692,7 +6692,7 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = (t19.reshape((1, 1, L, L)) * t18.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t18.reshape((n_batch, L, L, 1))) - (t18.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6729,7 +6729,7 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6743,7 +6743,7 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t18 = M_2.permute(3, 2, 0, 1)
     t19 = (X.reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_K))
-    t20 = ((t19.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t20 = (t19.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -6767,7 +6767,7 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
@@ -6838,12 +6838,12 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t15.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t14
-    t18 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t19 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
@@ -6875,7 +6875,7 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t14.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t15 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6918,14 +6918,14 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t15.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t14
     t18 = M_2.permute(2, 3, 0, 1)
     t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t20 = ((t19.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 = (t19.reshape((1, d_K, n_batch, L)) * t17.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -6956,7 +6956,7 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t14.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t15 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t16 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7013,7 +7013,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7024,7 +7024,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t17 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t18 = (t17 @ t16)
     t19 = ((W_K.permute(1, 0) @ t18.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t20 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t21 = A @ X
     M_1 = t21
     t22 = M_1 @ W_V
@@ -7037,14 +7037,14 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdim=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t28.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))
+    d2A = (t11.reshape((1, 1, L, L)) * t28.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t28.reshape((n_batch, L, L, 1))) - (t28.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t2
     t31 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t32 = ((W_K.permute(1, 0) @ t31.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t33 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t33 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t34 = t20.reshape((d_V**2, L*n_batch))
     t35 = t33.reshape((d_V**2, L*n_batch))
     t36 = t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -7056,9 +7056,9 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t41 = t40.view((d_V, d_K, d_V, d_K))
     t42 = (t30 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t43 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t44 = ((t43.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t44 = (t43.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t45 = ((t17 @ t16)).permute(3, 2, 0, 1)
-    t46 = ((t43.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t46 = (t43.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t47 = t41.diagonal(0, 1, 3)
     t48 = t28 @ X
     t49 = t3 @ t48
@@ -7071,16 +7071,16 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t56 = torch.cat([t52, t53], dim=-1)
     t57 = torch.cat([t54, t55], dim=-2)
     t41[...] = ((t56 @ t57).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t47 += (t49.sum((0,)).reshape((d_V**2, 1)) * t51.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t47.addcmul_(t51.reshape((1, 1, d_K)), t49.sum((0,)).reshape((d_V, d_V, 1)))
     t58 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t59 = t58.view((d_V, d_K, d_V, d_V))
     t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
     t61 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t60.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t62 = ((W_V.permute(1, 0) @ t61.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t63 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t63 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t64 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t65 = (t64 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t66 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t66 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t59[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t59 += ((t65.reshape((d_K*d_V, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t67 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -7089,13 +7089,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t70 = (1/(d_K*n_batch)) * t69
     t71 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t72 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t70.permute(1, 0)).reshape((n_batch, L, d_K))
-    t73 = ((t72.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t73 = (t72.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t74 = (2/(L*d_K*d_V*n_batch)) * t69
     t75 = (t14.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t76 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t77 = ((t76.permute(1, 2, 0, 3) @ t75.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t78 = (X.reshape((L*n_batch, d_V)) @ t74.permute(1, 0)).reshape((n_batch, L, d_K))
-    t79 = ((t78.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t79 = (t78.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t80 = t68.diagonal(0, 1, 3)
     t81 = t49.transpose(-1, -2)
     t82 = t73.reshape((d_K*d_V, L*n_batch))
@@ -7105,13 +7105,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t86 = torch.cat([t82, t83], dim=-1)
     t87 = torch.cat([t84, t85], dim=-2)
     t68[...] = ((t86 @ t87).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t80 += (t81.sum((0,)).reshape((d_V**2, 1)) * t51.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t80.addcmul_(t51.reshape((1, 1, d_K)), t81.sum((0,)).reshape((d_V, d_V, 1)))
     t88 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t89 = t88.view((d_V, d_K, d_V, d_K))
     t90 = ((t75.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t91 = ((t43.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t78.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t91 = (t43.reshape((1, d_K, n_batch, L)) * t78.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t92 = M_3.permute(2, 3, 0, 1)
-    t93 = ((t43.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t72.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t93 = (t43.reshape((1, d_K, n_batch, L)) * t72.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t94 = t90.reshape((d_V**2, L*n_batch))
     t95 = t92.reshape((d_V**2, L*n_batch))
     t96 = t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -7124,11 +7124,11 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t102 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t69
     t103 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t104 = (X.reshape((L*n_batch, d_V)) @ t102.permute(1, 0)).reshape((n_batch, L, d_K))
-    t105 = ((t104.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t105 = (t104.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t106 = (1/(math.sqrt(d_K)*n_batch)) * t69
     t107 = M_2.permute(3, 2, 0, 1)
     t108 = (X.reshape((L*n_batch, d_V)) @ t106.permute(1, 0)).reshape((n_batch, L, d_K))
-    t109 = ((t108.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t109 = (t108.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t101[...] = ((t105.reshape((d_K*d_V, L*n_batch)) @ t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t101 += ((t107.reshape((d_V**2, L*n_batch)) @ t109.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
@@ -7137,19 +7137,19 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t113 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t112
     t114 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t115 = ((W_K.permute(1, 0) @ t114.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t116 = ((X.reshape((n_batch, L, d_V, 1)) * t113.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t116 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t113.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t117 = G.transpose(-1, -2)
     t118 = (1/(math.sqrt(d_K)*n_batch)) * t117
-    t119 = ((X.reshape((n_batch, L, d_V, 1)) * t118.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t119 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t118.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t120 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t111[...] = ((t116.reshape((d_V**2, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t111 += ((t119.reshape((d_V**2, L*n_batch)) @ t120.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t121 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t122 = t121.view((d_V, d_V, d_V, d_K))
     t123 = (t13 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
-    t124 = ((t43.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t113.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t124 = (t43.reshape((1, d_K, n_batch, L)) * t113.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t125 = M_2.permute(2, 3, 0, 1)
-    t126 = ((t43.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t118.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t126 = (t43.reshape((1, d_K, n_batch, L)) * t118.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t122[...] = ((t123.reshape((d_V**2, L*n_batch)) @ t124.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t122 += ((t125.reshape((d_V**2, L*n_batch)) @ t126.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t127 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -7159,7 +7159,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t130 = t112 @ M_1
     t131 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t132 = (2/(L*d_V*n_batch)) * t131
-    t129 += (t130.sum((0,)).reshape((d_V**2, 1)) * t132.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t129.addcmul_(t132.reshape((1, 1, d_V)), t130.sum((0,)).reshape((d_V, d_V, 1)))
     return H
 
 
@@ -7252,7 +7252,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -7280,7 +7280,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t32.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t32.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t32.reshape((n_batch, L, L, 1))) - (t32.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t35 = t16 * t33
@@ -7335,7 +7335,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t84 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t85 = (t77.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t86 = (t84.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t87 = (t86.reshape((n_batch, n_batch, L, L, L, 1)) * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t87 = (t86 * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t88 = (t87.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t85.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t89 = (t88.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t90 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7413,7 +7413,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t162 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t153.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t163 = (t154.reshape((L*n_batch, d_V)) @ t161.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t164 = (t162.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t165 = (t164.reshape((n_batch, n_batch, L, L, L, 1)) * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t165 = (t164 * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t166 = (t165.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t163.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t167 = (t166.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t168 = (t161.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t161.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7457,7 +7457,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7481,7 +7481,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 - (A * t25).sum(-1, keepdim=True)
     t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t27.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
+    d2A = (t10.reshape((1, 1, L, L)) * t27.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t27.reshape((n_batch, L, L, 1))) - (t27.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t28 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7512,7 +7512,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7535,7 +7535,7 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t25.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t25.reshape((n_batch, L, L, 1))) - (t25.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7564,7 +7564,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7575,7 +7575,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t17 = (t16 @ t15)
     t18 = ((W_K.permute(1, 0) @ t17.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t19 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t20 = A @ X
     M_1 = t20
     t21 = M_1 @ W_V
@@ -7588,14 +7588,14 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 - (A * t25).sum(-1, keepdim=True)
     t27 = A * t26
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t27.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t27.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t27.reshape((n_batch, L, 1, L)))
+    d2A = (t10.reshape((1, 1, L, L)) * t27.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t27.reshape((n_batch, L, L, 1))) - (t27.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t28 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t29 = (1/(d_K*n_batch)) * t1
     t30 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t31 = ((W_K.permute(1, 0) @ t30.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t32 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t32 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t33 = t19.reshape((d_V**2, L*n_batch))
     t34 = t32.reshape((d_V**2, L*n_batch))
     t35 = t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -7624,7 +7624,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -7652,7 +7652,7 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t32.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t32.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t32.reshape((n_batch, L, L, 1))) - (t32.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t33 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t35 = t16 * t33
@@ -7703,16 +7703,16 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = (t19.reshape((1, 1, L, L)) * t18.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t18.reshape((n_batch, L, L, 1))) - (t18.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t21 = (1/(d_K*n_batch)) * t1
     t22 = (t21 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t23 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t24 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t24 = (t23.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t19.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t25 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7721,7 +7721,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t28 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t29 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t26.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t30 = ((t29 @ t28)).permute(3, 2, 0, 1)
-    t31 = ((t23.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t31 = (t23.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t32 = t0.diagonal(0, 1, 3)
     t33 = t18 @ X
     t34 = t2 @ t33
@@ -7734,7 +7734,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t41 = torch.cat([t37, t38], dim=-1)
     t42 = torch.cat([t39, t40], dim=-2)
     t0[...] = ((t41 @ t42).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t32 += (t34.sum((0,)).reshape((d_V**2, 1)) * t36.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t32.addcmul_(t36.reshape((1, 1, d_K)), t34.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -7770,7 +7770,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = t0 @ t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t20.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t19.sum((0,))).reshape((n_batch, L, d_V))
     t22 = (t21 @ X.permute(0, 2, 1))
     t23 = (t22.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -7778,7 +7778,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t26 = (t25.permute(1, 2, 0) @ t24.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t20.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t27 = W_V @ t13
     t28 = (X.reshape((L*n_batch, d_V)) @ t19.sum((0,))).reshape((n_batch, L, d_V))
     t29 = (t28 @ X.permute(0, 2, 1))
@@ -7834,7 +7834,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7843,7 +7843,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t14 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t15 = ((W_V.permute(1, 0) @ t14.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t16 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t17 = M_1 @ W_V
     F = t17
     t18 = F - Y
@@ -7851,7 +7851,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t19
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t21 = (t20 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t22 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t21.reshape((d_K*d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -7875,7 +7875,7 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = A @ X
     M_1 = t10
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -7896,7 +7896,7 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = (t12.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t26 = (t24.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t27 = (t26.reshape((n_batch, n_batch, L, L, L, 1)) * t13.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t27 = (t26 * t13.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t28 = (t27.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t25.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t29 = (t28.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t30 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7931,7 +7931,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7955,7 +7955,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdim=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t28.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))
+    d2A = (t11.reshape((1, 1, L, L)) * t28.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t28.reshape((n_batch, L, L, 1))) - (t28.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7987,7 +7987,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8010,7 +8010,7 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = (t10.reshape((1, 1, L, L)) * t26.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t26.reshape((n_batch, L, L, 1))) - (t26.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8053,16 +8053,16 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = (t20.reshape((1, 1, L, L)) * t19.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t19.reshape((n_batch, L, L, 1))) - (t19.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(d_K*n_batch)) * t1
     t23 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t24 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
-    t25 = ((t24.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t25 = (t24.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t20.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8072,7 +8072,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
     t31 = ((t30.permute(1, 2, 0, 3) @ t29.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t32 = (X.reshape((L*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_K))
-    t33 = ((t32.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t33 = (t32.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t34 = t0.diagonal(0, 1, 3)
     t35 = t19.transpose(-1, -2)
     t36 = t35 @ X
@@ -8086,7 +8086,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t44 = torch.cat([t40, t41], dim=-1)
     t45 = torch.cat([t42, t43], dim=-2)
     t0[...] = ((t44 @ t45).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t34 += (t37.sum((0,)).reshape((d_V**2, 1)) * t39.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t34.addcmul_(t39.reshape((1, 1, d_K)), t37.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -8124,7 +8124,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t21 = W_Q.transpose(-1, -2)
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t22.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t23 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
     t24 = (t23 @ X.permute(0, 2, 1))
     t25 = (t24.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -8132,7 +8132,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t28 = (t27.permute(1, 2, 0) @ t26.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t22.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t29 = W_V @ t13
     t30 = (X.reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
     t31 = (t30 @ X.permute(0, 2, 1))
@@ -8190,7 +8190,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8201,7 +8201,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = ((t16.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
     t18 = (X.reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t20 = ((t19.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t18.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t20 = (t19.reshape((1, d_K, n_batch, L)) * t18.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t21 = A @ X
     M_1 = t21
     t22 = M_1 @ W_V
@@ -8214,14 +8214,14 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 - (A * t26).sum(-1, keepdim=True)
     t28 = A * t27
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t28.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t28.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t28.reshape((n_batch, L, 1, L)))
+    d2A = (t11.reshape((1, 1, L, L)) * t28.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t28.reshape((n_batch, L, L, 1))) - (t28.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t30 = (1/(d_K*n_batch)) * t1
     t31 = M_3.permute(2, 3, 0, 1)
     t32 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_K))
-    t33 = ((t19.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t32.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t33 = (t19.reshape((1, d_K, n_batch, L)) * t32.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t34 = t17.reshape((d_V**2, L*n_batch))
     t35 = t31.reshape((d_V**2, L*n_batch))
     t36 = t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -8251,7 +8251,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8279,7 +8279,7 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdim=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t33.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
+    d2A = (t10.reshape((1, 1, L, L)) * t33.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t33.reshape((n_batch, L, L, 1))) - (t33.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t35 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = (t34.reshape((L*n_batch, d_K)) @ t13.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8319,7 +8319,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -8328,7 +8328,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
     t15 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t16 = (X.reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_K))
-    t17 = ((t16.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t17 = (t16.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t18 = M_1 @ W_V
     F = t18
     t19 = F - Y
@@ -8337,7 +8337,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t22 = M_2.permute(3, 2, 0, 1)
     t23 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
-    t24 = ((t23.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t24 = (t23.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t17.reshape((d_K*d_V, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t22.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
@@ -8362,7 +8362,7 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = A @ X
     M_1 = t11
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8472,14 +8472,14 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t13.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t17 = ((W_K.permute(1, 0) @ t16.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t18 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t19 = M_1 @ W_V
     F = t19
     t20 = F - Y
@@ -8487,7 +8487,7 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t21
     t22 = G.transpose(-1, -2)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t24 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t23.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t25 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t0 += ((t24.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
@@ -8516,7 +8516,7 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t12.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8536,7 +8536,7 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t28 = (t13.reshape((L*n_batch, d_V)) @ t26.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t29 = (t27.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t30 = (t29.reshape((n_batch, n_batch, L, L, L, 1)) * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t30 = (t29 * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t31 = (t30.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t28.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t32 = (t31.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t33 = (t26.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t26.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8574,14 +8574,14 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t13.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t14 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
     t16 = (t12 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t17 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t18 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (t17.reshape((1, d_K, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t19 = M_1 @ W_V
     F = t19
     t20 = F - Y
@@ -8590,7 +8590,7 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = G.transpose(-1, -2)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
     t24 = M_2.permute(2, 3, 0, 1)
-    t25 = ((t17.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = (t17.reshape((1, d_K, n_batch, L)) * t23.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t0 += ((t24.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
@@ -8618,7 +8618,7 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t12.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8678,7 +8678,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ M_1
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t15 = (2/(L*d_V*n_batch)) * t14
-    t1 += (t13.sum((0,)).reshape((d_V**2, 1)) * t15.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t1.addcmul_(t15.reshape((1, 1, d_V)), t13.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -8725,7 +8725,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8754,7 +8754,7 @@ def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdim=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t33.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t33.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t33.reshape((n_batch, L, L, 1))) - (t33.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t35 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = t16 * t35
@@ -8795,7 +8795,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8826,7 +8826,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t34 = t33 @ X
     t35 = t1 @ t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t33.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t33.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t33.reshape((n_batch, L, L, 1))) - (t33.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t36 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t35.sum((0,))).reshape((n_batch, L, d_V))
     t37 = (t36 @ X.permute(0, 2, 1))
     t38 = (t37.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -8877,7 +8877,7 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = A @ X
     M_1 = t10
     t11 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8906,7 +8906,7 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t33 = (t12.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t34 = (t32.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t35 = (t34.reshape((n_batch, n_batch, L, L, L, 1)) * t13.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t35 = (t34 * t13.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t36 = (t35.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t33.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t37 = (t36.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t38 = (4/(L*d_K*d_V*n_batch**2)) * (t37 * t16.permute(2, 0, 1, 3)).sum()
@@ -8936,7 +8936,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -8968,7 +8968,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t36 = t35 @ X
     t37 = t1 @ t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t34.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
+    d2A = (t10.reshape((1, 1, L, L)) * t34.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t34.reshape((n_batch, L, L, 1))) - (t34.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t38 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t37.sum((0,))).reshape((n_batch, L, d_V))
     t39 = (t38 @ X.permute(0, 2, 1))
     t40 = (t39.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -9020,7 +9020,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
     t13 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -9049,7 +9049,7 @@ def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdim=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t34.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
+    d2A = (t10.reshape((1, 1, L, L)) * t34.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t34.reshape((n_batch, L, L, 1))) - (t34.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t35 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t36 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t37 = (t35.reshape((L*n_batch, d_K)) @ t35.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9091,7 +9091,7 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = A @ X
     M_1 = t11
     t12 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -9153,7 +9153,7 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t12.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9181,7 +9181,7 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t35 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = (t13.reshape((L*n_batch, d_V)) @ t27.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t37 = (t35.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t38 = (t37.reshape((n_batch, n_batch, L, L, L, 1)) * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t38 = (t37 * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
     t39 = (t38.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t36.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t40 = (t39.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t41 = (4/(L*d_K*d_V*n_batch**2)) * (t40 * t19.permute(2, 0, 1, 3)).sum()
@@ -9214,7 +9214,7 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t12.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t15 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9305,13 +9305,13 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     t13 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t12.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t15 = (t14.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L)) @ t13.permute(1, 2, 0)).reshape((n_batch, L, d_V, d_K))
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t2[...] = (X.reshape((n_batch, L, 1, d_V, 1)) * t15.reshape((n_batch, L, d_V, 1, d_K)))
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t18 = (t17.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K))
     t19 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
     t20 = (t19.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += (t20.reshape((n_batch, L, d_V**2, 1)) * t18.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t2 += (t18.reshape((n_batch, L, 1, 1, d_K)) * t20.reshape((n_batch, L, d_V, d_V, 1)))
     return out
 
 
@@ -9339,13 +9339,13 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t13 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t14 = (t12.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t15 = (t14.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L)) @ t13.permute(1, 2, 0)).reshape((n_batch, L, d_V, d_K))
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t2[...] = (X.reshape((n_batch, L, 1, d_V, 1)) * t15.reshape((n_batch, L, d_V, 1, d_K)))
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t18 = (t17.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_K))
     t19 = (t12.permute(0, 2, 1) @ t16.permute(0, 2, 1))
     t20 = (t19.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))
-    t2 += (t20.reshape((n_batch, L, d_V**2, 1)) * t18.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t2 += (t18.reshape((n_batch, L, 1, 1, d_K)) * t20.reshape((n_batch, L, d_V, d_V, 1)))
     return (J,)
 
 
@@ -9373,13 +9373,13 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t15 = ((t13.permute(0, 2, 1) @ t14.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
-    t2[...] = (t15.reshape((n_batch, L, d_V**2, 1)) * t12.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t2[...] = (t12.reshape((n_batch, L, 1, 1, d_K)) * t15.reshape((n_batch, L, d_V, d_V, 1)))
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (t16 @ t13)
     t18 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t20 = (t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t19.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t2 += (t17.reshape((n_batch, L, d_V, 1)) * t20.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
+    t20 = (t19.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)) * t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
+    t2 += (t17.reshape((n_batch, L, d_V, 1, 1)) * t20.reshape((n_batch, L, 1, d_V, d_K)))
     return out
 
 
@@ -9407,13 +9407,13 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t13 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t14 = (X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t15 = ((t13.permute(0, 2, 1) @ t14.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
-    t2[...] = (t15.reshape((n_batch, L, d_V**2, 1)) * t12.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t2[...] = (t12.reshape((n_batch, L, 1, 1, d_K)) * t15.reshape((n_batch, L, d_V, d_V, 1)))
     t16 = (-1/math.sqrt(d_K)) * A
     t17 = (t16 @ t13)
     t18 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
     t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t20 = (t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)) * t19.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)))
-    t2 += (t17.reshape((n_batch, L, d_V, 1)) * t20.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))
+    t20 = (t19.permute(1, 2, 0).reshape((n_batch, L, 1, d_K)) * t18.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
+    t2 += (t17.reshape((n_batch, L, d_V, 1, 1)) * t20.reshape((n_batch, L, 1, d_V, d_K)))
     return (J,)
 
 
@@ -9552,7 +9552,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9565,23 +9565,23 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t22 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t23 = (t22.reshape((L*d_V*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V, d_V))
     t24 = (t23 @ M_2)
     t25 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t26 = (t25 @ t24)
     t27 = ((W_K.permute(1, 0) @ t26.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t28 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t28 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t28.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t30 = t29.view((d_V, d_K, d_V, d_K))
     t31 = ((t25 @ t24)).permute(2, 3, 0, 1)
     t32 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t33 = ((t32.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t33 = (t32.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t30[...] = ((t31.reshape((d_K*d_V, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t35 = t34.view((d_V, d_K, d_V, d_V))
@@ -9589,7 +9589,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t37 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t36.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t38 = (t37.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t39 = ((t38 @ t22)).permute(2, 3, 0, 1)
-    t40 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t40 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t35[...] = ((t40.reshape((d_V**2, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t42 = t41.view((d_V, d_K, d_V, d_K))
@@ -9601,40 +9601,40 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t48 = (t47 @ t46)
     t49 = ((W_K.permute(1, 0) @ t48.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t50 = (X.reshape((L*n_batch, d_V)) @ t44.permute(1, 0)).reshape((n_batch, L, d_K))
-    t51 = ((t50.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t51 = (t50.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t42[...] = ((t51.reshape((d_K*d_V, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = t52.view((d_V, d_K, d_V, d_K))
     t54 = ((t47 @ t46)).permute(3, 2, 0, 1)
-    t55 = ((t32.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t50.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t55 = (t32.reshape((1, d_K, n_batch, L)) * t50.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t53[...] = ((t54.reshape((d_V**2, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t57 = t56.view((d_V, d_K, d_V, d_V))
     t58 = (1/(L*math.sqrt(d_K)*n_batch)) * t43
     t59 = ((t22.permute(0, 1, 3, 2) @ t45.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t60 = (X.reshape((L*n_batch, d_V)) @ t58.permute(1, 0)).reshape((n_batch, L, d_K))
-    t61 = ((t60.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t61 = (t60.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t57[...] = ((t61.reshape((d_K*d_V, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t63 = t62.view((d_V, d_V, d_V, d_K))
     t64 = M_1.transpose(-1, -2)
     t65 = (1/(L*math.sqrt(d_K)*n_batch)) * t64
-    t66 = ((X.reshape((n_batch, L, d_V, 1)) * t65.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t66 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t65.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t67 = (t19.permute(1, 0) @ dA18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t68 = (t67.permute(1, 2, 3, 0) @ M_2)
     t69 = (t68.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t70 = ((t69.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t70 = (t69.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t63[...] = ((t66.reshape((d_V**2, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t72 = t71.view((d_V, d_V, d_V, d_K))
     t73 = ((t47 @ t22.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t74 = ((t32.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t65.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t74 = (t32.reshape((1, d_K, n_batch, L)) * t65.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t72[...] = ((t73.reshape((d_V**2, L*n_batch)) @ t74.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t76 = t75.view((d_V, d_V, d_V, d_V))
     t77 = (1/(L*n_batch)) * t64
-    t78 = ((dA18.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t79 = ((M_1.reshape((n_batch, L, d_V, 1)) * t77.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t78 = (dA18.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t79 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t77.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t76[...] = ((t79.reshape((d_V**2, L*n_batch)) @ t78.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -9709,7 +9709,7 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -9719,9 +9719,9 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
-    t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (dA15 * t9.reshape((n_batch, L, d_V, 1)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9816,7 +9816,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9829,12 +9829,12 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (X * X).permute(2, 0, 1)
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t22 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t23 = (t22.reshape((L*d_V*n_batch, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))
     t24 = (t23 @ M_2)
     t25 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
@@ -9860,7 +9860,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9873,7 +9873,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
     t18 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t19 = (W_K @ t0)
@@ -9904,7 +9904,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -9917,17 +9917,17 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t21 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.reshape((L*d_V*n_batch, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))
     t23 = (t22 @ M_2)
     t24 = (t20.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t25 = (t24 @ t23)
     t26 = ((W_K.permute(1, 0) @ t25.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t27 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -9948,7 +9948,7 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -9958,9 +9958,9 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
-    t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (dA15 * t9.reshape((n_batch, L, d_V, 1)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10002,7 +10002,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10015,17 +10015,17 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t21 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.reshape((L*d_V*n_batch, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))
     t23 = (t22 @ M_2)
     t24 = (t20.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t25 = ((t24 @ t23)).permute(2, 3, 0, 1)
     t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t27 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (t26.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t25.reshape((d_K*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -10046,7 +10046,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -10056,9 +10056,9 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
-    t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (dA15 * t9.reshape((n_batch, L, d_V, 1)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10100,7 +10100,7 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10113,13 +10113,13 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t19 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t21 = (t19.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t22 = ((t21 @ t20)).permute(2, 3, 0, 1)
-    t23 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -10140,7 +10140,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -10150,10 +10150,10 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t16 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t18 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA15 * t9.reshape((n_batch, L, d_V, 1)))
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t17.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t20 = (t19 @ dA)
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10186,7 +10186,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10199,11 +10199,11 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t22 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t23 = (t22.permute(0, 1, 3, 2) @ t21.permute(1, 2, 0, 3))
     t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t25 = (t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t23.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
@@ -10231,7 +10231,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10244,7 +10244,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
     t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t20 = (t19.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
@@ -10276,7 +10276,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10289,17 +10289,17 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t22 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t23 = (t22.permute(0, 1, 3, 2) @ t21.permute(1, 2, 0, 3))
     t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t25 = (t24 @ t23)
     t26 = ((W_K.permute(1, 0) @ t25.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t27 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
-    t28 = ((t27.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t28 = (t27.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -10321,7 +10321,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -10331,9 +10331,9 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
-    t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10376,7 +10376,7 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10389,17 +10389,17 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t22 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t23 = (t22.permute(0, 1, 3, 2) @ t21.permute(1, 2, 0, 3))
     t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t25 = ((t24 @ t23)).permute(3, 2, 0, 1)
     t26 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
     t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t28 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t26.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t28 = (t27.reshape((1, d_K, n_batch, L)) * t26.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -10421,7 +10421,7 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -10431,9 +10431,9 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
-    t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10476,7 +10476,7 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -10489,13 +10489,13 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t22 = ((t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t23 = (X.reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_K))
-    t24 = ((t23.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t24 = (t23.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -10517,7 +10517,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -10527,10 +10527,10 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t18.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t21 = (t20 @ dA)
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10570,7 +10570,7 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t16 = (1/(L*n_batch)) * t9
     t17 = (M_1 * t16.permute(0, 2, 1)).permute(2, 0, 1)
     t18 = (oe.contract('abcc,abc->abc', dA, t11)).permute(2, 0, 1)
@@ -10602,7 +10602,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t15 = (M_1.reshape((n_batch, L, 1, d_V)) @ t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t16 = oe.contract('abcc,abc->ab', dA, t10)
     return (1/(L*n_batch)) * (t16 * t15).sum()
@@ -10634,20 +10634,20 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA18 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA18 = (t17.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (dA18.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t20.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t22 = (t16.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t23 = (t22.permute(1, 2, 3, 0) @ M_2)
     t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t25 = ((t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t25 = (t24.permute(2, 3, 0, 1) * t11.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -10676,12 +10676,12 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
-    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA17 = (t16.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t18 = (dA * t10.reshape((n_batch, L, d_V, 1)))
     t19 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
     t21 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
@@ -10723,20 +10723,20 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA18 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA18 = (t17.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (dA18.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (dA * t11.reshape((n_batch, L, d_V, 1)))
     t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t23 = ((t22 @ t21.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t25 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = (t24.reshape((1, d_K, n_batch, L)) * t20.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -10765,12 +10765,12 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
-    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA17 = (t16.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t18 = (dA * t10.reshape((n_batch, L, d_V, 1)))
     t19 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10812,10 +10812,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t16 = (1/(L*n_batch)) * t9
-    t17 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t18 = ((M_1.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (dA.permute(2, 3, 0, 1) * t11.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t18 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t16.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -10844,8 +10844,8 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
-    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
+    t15 = (dA * t10.reshape((n_batch, L, d_V, 1)))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t15.reshape((L*n_batch, d_V**2)) @ t15.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10891,37 +10891,37 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = (t23.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t2
     t26 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t27 = ((W_K.permute(1, 0) @ t26.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t28 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t28 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t28.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t30 = t29.view((d_V, d_K, d_V, d_K))
     t31 = (t25 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t32 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t33 = ((t32.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t33 = (t32.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t34 = t30.diagonal(0, 1, 3)
     t35 = t22 @ X
     t36 = t3 @ t35
     t37 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
     t30[...] = ((t31.reshape((d_K*d_V, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t34 += (t36.sum((0,)).reshape((d_V**2, 1)) * t38.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t34.addcmul_(t38.reshape((1, 1, d_K)), t36.sum((0,)).reshape((d_V, d_V, 1)))
     t39 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t40 = t39.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t23.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t41 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t41.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t43 = (t42 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t44 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t44 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t40[...] = ((t43.reshape((d_K*d_V, L*n_batch)) @ t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t45 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t46 = t45.view((d_V, d_K, d_V, d_K))
@@ -10929,34 +10929,34 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t48 = (1/(d_K*n_batch)) * t47
     t49 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t50 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t48.permute(1, 0)).reshape((n_batch, L, d_K))
-    t51 = ((t50.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t51 = (t50.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t52 = t46.diagonal(0, 1, 3)
     t53 = t36.transpose(-1, -2)
     t46[...] = ((t51.reshape((d_K*d_V, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t52 += (t53.sum((0,)).reshape((d_V**2, 1)) * t38.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t52.addcmul_(t38.reshape((1, 1, d_K)), t53.sum((0,)).reshape((d_V, d_V, 1)))
     t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t55 = t54.view((d_V, d_K, d_V, d_K))
     t56 = M_3.permute(2, 3, 0, 1)
-    t57 = ((t32.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t50.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t57 = (t32.reshape((1, d_K, n_batch, L)) * t50.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t55[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t59 = t58.view((d_V, d_K, d_V, d_V))
     t60 = (1/(math.sqrt(d_K)*n_batch)) * t47
     t61 = M_2.permute(3, 2, 0, 1)
     t62 = (X.reshape((L*n_batch, d_V)) @ t60.permute(1, 0)).reshape((n_batch, L, d_K))
-    t63 = ((t62.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t63 = (t62.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t59[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t63.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t65 = t64.view((d_V, d_V, d_V, d_K))
     t66 = G.transpose(-1, -2)
     t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
-    t68 = ((X.reshape((n_batch, L, d_V, 1)) * t67.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t68 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t67.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t69 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t65[...] = ((t68.reshape((d_V**2, L*n_batch)) @ t69.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t71 = t70.view((d_V, d_V, d_V, d_K))
     t72 = M_2.permute(2, 3, 0, 1)
-    t73 = ((t32.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t67.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t73 = (t32.reshape((1, d_K, n_batch, L)) * t67.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t71[...] = ((t72.reshape((d_V**2, L*n_batch)) @ t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t74[...] = 0
@@ -11062,7 +11062,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = (t21.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t23 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11090,7 +11090,7 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t46 = (n_batch**(-2)) * (t35.sum((0,)) * t35.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t40 * t38).sum() + (1/(d_K**2*n_batch**2)) * (t45 * t42.permute(0, 2, 3, 1)).sum()
     t47 = torch.sqrt(torch.clamp(t46, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t21.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t48 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t49 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t50 = t49 * t25
@@ -11175,7 +11175,7 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = (t22.reshape((1, 1, L, L)) * t21.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t21.reshape((n_batch, L, L, 1))) - (t21.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11220,7 +11220,7 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = (t21.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11265,14 +11265,14 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = (t22.reshape((1, 1, L, L)) * t21.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t21.reshape((n_batch, L, L, 1))) - (t21.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
     t25 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t26 = ((W_K.permute(1, 0) @ t25.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t27 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -11310,7 +11310,7 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = (t21.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t23 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11361,21 +11361,21 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = (t22.reshape((1, 1, L, L)) * t21.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t21.reshape((n_batch, L, L, 1))) - (t21.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
     t25 = (t24 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t27 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (t26.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t28 = t0.diagonal(0, 1, 3)
     t29 = t21 @ X
     t30 = t2 @ t29
     t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
     t0[...] = ((t25.reshape((d_K*d_V, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t28 += (t30.sum((0,)).reshape((d_V**2, 1)) * t32.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t28.addcmul_(t32.reshape((1, 1, d_K)), t30.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -11414,7 +11414,7 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = t0 @ t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = (t23.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
     t25 = (t24 @ X.permute(0, 2, 1))
     t26 = (t25.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -11452,7 +11452,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11470,7 +11470,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t20 = (t19 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t21 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t20.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -11491,7 +11491,7 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -11554,7 +11554,7 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = (t23.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11601,7 +11601,7 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = (t22.reshape((1, 1, L, L)) * t21.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t21.reshape((n_batch, L, L, 1))) - (t21.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11648,14 +11648,14 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = (t23.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
     t26 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t27 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_K))
-    t28 = ((t27.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t28 = (t27.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t29 = t0.diagonal(0, 1, 3)
     t30 = t22.transpose(-1, -2)
     t31 = t30 @ X
@@ -11663,7 +11663,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
     t0[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t29 += (t32.sum((0,)).reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t29.addcmul_(t34.reshape((1, 1, d_K)), t32.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -11704,7 +11704,7 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = W_Q.transpose(-1, -2)
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = (t25.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t23.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
     t28 = (t27.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -11760,7 +11760,7 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = (t23.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11768,7 +11768,7 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t26 = M_3.permute(2, 3, 0, 1)
     t27 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_K))
     t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t29 = ((t28.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t27.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t29 = (t28.reshape((1, d_K, n_batch, L)) * t27.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -11807,7 +11807,7 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = (t22.reshape((1, 1, L, L)) * t21.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t21.reshape((n_batch, L, L, 1))) - (t21.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t23 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t25 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11842,7 +11842,7 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -11861,7 +11861,7 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t21 = M_2.permute(3, 2, 0, 1)
     t22 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
-    t23 = ((t22.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t23 = (t22.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -11883,7 +11883,7 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -11962,12 +11962,12 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t20.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t22 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
@@ -12002,7 +12002,7 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t17.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t18 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t16.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t16.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -12048,14 +12048,14 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t21 = M_2.permute(2, 3, 0, 1)
     t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t23 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (t22.reshape((1, d_K, n_batch, L)) * t20.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -12089,7 +12089,7 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t17.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t18 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t16.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t16.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -12144,7 +12144,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12157,17 +12157,17 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t2
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t22 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t23 = (t22.reshape((L*d_V*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V, d_V))
     t24 = (t23 @ M_2)
     t25 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t26 = (t25 @ t24)
     t27 = ((W_K.permute(1, 0) @ t26.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t28 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t28 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t14
     t29 = torch.exp(F - F.amax(-1, keepdim=True))
     A30 = t29 / t29.sum(-1, keepdim=True)
@@ -12180,14 +12180,14 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t37.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t37.reshape((n_batch, L, L, 1))) - (t37.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t39 = (1/(d_K*n_batch)) * t2
     t40 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t41 = ((W_K.permute(1, 0) @ t40.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t42 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t42 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t43 = t28.reshape((d_V**2, L*n_batch))
     t44 = t42.reshape((d_V**2, L*n_batch))
     t45 = t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -12199,9 +12199,9 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t50 = t49.view((d_V, d_K, d_V, d_K))
     t51 = (t39 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t52 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t53 = ((t52.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t53 = (t52.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t54 = ((t25 @ t24)).permute(2, 3, 0, 1)
-    t55 = ((t52.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t55 = (t52.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t56 = t50.diagonal(0, 1, 3)
     t57 = t37 @ X
     t58 = t3 @ t57
@@ -12214,17 +12214,17 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t65 = torch.cat([t61, t62], dim=-1)
     t66 = torch.cat([t63, t64], dim=-2)
     t50[...] = ((t65 @ t66).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t56 += (t58.sum((0,)).reshape((d_V**2, 1)) * t60.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t56.addcmul_(t60.reshape((1, 1, d_K)), t58.sum((0,)).reshape((d_V, d_V, 1)))
     t67 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = t67.view((d_V, d_K, d_V, d_V))
     t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t70 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t69.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t71 = (t70.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t72 = ((t71 @ t22)).permute(2, 3, 0, 1)
-    t73 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t73 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t74 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t75 = (t74 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t76 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t76 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t68[...] = ((t73.reshape((d_V**2, L*n_batch)) @ t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t68 += ((t75.reshape((d_K*d_V, L*n_batch)) @ t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t77 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -12233,7 +12233,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t80 = (1/(d_K*n_batch)) * t79
     t81 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t82 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t80.permute(1, 0)).reshape((n_batch, L, d_K))
-    t83 = ((t82.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t83 = (t82.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t84 = (1/(L*d_K*n_batch)) * t79
     t85 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t86 = (t22.permute(0, 1, 3, 2) @ t85.permute(1, 2, 0, 3))
@@ -12241,7 +12241,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t88 = (t87 @ t86)
     t89 = ((W_K.permute(1, 0) @ t88.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t90 = (X.reshape((L*n_batch, d_V)) @ t84.permute(1, 0)).reshape((n_batch, L, d_K))
-    t91 = ((t90.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t91 = (t90.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t92 = t78.diagonal(0, 1, 3)
     t93 = t58.transpose(-1, -2)
     t94 = t83.reshape((d_K*d_V, L*n_batch))
@@ -12251,13 +12251,13 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t98 = torch.cat([t94, t95], dim=-1)
     t99 = torch.cat([t96, t97], dim=-2)
     t78[...] = ((t98 @ t99).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t92 += (t93.sum((0,)).reshape((d_V**2, 1)) * t60.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t92.addcmul_(t60.reshape((1, 1, d_K)), t93.sum((0,)).reshape((d_V, d_V, 1)))
     t100 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t101 = t100.view((d_V, d_K, d_V, d_K))
     t102 = ((t87 @ t86)).permute(3, 2, 0, 1)
-    t103 = ((t52.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t90.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t103 = (t52.reshape((1, d_K, n_batch, L)) * t90.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t104 = M_3.permute(2, 3, 0, 1)
-    t105 = ((t52.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t82.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t105 = (t52.reshape((1, d_K, n_batch, L)) * t82.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t106 = t102.reshape((d_V**2, L*n_batch))
     t107 = t104.reshape((d_V**2, L*n_batch))
     t108 = t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -12270,41 +12270,41 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t114 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
     t115 = ((t22.permute(0, 1, 3, 2) @ t85.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t116 = (X.reshape((L*n_batch, d_V)) @ t114.permute(1, 0)).reshape((n_batch, L, d_K))
-    t117 = ((t116.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t117 = (t116.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t118 = (1/(math.sqrt(d_K)*n_batch)) * t79
     t119 = M_2.permute(3, 2, 0, 1)
     t120 = (X.reshape((L*n_batch, d_V)) @ t118.permute(1, 0)).reshape((n_batch, L, d_K))
-    t121 = ((t120.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t121 = (t120.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t113[...] = ((t117.reshape((d_K*d_V, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t113 += ((t119.reshape((d_V**2, L*n_batch)) @ t121.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t122 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t123 = t122.view((d_V, d_V, d_V, d_K))
     t124 = G.transpose(-1, -2)
     t125 = (1/(math.sqrt(d_K)*n_batch)) * t124
-    t126 = ((X.reshape((n_batch, L, d_V, 1)) * t125.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t126 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t125.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t127 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t128 = M_1.transpose(-1, -2)
     t129 = (1/(L*math.sqrt(d_K)*n_batch)) * t128
-    t130 = ((X.reshape((n_batch, L, d_V, 1)) * t129.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t130 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t129.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t131 = (t19.permute(1, 0) @ dA18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t132 = (t131.permute(1, 2, 3, 0) @ M_2)
     t133 = (t132.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t134 = ((t133.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t134 = (t133.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t123[...] = ((t126.reshape((d_V**2, L*n_batch)) @ t127.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t123 += ((t130.reshape((d_V**2, L*n_batch)) @ t134.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t135 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t136 = t135.view((d_V, d_V, d_V, d_K))
     t137 = M_2.permute(2, 3, 0, 1)
-    t138 = ((t52.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t125.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t138 = (t52.reshape((1, d_K, n_batch, L)) * t125.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t139 = ((t87 @ t22.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t140 = ((t52.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t129.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t140 = (t52.reshape((1, d_K, n_batch, L)) * t129.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t136[...] = ((t137.reshape((d_V**2, L*n_batch)) @ t138.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t136 += ((t139.reshape((d_V**2, L*n_batch)) @ t140.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t141 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t142 = t141.view((d_V, d_V, d_V, d_V))
     t143 = (1/(L*n_batch)) * t128
-    t144 = ((dA18.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t145 = ((M_1.reshape((n_batch, L, d_V, 1)) * t143.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t144 = (dA18.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t145 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t143.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t142[...] = ((t145.reshape((d_V**2, L*n_batch)) @ t144.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -12403,7 +12403,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -12413,9 +12413,9 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
-    t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (dA15 * t9.reshape((n_batch, L, d_V, 1)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -12446,7 +12446,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t43 = t42 - (A * t42).sum(-1, keepdim=True)
     t44 = A * t43
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t44.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t44.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t44.reshape((n_batch, L, 1, L)))
+    d2A = (t7.reshape((1, 1, L, L)) * t44.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t44.reshape((n_batch, L, L, 1))) - (t44.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t45 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t46 = t20 * t45
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -12506,7 +12506,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t99 = (t98.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t83.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t100 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t101 = (t83.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t102 = (t101.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t20.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t102 = (t101.permute(0, 1, 3, 4, 2) * t20.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t103 = (t102.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t31.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t104 = (t103.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t105 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -12565,7 +12565,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t158 = (t83.reshape((n_batch, L*d_V, L)) @ t20.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t159 = (t158.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t83.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t160 = (t28.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t161 = (t160.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t137.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t161 = (t160.permute(0, 1, 3, 4, 2) * t137.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t162 = (t161.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t163 = (t162.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t164 = t137 * t105
@@ -12583,7 +12583,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t176 = (t21 @ t17.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t177 = (t176.permute(0, 2, 3, 1) @ dA)
     t178 = (t177.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t169.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t179 = (t178.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t20.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t179 = (t178.permute(0, 1, 3, 4, 2) * t20.reshape((n_batch, L, n_batch, L, 1)))
     t180 = (t179.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t32.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
     t181 = (t180.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t182 = (t174.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t174.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -12593,7 +12593,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t186 = (1/(d_K*n_batch**2)) * (t173 * t32.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t181 * t175.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t185 * t32.permute(0, 2, 3, 1)).sum()
     t187 = torch.sqrt(torch.clamp(t186, min=0.0))
     t188 = t76 * t170
-    t189 = (t178.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t76.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t189 = (t178.permute(0, 1, 3, 4, 2) * t76.reshape((n_batch, L, n_batch, L, 1)))
     t190 = (t189.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
     t191 = (t190.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t192 = t76 * t182
@@ -12626,7 +12626,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12639,12 +12639,12 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (X * X).permute(2, 0, 1)
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t22 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t23 = (t22.reshape((L*d_V*n_batch, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))
     t24 = (t23 @ M_2)
     t25 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
@@ -12662,7 +12662,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdim=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t36.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
+    d2A = (t8.reshape((1, 1, L, L)) * t36.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t36.reshape((n_batch, L, L, 1))) - (t36.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t37 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12691,7 +12691,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12704,7 +12704,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
     t18 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t19 = (W_K @ t0)
@@ -12726,7 +12726,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdim=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t34.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
+    d2A = (t7.reshape((1, 1, L, L)) * t34.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t34.reshape((n_batch, L, L, 1))) - (t34.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t35 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12753,7 +12753,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12766,17 +12766,17 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t1
     t20 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t21 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.reshape((L*d_V*n_batch, d_V)) @ t18).reshape((n_batch, L, d_V, d_V))
     t23 = (t22 @ M_2)
     t24 = (t20.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t25 = (t24 @ t23)
     t26 = ((W_K.permute(1, 0) @ t25.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t27 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t13
     t28 = torch.exp(F - F.amax(-1, keepdim=True))
     A29 = t28 / t28.sum(-1, keepdim=True)
@@ -12789,14 +12789,14 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdim=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t36.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
+    d2A = (t8.reshape((1, 1, L, L)) * t36.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t36.reshape((n_batch, L, L, 1))) - (t36.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t37 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t38 = (1/(d_K*n_batch)) * t1
     t39 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t38.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t40 = ((W_K.permute(1, 0) @ t39.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t41 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t41 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t42 = t27.reshape((d_V**2, L*n_batch))
     t43 = t41.reshape((d_V**2, L*n_batch))
     t44 = t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -12823,7 +12823,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -12833,9 +12833,9 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
-    t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (dA15 * t9.reshape((n_batch, L, d_V, 1)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -12866,7 +12866,7 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t43 = t42 - (A * t42).sum(-1, keepdim=True)
     t44 = A * t43
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t44.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t44.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t44.reshape((n_batch, L, 1, L)))
+    d2A = (t7.reshape((1, 1, L, L)) * t44.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t44.reshape((n_batch, L, L, 1))) - (t44.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t45 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t46 = t20 * t45
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -12920,16 +12920,16 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = (t22.reshape((1, 1, L, L)) * t21.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t21.reshape((n_batch, L, L, 1))) - (t21.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/(d_K*n_batch)) * t1
     t25 = (t24 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t27 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (t26.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t22.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t28 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -12937,15 +12937,15 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdim=True)
     t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA32 = ((A30.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
+    dA32 = (t31.reshape((1, 1, d_V, d_V)) * A30.reshape((n_batch, L, d_V, 1))) - (A30.reshape((n_batch, L, 1, d_V)) * A30.reshape((n_batch, L, d_V, 1)))
     t33 = (1/(L*d_K*n_batch)) * t1
     t34 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t33.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t35 = (dA32.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t35 = (dA32 * t9.reshape((n_batch, L, d_V, 1)))
     t36 = (t35.reshape((L*d_V*n_batch, d_V)) @ t17).reshape((n_batch, L, d_V, d_V))
     t37 = (t36 @ M_2)
     t38 = (t34.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t39 = ((t38 @ t37)).permute(2, 3, 0, 1)
-    t40 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t40 = (t26.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t41 = t0.diagonal(0, 1, 3)
     t42 = t21 @ X
     t43 = t2 @ t42
@@ -12958,7 +12958,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t50 = torch.cat([t46, t47], dim=-1)
     t51 = torch.cat([t48, t49], dim=-2)
     t0[...] = ((t50 @ t51).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t41 += (t43.sum((0,)).reshape((d_V**2, 1)) * t45.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t41.addcmul_(t45.reshape((1, 1, d_K)), t43.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -12997,7 +12997,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = t0 @ t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = (t23.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
     t25 = (t24 @ X.permute(0, 2, 1))
     t26 = (t25.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -13005,7 +13005,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t29 = (t28.permute(1, 2, 0) @ t27.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t23.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t30 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13013,10 +13013,10 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A32 = t31 / t31.sum(-1, keepdim=True)
     t33 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = ((A32.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t33.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A32.reshape((n_batch, L, d_V, 1)) * A32.reshape((n_batch, L, 1, d_V)))
+    dA34 = (t33.reshape((1, 1, d_V, d_V)) * A32.reshape((n_batch, L, d_V, 1))) - (A32.reshape((n_batch, L, 1, d_V)) * A32.reshape((n_batch, L, d_V, 1)))
     t35 = (X.reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
     t36 = (t35.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t37 = (dA34.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t37 = (dA34 * t8.reshape((n_batch, L, d_V, 1)))
     t38 = (W_Q @ t1)
     t39 = (t36.reshape((L*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V))
     t40 = (t39.reshape((n_batch, L, 1, d_V)) @ t37.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
@@ -13078,7 +13078,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13091,13 +13091,13 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t19 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t21 = (t19.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t22 = ((t21 @ t20)).permute(2, 3, 0, 1)
-    t23 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t13
     t24 = torch.exp(F - F.amax(-1, keepdim=True))
     A25 = t24 / t24.sum(-1, keepdim=True)
@@ -13107,7 +13107,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t28
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t30 = (t29 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t31 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t31 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t30.reshape((d_K*d_V, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -13129,7 +13129,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -13139,10 +13139,10 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t16 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t18 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA15 * t9.reshape((n_batch, L, d_V, 1)))
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t17.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t20 = (t19 @ dA)
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13160,7 +13160,7 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t31
     t32 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t33 = (t20.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t34 = (t33.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t34 = (t33.permute(0, 1, 3, 4, 2) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t35 = (t34.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t24.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t36 = (t35.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t37 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13193,7 +13193,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13206,11 +13206,11 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t22 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t23 = (t22.permute(0, 1, 3, 2) @ t21.permute(1, 2, 0, 3))
     t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t25 = (t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t23.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
@@ -13229,7 +13229,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t37.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t37.reshape((n_batch, L, L, 1))) - (t37.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13259,7 +13259,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13272,7 +13272,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
     t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t20 = (t19.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
@@ -13294,7 +13294,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t34 = t33 - (A * t33).sum(-1, keepdim=True)
     t35 = A * t34
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t35.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t35.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t35.reshape((n_batch, L, 1, L)))
+    d2A = (t8.reshape((1, 1, L, L)) * t35.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t35.reshape((n_batch, L, L, 1))) - (t35.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t36 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t36.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13339,16 +13339,16 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = (t23.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/(d_K*n_batch)) * t1
     t26 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t27 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_K))
-    t28 = ((t27.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t28 = (t27.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t23.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t29 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13356,16 +13356,16 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdim=True)
     t32 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = ((A31.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t32.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
+    dA33 = (t32.reshape((1, 1, d_V, d_V)) * A31.reshape((n_batch, L, d_V, 1))) - (A31.reshape((n_batch, L, 1, d_V)) * A31.reshape((n_batch, L, d_V, 1)))
     t34 = (1/(L*d_K*n_batch)) * t1
     t35 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t36 = (dA33.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t36 = (dA33 * t10.reshape((n_batch, L, d_V, 1)))
     t37 = (t36.permute(0, 1, 3, 2) @ t35.permute(1, 2, 0, 3))
     t38 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t39 = (t38 @ t37)
     t40 = ((W_K.permute(1, 0) @ t39.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t41 = (X.reshape((L*n_batch, d_V)) @ t34.permute(1, 0)).reshape((n_batch, L, d_K))
-    t42 = ((t41.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t42 = (t41.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t43 = t0.diagonal(0, 1, 3)
     t44 = t22.transpose(-1, -2)
     t45 = t44 @ X
@@ -13379,7 +13379,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t53 = torch.cat([t49, t50], dim=-1)
     t54 = torch.cat([t51, t52], dim=-2)
     t0[...] = ((t53 @ t54).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t43 += (t46.sum((0,)).reshape((d_V**2, 1)) * t48.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t43.addcmul_(t48.reshape((1, 1, d_K)), t46.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -13420,7 +13420,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = W_Q.transpose(-1, -2)
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = (t25.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t23.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
     t28 = (t27.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -13428,7 +13428,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t31 = (t30.permute(1, 2, 0) @ t29.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t25.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t32 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13436,10 +13436,10 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A34 = t33 / t33.sum(-1, keepdim=True)
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = ((A34.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t35.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))
+    dA36 = (t35.reshape((1, 1, d_V, d_V)) * A34.reshape((n_batch, L, d_V, 1))) - (A34.reshape((n_batch, L, 1, d_V)) * A34.reshape((n_batch, L, d_V, 1)))
     t37 = (X.reshape((L*n_batch, d_V)) @ t23.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
     t38 = (t37.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t39 = (dA36.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t39 = (dA36 * t8.reshape((n_batch, L, d_V, 1)))
     t40 = (X.reshape((L*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_K))
     t41 = (t38.reshape((L*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_V))
     t42 = (t41.reshape((n_batch, L, 1, d_V)) @ t39).reshape((n_batch, L, d_V))
@@ -13502,7 +13502,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13515,17 +13515,17 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = W_V.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t1
     t21 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t22 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t23 = (t22.permute(0, 1, 3, 2) @ t21.permute(1, 2, 0, 3))
     t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t25 = ((t24 @ t23)).permute(3, 2, 0, 1)
     t26 = (X.reshape((L*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_K))
     t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t28 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t26.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t28 = (t27.reshape((1, d_K, n_batch, L)) * t26.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     F = t14
     t29 = torch.exp(F - F.amax(-1, keepdim=True))
     A30 = t29 / t29.sum(-1, keepdim=True)
@@ -13538,14 +13538,14 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t37.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t37.reshape((n_batch, L, L, 1))) - (t37.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t39 = (1/(d_K*n_batch)) * t1
     t40 = M_3.permute(2, 3, 0, 1)
     t41 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_K))
-    t42 = ((t27.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t41.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t42 = (t27.reshape((1, d_K, n_batch, L)) * t41.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t43 = t25.reshape((d_V**2, L*n_batch))
     t44 = t40.reshape((d_V**2, L*n_batch))
     t45 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -13573,7 +13573,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -13583,9 +13583,9 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
-    t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13616,7 +13616,7 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t44 = t43 - (A * t43).sum(-1, keepdim=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t45.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
+    d2A = (t8.reshape((1, 1, L, L)) * t45.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t45.reshape((n_batch, L, L, 1))) - (t45.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t46 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t48 = (t47.reshape((L*n_batch, d_K)) @ t19.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13654,7 +13654,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -13667,13 +13667,13 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t22 = ((t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t23 = (X.reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_K))
-    t24 = ((t23.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t24 = (t23.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     F = t14
     t25 = torch.exp(F - F.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
@@ -13684,7 +13684,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t30 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t31 = M_2.permute(3, 2, 0, 1)
     t32 = (X.reshape((L*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_K))
-    t33 = ((t32.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t33 = (t32.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t31.reshape((d_V**2, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
@@ -13707,7 +13707,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -13717,10 +13717,10 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t18.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t21 = (t20 @ dA)
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13740,7 +13740,7 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t34 = (t18.permute(1, 2, 0) @ t19.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t35 = (t34.permute(0, 2, 3, 1) @ dA)
     t36 = (t35.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t37 = (t36.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t24.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t37 = (t36.permute(0, 1, 3, 4, 2) * t24.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t38 = (t37.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t39 = (t38.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t40 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13780,7 +13780,7 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t16 = (1/(L*n_batch)) * t9
     t17 = (M_1 * t16.permute(0, 2, 1)).permute(2, 0, 1)
     t18 = (oe.contract('abcc,abc->abc', dA, t11)).permute(2, 0, 1)
@@ -13812,7 +13812,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t15 = (M_1.reshape((n_batch, L, 1, d_V)) @ t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t16 = oe.contract('abcc,abc->ab', dA, t10)
     return (1/(L*n_batch)) * (t16 * t15).sum()
@@ -13849,26 +13849,26 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t20.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t22 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t23 = M_1.transpose(-1, -2)
     t24 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA27 = ((A25.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t26.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
+    dA27 = (t26.reshape((1, 1, d_V, d_V)) * A25.reshape((n_batch, L, d_V, 1))) - (A25.reshape((n_batch, L, 1, d_V)) * A25.reshape((n_batch, L, d_V, 1)))
     t28 = W_V.transpose(-1, -2)
     t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
-    t30 = ((X.reshape((n_batch, L, d_V, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t30 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t29.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t31 = (t28.permute(1, 0) @ dA27.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t32 = (t31.permute(1, 2, 3, 0) @ M_2)
     t33 = (t32.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t34 = ((t33.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t2.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t34 = (t33.permute(2, 3, 0, 1) * t2.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t0 += ((t30.reshape((d_V**2, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
@@ -13903,7 +13903,7 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t17.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t18 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t16.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t16.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13918,15 +13918,15 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A29 = t28 / t28.sum(-1, keepdim=True)
     t30 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA31 = ((A29.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t30.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A29.reshape((n_batch, L, d_V, 1)) * A29.reshape((n_batch, L, 1, d_V)))
+    dA31 = (t30.reshape((1, 1, d_V, d_V)) * A29.reshape((n_batch, L, d_V, 1))) - (A29.reshape((n_batch, L, 1, d_V)) * A29.reshape((n_batch, L, d_V, 1)))
     t32 = W_V.transpose(-1, -2)
-    t33 = (dA31.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t33 = (dA31 * t1.reshape((n_batch, L, d_V, 1)))
     t34 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t35 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t32.permute(1, 0)).reshape((n_batch, L, d_V))
     t36 = (t35 @ t33.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t37 = (t36.permute(0, 2, 3, 1) @ dA)
     t38 = (t37.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t16.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t39 = (t38.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t21.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t39 = (t38.permute(0, 1, 3, 4, 2) * t21.reshape((n_batch, L, n_batch, L, 1)))
     t40 = (t39.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
     t41 = (t40.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t42 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13969,26 +13969,26 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t17
     t21 = M_2.permute(2, 3, 0, 1)
     t22 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t23 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (t22.reshape((1, d_K, n_batch, L)) * t20.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t24 = M_1.transpose(-1, -2)
     t25 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
     t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA28 = ((A26.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t27.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A26.reshape((n_batch, L, d_V, 1)) * A26.reshape((n_batch, L, 1, d_V)))
+    dA28 = (t27.reshape((1, 1, d_V, d_V)) * A26.reshape((n_batch, L, d_V, 1))) - (A26.reshape((n_batch, L, 1, d_V)) * A26.reshape((n_batch, L, d_V, 1)))
     t29 = W_V.transpose(-1, -2)
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
-    t31 = (dA28.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t31 = (dA28 * t2.reshape((n_batch, L, d_V, 1)))
     t32 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t33 = ((t32 @ t31.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t34 = ((t22.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t30.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t34 = (t22.reshape((1, d_K, n_batch, L)) * t30.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t0 += ((t33.reshape((d_V**2, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
@@ -14023,7 +14023,7 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t17.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t18 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t19 = (t16.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t16.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14038,15 +14038,15 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A29 = t28 / t28.sum(-1, keepdim=True)
     t30 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA31 = ((A29.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t30.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A29.reshape((n_batch, L, d_V, 1)) * A29.reshape((n_batch, L, 1, d_V)))
+    dA31 = (t30.reshape((1, 1, d_V, d_V)) * A29.reshape((n_batch, L, d_V, 1))) - (A29.reshape((n_batch, L, 1, d_V)) * A29.reshape((n_batch, L, d_V, 1)))
     t32 = W_V.transpose(-1, -2)
-    t33 = (dA31.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t33 = (dA31 * t1.reshape((n_batch, L, d_V, 1)))
     t34 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t35 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t32.permute(1, 0)).reshape((n_batch, L, d_V))
     t36 = (t35 @ t33.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t37 = (t36.permute(0, 2, 3, 1) @ dA)
     t38 = (t37.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t16.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t39 = (t38.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t22.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t39 = (t38.permute(0, 1, 3, 4, 2) * t22.reshape((n_batch, L, n_batch, L, 1)))
     t40 = (t39.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
     t41 = (t40.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t42 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14084,10 +14084,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t16 = (1/(L*n_batch)) * t9
-    t17 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t18 = ((M_1.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (dA.permute(2, 3, 0, 1) * t11.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t18 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t16.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -14116,8 +14116,8 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
-    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
+    t15 = (dA * t10.reshape((n_batch, L, d_V, 1)))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t15.reshape((L*n_batch, d_V**2)) @ t15.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14143,7 +14143,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -14153,9 +14153,9 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
-    t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (dA15 * t9.reshape((n_batch, L, d_V, 1)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14187,7 +14187,7 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t44 = t43 - (A * t43).sum(-1, keepdim=True)
     t45 = A * t44
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t45.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
+    d2A = (t7.reshape((1, 1, L, L)) * t45.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t45.reshape((n_batch, L, L, 1))) - (t45.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t46 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t48 = t20 * t47
@@ -14226,7 +14226,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -14236,9 +14236,9 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
-    t17 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (dA15 * t9.reshape((n_batch, L, d_V, 1)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14272,7 +14272,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t46 = t45 @ X
     t47 = t1 @ t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t45.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t45.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t45.reshape((n_batch, L, 1, L)))
+    d2A = (t7.reshape((1, 1, L, L)) * t45.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t45.reshape((n_batch, L, L, 1))) - (t45.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t47.sum((0,))).reshape((n_batch, L, d_V))
     t49 = (t48 @ X.permute(0, 2, 1))
     t50 = (t49.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -14326,7 +14326,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = Y.sum(-1, keepdim=True)
     t9 = t8.expand(*t8.shape[:-1], d_V)
     t10 = A @ X
@@ -14336,10 +14336,10 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t16 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t17 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t18 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA15 * t9.reshape((n_batch, L, d_V, 1)))
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t17.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t20 = (t19 @ dA)
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14365,7 +14365,7 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t39 = (1/(d_K*n_batch**2)) * (t38 * t24.permute(0, 2, 3, 1)).sum()
     t40 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t41 = (t20.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t42 = (t41.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t42 = (t41.permute(0, 1, 3, 4, 2) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t43 = (t42.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t24.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t44 = (t43.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t45 = (2/(L*d_K*n_batch**2)) * (t44 * t40.permute(0, 2, 3, 1)).sum()
@@ -14393,7 +14393,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -14403,9 +14403,9 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
-    t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14440,7 +14440,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t48 = t47 @ X
     t49 = t1 @ t48
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t46.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
+    d2A = (t8.reshape((1, 1, L, L)) * t46.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t46.reshape((n_batch, L, L, 1))) - (t46.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t49.sum((0,))).reshape((n_batch, L, d_V))
     t51 = (t50 @ X.permute(0, 2, 1))
     t52 = (t51.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -14494,7 +14494,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -14504,9 +14504,9 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
-    t18 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14538,7 +14538,7 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdim=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t46.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
+    d2A = (t8.reshape((1, 1, L, L)) * t46.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t46.reshape((n_batch, L, L, 1))) - (t46.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t49 = (t47.reshape((L*n_batch, d_K)) @ t47.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14578,7 +14578,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = Y.sum(-1, keepdim=True)
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = A @ X
@@ -14588,10 +14588,10 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t18 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t18.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t21 = (t20 @ dA)
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14619,7 +14619,7 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t42 = (t18.permute(1, 2, 0) @ t19.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t43 = (t42.permute(0, 2, 3, 1) @ dA)
     t44 = (t43.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t45 = (t44.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t24.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t45 = (t44.permute(0, 1, 3, 4, 2) * t24.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t46 = (t45.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t47 = (t46.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t48 = (2/(L*d_K*n_batch**2)) * (t47 * t41.permute(0, 2, 3, 1)).sum()
@@ -14654,12 +14654,12 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
-    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA17 = (t16.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t18 = (dA * t10.reshape((n_batch, L, d_V, 1)))
     t19 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
     t21 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
@@ -14688,7 +14688,7 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t42 = (1/(d_K*n_batch**2)) * (t41 * t26.permute(0, 2, 3, 1)).sum()
     t43 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t44 = (t24.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t35.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t45 = (t44.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t22.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t45 = (t44.permute(0, 1, 3, 4, 2) * t22.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t46 = (t45.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t26.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t47 = (t46.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA17.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t48 = (2/(L*d_K*n_batch**2)) * (t47 * t43.permute(0, 2, 3, 1)).sum()
@@ -14723,12 +14723,12 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
-    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA17 = (t16.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t18 = (dA * t10.reshape((n_batch, L, d_V, 1)))
     t19 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14757,7 +14757,7 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t42 = (1/(d_K*n_batch**2)) * (t41 * t38.permute(0, 2, 3, 1)).sum()
     t43 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t44 = (t24.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t35.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t45 = (t44.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t25.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t45 = (t44.permute(0, 1, 3, 4, 2) * t25.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t46 = (t45.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t47 = (t46.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA17.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t48 = (2/(L*d_K*n_batch**2)) * (t47 * t43.permute(0, 2, 3, 1)).sum()
@@ -14792,8 +14792,8 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
-    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
+    t15 = (dA * t10.reshape((n_batch, L, d_V, 1)))
     t16 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t15.reshape((L*n_batch, d_V**2)) @ t15.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14899,7 +14899,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -14912,23 +14912,23 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = (t19.reshape((1, 1, d_V, d_V)) * A18.reshape((n_batch, L, d_V, 1))) - (A18.reshape((n_batch, L, 1, d_V)) * A18.reshape((n_batch, L, d_V, 1)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t24 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t24 = (dA20 * t14.reshape((n_batch, L, d_V, 1)))
     t25 = (t24.reshape((L*d_V*n_batch, d_V)) @ t21).reshape((n_batch, L, d_V, d_V))
     t26 = (t25 @ M_2)
     t27 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t28 = (t27 @ t26)
     t29 = ((W_K.permute(1, 0) @ t28.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t30 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t30 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t32 = t31.view((d_V, d_K, d_V, d_K))
     t33 = ((t27 @ t26)).permute(2, 3, 0, 1)
     t34 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t35 = ((t34.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t35 = (t34.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t32[...] = ((t33.reshape((d_K*d_V, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = t36.view((d_V, d_K, d_V, d_V))
@@ -14936,7 +14936,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t39 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t38.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t40 = (t39.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t41 = ((t40 @ t24)).permute(2, 3, 0, 1)
-    t42 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t42 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t37[...] = ((t42.reshape((d_V**2, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t44 = t43.view((d_V, d_K, d_V, d_K))
@@ -14948,40 +14948,40 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t50 = (t49 @ t48)
     t51 = ((W_K.permute(1, 0) @ t50.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t52 = (X.reshape((L*n_batch, d_V)) @ t46.permute(1, 0)).reshape((n_batch, L, d_K))
-    t53 = ((t52.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t53 = (t52.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t44[...] = ((t53.reshape((d_K*d_V, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t55 = t54.view((d_V, d_K, d_V, d_K))
     t56 = ((t49 @ t48)).permute(3, 2, 0, 1)
-    t57 = ((t34.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t52.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t57 = (t34.reshape((1, d_K, n_batch, L)) * t52.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t55[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t59 = t58.view((d_V, d_K, d_V, d_V))
     t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t45
     t61 = ((t24.permute(0, 1, 3, 2) @ t47.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t62 = (X.reshape((L*n_batch, d_V)) @ t60.permute(1, 0)).reshape((n_batch, L, d_K))
-    t63 = ((t62.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t63 = (t62.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t59[...] = ((t63.reshape((d_K*d_V, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t65 = t64.view((d_V, d_V, d_V, d_K))
     t66 = M_1.transpose(-1, -2)
     t67 = (1/(L*math.sqrt(d_K)*n_batch)) * t66
-    t68 = ((X.reshape((n_batch, L, d_V, 1)) * t67.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t68 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t67.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t69 = (t21.permute(1, 0) @ dA20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t70 = (t69.permute(1, 2, 3, 0) @ M_2)
     t71 = (t70.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t72 = ((t71.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t14.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t72 = (t71.permute(2, 3, 0, 1) * t14.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t65[...] = ((t68.reshape((d_V**2, L*n_batch)) @ t72.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t74 = t73.view((d_V, d_V, d_V, d_K))
     t75 = ((t49 @ t24.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t76 = ((t34.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t67.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t76 = (t34.reshape((1, d_K, n_batch, L)) * t67.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t74[...] = ((t75.reshape((d_V**2, L*n_batch)) @ t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t77 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t78 = t77.view((d_V, d_V, d_V, d_V))
     t79 = (1/(L*n_batch)) * t66
-    t80 = ((dA20.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t81 = ((M_1.reshape((n_batch, L, d_V, 1)) * t79.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t80 = (dA20.permute(2, 3, 0, 1) * t14.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t81 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t79.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t78[...] = ((t81.reshape((d_V**2, L*n_batch)) @ t80.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -15060,7 +15060,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -15070,9 +15070,9 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
-    t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -15169,7 +15169,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15182,12 +15182,12 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = (t18.reshape((1, 1, d_V, d_V)) * A17.reshape((n_batch, L, d_V, 1))) - (A17.reshape((n_batch, L, 1, d_V)) * A17.reshape((n_batch, L, d_V, 1)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (X * X).permute(2, 0, 1)
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t24 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t24 = (dA19 * t13.reshape((n_batch, L, d_V, 1)))
     t25 = (t24.reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_V))
     t26 = (t25 @ M_2)
     t27 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
@@ -15215,7 +15215,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15228,7 +15228,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = W_V.transpose(-1, -2)
     t20 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t21 = (W_K @ t0)
@@ -15261,7 +15261,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15274,17 +15274,17 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = (t18.reshape((1, 1, d_V, d_V)) * A17.reshape((n_batch, L, d_V, 1))) - (A17.reshape((n_batch, L, 1, d_V)) * A17.reshape((n_batch, L, d_V, 1)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t23 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t23 = (dA19 * t13.reshape((n_batch, L, d_V, 1)))
     t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_V))
     t25 = (t24 @ M_2)
     t26 = (t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t27 = (t26 @ t25)
     t28 = ((W_K.permute(1, 0) @ t27.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t29 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t29.reshape((d_V**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -15307,7 +15307,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -15317,9 +15317,9 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
-    t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -15363,7 +15363,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15376,17 +15376,17 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = (t18.reshape((1, 1, d_V, d_V)) * A17.reshape((n_batch, L, d_V, 1))) - (A17.reshape((n_batch, L, 1, d_V)) * A17.reshape((n_batch, L, d_V, 1)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t23 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t23 = (dA19 * t13.reshape((n_batch, L, d_V, 1)))
     t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_V))
     t25 = (t24 @ M_2)
     t26 = (t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t27 = ((t26 @ t25)).permute(2, 3, 0, 1)
     t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t29 = ((t28.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29 = (t28.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t27.reshape((d_K*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -15409,7 +15409,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -15419,9 +15419,9 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
-    t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -15465,7 +15465,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15478,13 +15478,13 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = (t18.reshape((1, 1, d_V, d_V)) * A17.reshape((n_batch, L, d_V, 1))) - (A17.reshape((n_batch, L, 1, d_V)) * A17.reshape((n_batch, L, d_V, 1)))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t22 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (dA19 * t13.reshape((n_batch, L, d_V, 1)))
     t23 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t24 = ((t23 @ t22)).permute(2, 3, 0, 1)
-    t25 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -15507,7 +15507,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -15517,10 +15517,10 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t19.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t22 = (t21 @ dA)
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -15555,7 +15555,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15568,11 +15568,11 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = (t19.reshape((1, 1, d_V, d_V)) * A18.reshape((n_batch, L, d_V, 1))) - (A18.reshape((n_batch, L, 1, d_V)) * A18.reshape((n_batch, L, d_V, 1)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t24 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t24 = (dA20 * t14.reshape((n_batch, L, d_V, 1)))
     t25 = (t24.permute(0, 1, 3, 2) @ t23.permute(1, 2, 0, 3))
     t26 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t27 = (t26.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t25.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
@@ -15602,7 +15602,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15615,7 +15615,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = (t18.reshape((1, 1, d_V, d_V)) * A17.reshape((n_batch, L, d_V, 1))) - (A17.reshape((n_batch, L, 1, d_V)) * A17.reshape((n_batch, L, d_V, 1)))
     t20 = W_V.transpose(-1, -2)
     t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t22 = (t21.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
@@ -15649,7 +15649,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15662,17 +15662,17 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = (t19.reshape((1, 1, d_V, d_V)) * A18.reshape((n_batch, L, d_V, 1))) - (A18.reshape((n_batch, L, 1, d_V)) * A18.reshape((n_batch, L, d_V, 1)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t24 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t24 = (dA20 * t14.reshape((n_batch, L, d_V, 1)))
     t25 = (t24.permute(0, 1, 3, 2) @ t23.permute(1, 2, 0, 3))
     t26 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t27 = (t26 @ t25)
     t28 = ((W_K.permute(1, 0) @ t27.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t29 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
-    t30 = ((t29.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t30 = (t29.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t30.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -15696,7 +15696,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -15706,9 +15706,9 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = W_V.transpose(-1, -2)
-    t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t22 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -15753,7 +15753,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15766,17 +15766,17 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = (t19.reshape((1, 1, d_V, d_V)) * A18.reshape((n_batch, L, d_V, 1))) - (A18.reshape((n_batch, L, 1, d_V)) * A18.reshape((n_batch, L, d_V, 1)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t24 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t24 = (dA20 * t14.reshape((n_batch, L, d_V, 1)))
     t25 = (t24.permute(0, 1, 3, 2) @ t23.permute(1, 2, 0, 3))
     t26 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t27 = ((t26 @ t25)).permute(3, 2, 0, 1)
     t28 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
     t29 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t30 = ((t29.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t28.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t30 = (t29.reshape((1, d_K, n_batch, L)) * t28.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -15800,7 +15800,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -15810,9 +15810,9 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = W_V.transpose(-1, -2)
-    t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t22 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -15857,7 +15857,7 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -15870,13 +15870,13 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = (t19.reshape((1, 1, d_V, d_V)) * A18.reshape((n_batch, L, d_V, 1))) - (A18.reshape((n_batch, L, 1, d_V)) * A18.reshape((n_batch, L, d_V, 1)))
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t23 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t23 = (dA20 * t14.reshape((n_batch, L, d_V, 1)))
     t24 = ((t23.permute(0, 1, 3, 2) @ t22.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t25 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
-    t26 = ((t25.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t26 = (t25.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -15900,7 +15900,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -15910,10 +15910,10 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t23 = (t22 @ dA)
     t24 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -15955,7 +15955,7 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t18 = (1/(L*n_batch)) * t11
     t19 = (M_1 * t18.permute(0, 2, 1)).permute(2, 0, 1)
     t20 = (oe.contract('abcc,abc->abc', dA, t13)).permute(2, 0, 1)
@@ -15989,7 +15989,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t17 = (M_1.reshape((n_batch, L, 1, d_V)) @ t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t18 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t18 * t17).sum()
@@ -16023,20 +16023,20 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA20 = (t19.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (dA20.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t22.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t24 = (t18.permute(1, 0) @ dA.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t25 = (t24.permute(1, 2, 3, 0) @ M_2)
     t26 = (t25.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t27 = ((t26.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t27 = (t26.permute(2, 3, 0, 1) * t13.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -16067,12 +16067,12 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
-    t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA19 = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t20 = (dA * t12.reshape((n_batch, L, d_V, 1)))
     t21 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
     t23 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
@@ -16116,20 +16116,20 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA20 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA20 = (t19.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (dA20.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t23 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t23 = (dA * t13.reshape((n_batch, L, d_V, 1)))
     t24 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t25 = ((t24 @ t23.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t27 = ((t26.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (t26.reshape((1, d_K, n_batch, L)) * t22.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -16160,12 +16160,12 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
-    t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA19 = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t20 = (dA * t12.reshape((n_batch, L, d_V, 1)))
     t21 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -16209,10 +16209,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t18 = (1/(L*n_batch)) * t11
-    t19 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t20 = ((M_1.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = (dA.permute(2, 3, 0, 1) * t13.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t20 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t18.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -16243,8 +16243,8 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
+    t17 = (dA * t12.reshape((n_batch, L, d_V, 1)))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t17.reshape((L*n_batch, d_V**2)) @ t17.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -16292,37 +16292,37 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = (t25.reshape((1, 1, L, L)) * t24.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t24.reshape((n_batch, L, L, 1))) - (t24.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t2
     t28 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t29 = ((W_K.permute(1, 0) @ t28.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t30 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t30 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t32 = t31.view((d_V, d_K, d_V, d_K))
     t33 = (t27 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t34 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t35 = ((t34.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t35 = (t34.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t36 = t32.diagonal(0, 1, 3)
     t37 = t24 @ X
     t38 = t3 @ t37
     t39 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t40 = (1/(math.sqrt(d_K)*n_batch)) * t39
     t32[...] = ((t33.reshape((d_K*d_V, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t36 += (t38.sum((0,)).reshape((d_V**2, 1)) * t40.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t36.addcmul_(t40.reshape((1, 1, d_K)), t38.sum((0,)).reshape((d_V, d_V, 1)))
     t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t42 = t41.view((d_V, d_K, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t25.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t43 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t43.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t44 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t45 = (t44 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t46 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t46 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t42[...] = ((t45.reshape((d_K*d_V, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t48 = t47.view((d_V, d_K, d_V, d_K))
@@ -16330,34 +16330,34 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t50 = (1/(d_K*n_batch)) * t49
     t51 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t52 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t50.permute(1, 0)).reshape((n_batch, L, d_K))
-    t53 = ((t52.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t53 = (t52.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t54 = t48.diagonal(0, 1, 3)
     t55 = t38.transpose(-1, -2)
     t48[...] = ((t53.reshape((d_K*d_V, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t54 += (t55.sum((0,)).reshape((d_V**2, 1)) * t40.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t54.addcmul_(t40.reshape((1, 1, d_K)), t55.sum((0,)).reshape((d_V, d_V, 1)))
     t56 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t57 = t56.view((d_V, d_K, d_V, d_K))
     t58 = M_3.permute(2, 3, 0, 1)
-    t59 = ((t34.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t52.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t59 = (t34.reshape((1, d_K, n_batch, L)) * t52.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t57[...] = ((t58.reshape((d_V**2, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t60 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t61 = t60.view((d_V, d_K, d_V, d_V))
     t62 = (1/(math.sqrt(d_K)*n_batch)) * t49
     t63 = M_2.permute(3, 2, 0, 1)
     t64 = (X.reshape((L*n_batch, d_V)) @ t62.permute(1, 0)).reshape((n_batch, L, d_K))
-    t65 = ((t64.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t65 = (t64.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t61[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t67 = t66.view((d_V, d_V, d_V, d_K))
     t68 = G.transpose(-1, -2)
     t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
-    t70 = ((X.reshape((n_batch, L, d_V, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t70 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t69.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t71 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t67[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t73 = t72.view((d_V, d_V, d_V, d_K))
     t74 = M_2.permute(2, 3, 0, 1)
-    t75 = ((t34.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t75 = (t34.reshape((1, d_K, n_batch, L)) * t69.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t73[...] = ((t74.reshape((d_V**2, L*n_batch)) @ t75.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t76[...] = 0
@@ -16467,7 +16467,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = (t23.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t25 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t26 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -16495,7 +16495,7 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t48 = (n_batch**(-2)) * (t37.sum((0,)) * t37.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t42 * t40).sum() + (1/(d_K**2*n_batch**2)) * (t47 * t44.permute(0, 2, 3, 1)).sum()
     t49 = torch.sqrt(torch.clamp(t48, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t23.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t50 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t51 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t52 = t51 * t27
@@ -16582,7 +16582,7 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = (t24.reshape((1, 1, L, L)) * t23.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t23.reshape((n_batch, L, L, 1))) - (t23.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16629,7 +16629,7 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = (t23.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16676,14 +16676,14 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = (t24.reshape((1, 1, L, L)) * t23.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t23.reshape((n_batch, L, L, 1))) - (t23.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t26 = (1/(d_K*n_batch)) * t1
     t27 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t26.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t28 = ((W_K.permute(1, 0) @ t27.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t29 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t29.reshape((d_V**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -16723,7 +16723,7 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t23.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = (t23.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t25 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t26 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -16776,21 +16776,21 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = (t24.reshape((1, 1, L, L)) * t23.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t23.reshape((n_batch, L, L, 1))) - (t23.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t26 = (1/(d_K*n_batch)) * t1
     t27 = (t26 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t29 = ((t28.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29 = (t28.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t30 = t0.diagonal(0, 1, 3)
     t31 = t23 @ X
     t32 = t2 @ t31
     t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
     t0[...] = ((t27.reshape((d_K*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t30 += (t32.sum((0,)).reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t30.addcmul_(t34.reshape((1, 1, d_K)), t32.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -16831,7 +16831,7 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = t0 @ t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = (t25.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t24.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
     t28 = (t27.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -16871,7 +16871,7 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -16889,7 +16889,7 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t20
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t22 = (t21 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t23 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t22.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -16912,7 +16912,7 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -16977,7 +16977,7 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = (t25.reshape((1, 1, L, L)) * t24.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t24.reshape((n_batch, L, L, 1))) - (t24.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17026,7 +17026,7 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = (t24.reshape((1, 1, L, L)) * t23.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t23.reshape((n_batch, L, L, 1))) - (t23.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17075,14 +17075,14 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = (t25.reshape((1, 1, L, L)) * t24.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t24.reshape((n_batch, L, L, 1))) - (t24.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
     t28 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t29 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_K))
-    t30 = ((t29.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t30 = (t29.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t31 = t0.diagonal(0, 1, 3)
     t32 = t24.transpose(-1, -2)
     t33 = t32 @ X
@@ -17090,7 +17090,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t35 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
     t0[...] = ((t30.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t31 += (t34.sum((0,)).reshape((d_V**2, 1)) * t36.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t31.addcmul_(t36.reshape((1, 1, d_K)), t34.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -17133,7 +17133,7 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t26 = W_Q.transpose(-1, -2)
     t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t27.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = (t27.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t28 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.sum((0,))).reshape((n_batch, L, d_V))
     t29 = (t28 @ X.permute(0, 2, 1))
     t30 = (t29.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -17191,7 +17191,7 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = (t25.reshape((1, 1, L, L)) * t24.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t24.reshape((n_batch, L, L, 1))) - (t24.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17199,7 +17199,7 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t28 = M_3.permute(2, 3, 0, 1)
     t29 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_K))
     t30 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t31 = ((t30.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t29.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t31 = (t30.reshape((1, d_K, n_batch, L)) * t29.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t28.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -17240,7 +17240,7 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = (t24.reshape((1, 1, L, L)) * t23.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t23.reshape((n_batch, L, L, 1))) - (t23.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t25 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t27 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17277,7 +17277,7 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17296,7 +17296,7 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t23 = M_2.permute(3, 2, 0, 1)
     t24 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
-    t25 = ((t24.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t25 = (t24.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -17320,7 +17320,7 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -17401,12 +17401,12 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = G.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t20.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t22.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t24 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
@@ -17443,7 +17443,7 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t19.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t20 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17491,14 +17491,14 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = G.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t20.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t23 = M_2.permute(2, 3, 0, 1)
     t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t25 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = (t24.reshape((1, d_K, n_batch, L)) * t22.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -17534,7 +17534,7 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t19.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t20 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17591,7 +17591,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -17604,17 +17604,17 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = (t19.reshape((1, 1, d_V, d_V)) * A18.reshape((n_batch, L, d_V, 1))) - (A18.reshape((n_batch, L, 1, d_V)) * A18.reshape((n_batch, L, d_V, 1)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t2
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t24 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t24 = (dA20 * t14.reshape((n_batch, L, d_V, 1)))
     t25 = (t24.reshape((L*d_V*n_batch, d_V)) @ t21).reshape((n_batch, L, d_V, d_V))
     t26 = (t25 @ M_2)
     t27 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t28 = (t27 @ t26)
     t29 = ((W_K.permute(1, 0) @ t28.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t30 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t30 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t16
     t31 = torch.exp(F - F.amax(-1, keepdim=True))
     A32 = t31 / t31.sum(-1, keepdim=True)
@@ -17627,14 +17627,14 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t39.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
+    d2A = (t11.reshape((1, 1, L, L)) * t39.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t39.reshape((n_batch, L, L, 1))) - (t39.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t40 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t40.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t41 = (1/(d_K*n_batch)) * t2
     t42 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t43 = ((W_K.permute(1, 0) @ t42.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t44 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t44 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t45 = t30.reshape((d_V**2, L*n_batch))
     t46 = t44.reshape((d_V**2, L*n_batch))
     t47 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -17646,9 +17646,9 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t52 = t51.view((d_V, d_K, d_V, d_K))
     t53 = (t41 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t54 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t55 = ((t54.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t55 = (t54.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t56 = ((t27 @ t26)).permute(2, 3, 0, 1)
-    t57 = ((t54.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t57 = (t54.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t58 = t52.diagonal(0, 1, 3)
     t59 = t39 @ X
     t60 = t3 @ t59
@@ -17661,17 +17661,17 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t67 = torch.cat([t63, t64], dim=-1)
     t68 = torch.cat([t65, t66], dim=-2)
     t52[...] = ((t67 @ t68).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t58 += (t60.sum((0,)).reshape((d_V**2, 1)) * t62.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t58.addcmul_(t62.reshape((1, 1, d_K)), t60.sum((0,)).reshape((d_V, d_V, 1)))
     t69 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t70 = t69.view((d_V, d_K, d_V, d_V))
     t71 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
     t72 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t71.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t73 = (t72.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t74 = ((t73 @ t24)).permute(2, 3, 0, 1)
-    t75 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t75 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t76 = (1/(math.sqrt(d_K)*n_batch)) * t2
     t77 = (t76 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t78 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t78 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t70[...] = ((t75.reshape((d_V**2, L*n_batch)) @ t74.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t70 += ((t77.reshape((d_K*d_V, L*n_batch)) @ t78.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t79 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -17680,7 +17680,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t82 = (1/(d_K*n_batch)) * t81
     t83 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t84 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t82.permute(1, 0)).reshape((n_batch, L, d_K))
-    t85 = ((t84.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t85 = (t84.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t86 = (1/(L*d_K*n_batch)) * t81
     t87 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t88 = (t24.permute(0, 1, 3, 2) @ t87.permute(1, 2, 0, 3))
@@ -17688,7 +17688,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t90 = (t89 @ t88)
     t91 = ((W_K.permute(1, 0) @ t90.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t92 = (X.reshape((L*n_batch, d_V)) @ t86.permute(1, 0)).reshape((n_batch, L, d_K))
-    t93 = ((t92.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t93 = (t92.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t94 = t80.diagonal(0, 1, 3)
     t95 = t60.transpose(-1, -2)
     t96 = t85.reshape((d_K*d_V, L*n_batch))
@@ -17698,13 +17698,13 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t100 = torch.cat([t96, t97], dim=-1)
     t101 = torch.cat([t98, t99], dim=-2)
     t80[...] = ((t100 @ t101).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t94 += (t95.sum((0,)).reshape((d_V**2, 1)) * t62.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t94.addcmul_(t62.reshape((1, 1, d_K)), t95.sum((0,)).reshape((d_V, d_V, 1)))
     t102 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t103 = t102.view((d_V, d_K, d_V, d_K))
     t104 = ((t89 @ t88)).permute(3, 2, 0, 1)
-    t105 = ((t54.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t92.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t105 = (t54.reshape((1, d_K, n_batch, L)) * t92.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t106 = M_3.permute(2, 3, 0, 1)
-    t107 = ((t54.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t84.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t107 = (t54.reshape((1, d_K, n_batch, L)) * t84.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t108 = t104.reshape((d_V**2, L*n_batch))
     t109 = t106.reshape((d_V**2, L*n_batch))
     t110 = t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -17717,41 +17717,41 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t116 = (1/(L*math.sqrt(d_K)*n_batch)) * t81
     t117 = ((t24.permute(0, 1, 3, 2) @ t87.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t118 = (X.reshape((L*n_batch, d_V)) @ t116.permute(1, 0)).reshape((n_batch, L, d_K))
-    t119 = ((t118.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t119 = (t118.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t120 = (1/(math.sqrt(d_K)*n_batch)) * t81
     t121 = M_2.permute(3, 2, 0, 1)
     t122 = (X.reshape((L*n_batch, d_V)) @ t120.permute(1, 0)).reshape((n_batch, L, d_K))
-    t123 = ((t122.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t123 = (t122.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t115[...] = ((t119.reshape((d_K*d_V, L*n_batch)) @ t117.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t115 += ((t121.reshape((d_V**2, L*n_batch)) @ t123.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t124 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t125 = t124.view((d_V, d_V, d_V, d_K))
     t126 = G.transpose(-1, -2)
     t127 = (1/(math.sqrt(d_K)*n_batch)) * t126
-    t128 = ((X.reshape((n_batch, L, d_V, 1)) * t127.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t128 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t127.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t129 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t130 = M_1.transpose(-1, -2)
     t131 = (1/(L*math.sqrt(d_K)*n_batch)) * t130
-    t132 = ((X.reshape((n_batch, L, d_V, 1)) * t131.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t132 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t131.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t133 = (t21.permute(1, 0) @ dA20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t134 = (t133.permute(1, 2, 3, 0) @ M_2)
     t135 = (t134.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t136 = ((t135.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t14.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t136 = (t135.permute(2, 3, 0, 1) * t14.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t125[...] = ((t128.reshape((d_V**2, L*n_batch)) @ t129.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t125 += ((t132.reshape((d_V**2, L*n_batch)) @ t136.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t137 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t138 = t137.view((d_V, d_V, d_V, d_K))
     t139 = M_2.permute(2, 3, 0, 1)
-    t140 = ((t54.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t127.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t140 = (t54.reshape((1, d_K, n_batch, L)) * t127.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t141 = ((t89 @ t24.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t142 = ((t54.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t131.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t142 = (t54.reshape((1, d_K, n_batch, L)) * t131.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t138[...] = ((t139.reshape((d_V**2, L*n_batch)) @ t140.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t138 += ((t141.reshape((d_V**2, L*n_batch)) @ t142.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t143 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t144 = t143.view((d_V, d_V, d_V, d_V))
     t145 = (1/(L*n_batch)) * t130
-    t146 = ((dA20.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t14.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t147 = ((M_1.reshape((n_batch, L, d_V, 1)) * t145.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t146 = (dA20.permute(2, 3, 0, 1) * t14.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t147 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t145.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t144[...] = ((t147.reshape((d_V**2, L*n_batch)) @ t146.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -17854,7 +17854,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -17864,9 +17864,9 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
-    t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -17897,7 +17897,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdim=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t46.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t46.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t46.reshape((n_batch, L, L, 1))) - (t46.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t48 = t22 * t47
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -17957,7 +17957,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t101 = (t100.permute(1, 0, 4, 2, 3).reshape((n_batch, L*n_batch, L*d_V)) @ t85.reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t102 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t103 = (t85.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t104 = (t103.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t22.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t104 = (t103.permute(0, 1, 3, 4, 2) * t22.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t105 = (t104.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t33.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t106 = (t105.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t107 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -18016,7 +18016,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t160 = (t85.reshape((n_batch, L*d_V, L)) @ t22.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t161 = (t160.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t85.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t162 = (t30.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t163 = (t162.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t139.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t163 = (t162.permute(0, 1, 3, 4, 2) * t139.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t164 = (t163.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t165 = (t164.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t166 = t139 * t107
@@ -18034,7 +18034,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t178 = (t23 @ t19.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t179 = (t178.permute(0, 2, 3, 1) @ dA)
     t180 = (t179.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t171.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t181 = (t180.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t22.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t181 = (t180.permute(0, 1, 3, 4, 2) * t22.reshape((n_batch, L, n_batch, L, 1)))
     t182 = (t181.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t34.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
     t183 = (t182.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t184 = (t176.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t176.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -18044,7 +18044,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t188 = (1/(d_K*n_batch**2)) * (t175 * t34.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t183 * t177.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t187 * t34.permute(0, 2, 3, 1)).sum()
     t189 = torch.sqrt(torch.clamp(t188, min=0.0))
     t190 = t78 * t172
-    t191 = (t180.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t78.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t191 = (t180.permute(0, 1, 3, 4, 2) * t78.reshape((n_batch, L, n_batch, L, 1)))
     t192 = (t191.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
     t193 = (t192.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t194 = t78 * t184
@@ -18079,7 +18079,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18092,12 +18092,12 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = (t18.reshape((1, 1, d_V, d_V)) * A17.reshape((n_batch, L, d_V, 1))) - (A17.reshape((n_batch, L, 1, d_V)) * A17.reshape((n_batch, L, d_V, 1)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (X * X).permute(2, 0, 1)
     t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t24 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t24 = (dA19 * t13.reshape((n_batch, L, d_V, 1)))
     t25 = (t24.reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_V))
     t26 = (t25 @ M_2)
     t27 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
@@ -18115,7 +18115,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t38.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
+    d2A = (t10.reshape((1, 1, L, L)) * t38.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t38.reshape((n_batch, L, L, 1))) - (t38.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t39 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18146,7 +18146,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18159,7 +18159,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = W_V.transpose(-1, -2)
     t20 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t21 = (W_K @ t0)
@@ -18181,7 +18181,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t35 = t34 - (A * t34).sum(-1, keepdim=True)
     t36 = A * t35
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t36.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t36.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t36.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t36.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t36.reshape((n_batch, L, L, 1))) - (t36.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t37 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18210,7 +18210,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18223,17 +18223,17 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = (t18.reshape((1, 1, d_V, d_V)) * A17.reshape((n_batch, L, d_V, 1))) - (A17.reshape((n_batch, L, 1, d_V)) * A17.reshape((n_batch, L, d_V, 1)))
     t20 = W_V.transpose(-1, -2)
     t21 = (1/(L*d_K*n_batch)) * t1
     t22 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t23 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t23 = (dA19 * t13.reshape((n_batch, L, d_V, 1)))
     t24 = (t23.reshape((L*d_V*n_batch, d_V)) @ t20).reshape((n_batch, L, d_V, d_V))
     t25 = (t24 @ M_2)
     t26 = (t22.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t27 = (t26 @ t25)
     t28 = ((W_K.permute(1, 0) @ t27.permute(3, 2, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t29 = ((X.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t15
     t30 = torch.exp(F - F.amax(-1, keepdim=True))
     A31 = t30 / t30.sum(-1, keepdim=True)
@@ -18246,14 +18246,14 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t38.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
+    d2A = (t10.reshape((1, 1, L, L)) * t38.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t38.reshape((n_batch, L, L, 1))) - (t38.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t39 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t40 = (1/(d_K*n_batch)) * t1
     t41 = (M_3.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t40.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
     t42 = ((W_K.permute(1, 0) @ t41.permute(2, 3, 0, 1).reshape((d_V, L*d_K*n_batch))).reshape((d_K, d_K, n_batch, L))).permute(1, 0, 2, 3)
-    t43 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t43 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t44 = t29.reshape((d_V**2, L*n_batch))
     t45 = t43.reshape((d_V**2, L*n_batch))
     t46 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -18282,7 +18282,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -18292,9 +18292,9 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
-    t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -18325,7 +18325,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t45 = t44 - (A * t44).sum(-1, keepdim=True)
     t46 = A * t45
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t46.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t46.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t46.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t46.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t46.reshape((n_batch, L, L, 1))) - (t46.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t47 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t48 = t22 * t47
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
@@ -18381,16 +18381,16 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = (t24.reshape((1, 1, L, L)) * t23.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t23.reshape((n_batch, L, L, 1))) - (t23.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t25 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t26 = (1/(d_K*n_batch)) * t1
     t27 = (t26 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
     t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t29 = ((t28.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29 = (t28.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t24.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t24.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t30 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18398,15 +18398,15 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A32 = t31 / t31.sum(-1, keepdim=True)
     t33 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA34 = ((A32.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t33.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A32.reshape((n_batch, L, d_V, 1)) * A32.reshape((n_batch, L, 1, d_V)))
+    dA34 = (t33.reshape((1, 1, d_V, d_V)) * A32.reshape((n_batch, L, d_V, 1))) - (A32.reshape((n_batch, L, 1, d_V)) * A32.reshape((n_batch, L, d_V, 1)))
     t35 = (1/(L*d_K*n_batch)) * t1
     t36 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t35.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t37 = (dA34.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t37 = (dA34 * t11.reshape((n_batch, L, d_V, 1)))
     t38 = (t37.reshape((L*d_V*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V, d_V))
     t39 = (t38 @ M_2)
     t40 = (t36.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t41 = ((t40 @ t39)).permute(2, 3, 0, 1)
-    t42 = ((t28.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t42 = (t28.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t43 = t0.diagonal(0, 1, 3)
     t44 = t23 @ X
     t45 = t2 @ t44
@@ -18419,7 +18419,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t52 = torch.cat([t48, t49], dim=-1)
     t53 = torch.cat([t50, t51], dim=-2)
     t0[...] = ((t52 @ t53).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t43 += (t45.sum((0,)).reshape((d_V**2, 1)) * t47.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t43.addcmul_(t47.reshape((1, 1, d_K)), t45.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -18460,7 +18460,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = t0 @ t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = (t25.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t24.sum((0,))).reshape((n_batch, L, d_V))
     t27 = (t26 @ X.permute(0, 2, 1))
     t28 = (t27.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -18468,7 +18468,7 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t31 = (t30.permute(1, 2, 0) @ t29.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t25.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t32 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18476,10 +18476,10 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A34 = t33 / t33.sum(-1, keepdim=True)
     t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = ((A34.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t35.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A34.reshape((n_batch, L, d_V, 1)) * A34.reshape((n_batch, L, 1, d_V)))
+    dA36 = (t35.reshape((1, 1, d_V, d_V)) * A34.reshape((n_batch, L, d_V, 1))) - (A34.reshape((n_batch, L, 1, d_V)) * A34.reshape((n_batch, L, d_V, 1)))
     t37 = (X.reshape((L*n_batch, d_V)) @ t24.sum((0,))).reshape((n_batch, L, d_V))
     t38 = (t37.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t39 = (dA36.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t39 = (dA36 * t10.reshape((n_batch, L, d_V, 1)))
     t40 = (W_Q @ t1)
     t41 = (t38.reshape((L*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V))
     t42 = (t41.reshape((n_batch, L, 1, d_V)) @ t39.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
@@ -18543,7 +18543,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18556,13 +18556,13 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = (t18.reshape((1, 1, d_V, d_V)) * A17.reshape((n_batch, L, d_V, 1))) - (A17.reshape((n_batch, L, 1, d_V)) * A17.reshape((n_batch, L, d_V, 1)))
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t22 = (dA19.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t22 = (dA19 * t13.reshape((n_batch, L, d_V, 1)))
     t23 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_K, d_V))
     t24 = ((t23 @ t22)).permute(2, 3, 0, 1)
-    t25 = ((M_1.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t15
     t26 = torch.exp(F - F.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
@@ -18572,7 +18572,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t30
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t32 = (t31 @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t33 = ((G.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t33 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t32.reshape((d_K*d_V, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -18596,7 +18596,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -18606,10 +18606,10 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t19.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t22 = (t21 @ dA)
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -18627,7 +18627,7 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t33
     t34 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t35 = (t22.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t36 = (t35.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t23.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t36 = (t35.permute(0, 1, 3, 4, 2) * t23.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t37 = (t36.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t26.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t38 = (t37.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t39 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -18662,7 +18662,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18675,11 +18675,11 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = (t19.reshape((1, 1, d_V, d_V)) * A18.reshape((n_batch, L, d_V, 1))) - (A18.reshape((n_batch, L, 1, d_V)) * A18.reshape((n_batch, L, d_V, 1)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t24 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t24 = (dA20 * t14.reshape((n_batch, L, d_V, 1)))
     t25 = (t24.permute(0, 1, 3, 2) @ t23.permute(1, 2, 0, 3))
     t26 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t27 = (t26.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t25.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
@@ -18698,7 +18698,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t39.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
+    d2A = (t11.reshape((1, 1, L, L)) * t39.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t39.reshape((n_batch, L, L, 1))) - (t39.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t40 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t40.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18730,7 +18730,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18743,7 +18743,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA19 = ((A17.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t18.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A17.reshape((n_batch, L, d_V, 1)) * A17.reshape((n_batch, L, 1, d_V)))
+    dA19 = (t18.reshape((1, 1, d_V, d_V)) * A17.reshape((n_batch, L, d_V, 1))) - (A17.reshape((n_batch, L, 1, d_V)) * A17.reshape((n_batch, L, d_V, 1)))
     t20 = W_V.transpose(-1, -2)
     t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t22 = (t21.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t0).reshape((n_batch, L, d_V))
@@ -18765,7 +18765,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = (t10.reshape((1, 1, L, L)) * t37.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t37.reshape((n_batch, L, L, 1))) - (t37.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18812,16 +18812,16 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = (t25.reshape((1, 1, L, L)) * t24.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t24.reshape((n_batch, L, L, 1))) - (t24.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t27 = (1/(d_K*n_batch)) * t1
     t28 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t29 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_K))
-    t30 = ((t29.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t30 = (t29.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t25.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t25.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t31 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t31.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18829,16 +18829,16 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A33 = t32 / t32.sum(-1, keepdim=True)
     t34 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA35 = ((A33.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t34.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A33.reshape((n_batch, L, d_V, 1)) * A33.reshape((n_batch, L, 1, d_V)))
+    dA35 = (t34.reshape((1, 1, d_V, d_V)) * A33.reshape((n_batch, L, d_V, 1))) - (A33.reshape((n_batch, L, 1, d_V)) * A33.reshape((n_batch, L, d_V, 1)))
     t36 = (1/(L*d_K*n_batch)) * t1
     t37 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t38 = (dA35.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t38 = (dA35 * t12.reshape((n_batch, L, d_V, 1)))
     t39 = (t38.permute(0, 1, 3, 2) @ t37.permute(1, 2, 0, 3))
     t40 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t41 = (t40 @ t39)
     t42 = ((W_K.permute(1, 0) @ t41.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t43 = (X.reshape((L*n_batch, d_V)) @ t36.permute(1, 0)).reshape((n_batch, L, d_K))
-    t44 = ((t43.reshape((n_batch, L, d_K, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t44 = (t43.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t45 = t0.diagonal(0, 1, 3)
     t46 = t24.transpose(-1, -2)
     t47 = t46 @ X
@@ -18852,7 +18852,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t55 = torch.cat([t51, t52], dim=-1)
     t56 = torch.cat([t53, t54], dim=-2)
     t0[...] = ((t55 @ t56).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t45 += (t48.sum((0,)).reshape((d_V**2, 1)) * t50.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t45.addcmul_(t50.reshape((1, 1, d_K)), t48.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -18895,7 +18895,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = W_Q.transpose(-1, -2)
     t27 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t27.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = (t27.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t28 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.sum((0,))).reshape((n_batch, L, d_V))
     t29 = (t28 @ X.permute(0, 2, 1))
     t30 = (t29.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -18903,7 +18903,7 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t32 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t33 = (t32.permute(1, 2, 0) @ t31.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t27.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t27.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t34 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18911,10 +18911,10 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A36 = t35 / t35.sum(-1, keepdim=True)
     t37 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = ((A36.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t37.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A36.reshape((n_batch, L, d_V, 1)) * A36.reshape((n_batch, L, 1, d_V)))
+    dA38 = (t37.reshape((1, 1, d_V, d_V)) * A36.reshape((n_batch, L, d_V, 1))) - (A36.reshape((n_batch, L, 1, d_V)) * A36.reshape((n_batch, L, d_V, 1)))
     t39 = (X.reshape((L*n_batch, d_V)) @ t25.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
     t40 = (t39.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t41 = (dA38.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t41 = (dA38 * t10.reshape((n_batch, L, d_V, 1)))
     t42 = (X.reshape((L*n_batch, d_V)) @ t26.permute(1, 0)).reshape((n_batch, L, d_K))
     t43 = (t40.reshape((L*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_V))
     t44 = (t43.reshape((n_batch, L, 1, d_V)) @ t41).reshape((n_batch, L, d_V))
@@ -18979,7 +18979,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -18992,17 +18992,17 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = (t19.reshape((1, 1, d_V, d_V)) * A18.reshape((n_batch, L, d_V, 1))) - (A18.reshape((n_batch, L, 1, d_V)) * A18.reshape((n_batch, L, d_V, 1)))
     t21 = W_V.transpose(-1, -2)
     t22 = (1/(L*d_K*n_batch)) * t1
     t23 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t24 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t24 = (dA20 * t14.reshape((n_batch, L, d_V, 1)))
     t25 = (t24.permute(0, 1, 3, 2) @ t23.permute(1, 2, 0, 3))
     t26 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t27 = ((t26 @ t25)).permute(3, 2, 0, 1)
     t28 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
     t29 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t30 = ((t29.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t28.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t30 = (t29.reshape((1, d_K, n_batch, L)) * t28.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     F = t16
     t31 = torch.exp(F - F.amax(-1, keepdim=True))
     A32 = t31 / t31.sum(-1, keepdim=True)
@@ -19015,14 +19015,14 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t39.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
+    d2A = (t11.reshape((1, 1, L, L)) * t39.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t39.reshape((n_batch, L, L, 1))) - (t39.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t40 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t40.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t41 = (1/(d_K*n_batch)) * t1
     t42 = M_3.permute(2, 3, 0, 1)
     t43 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_K))
-    t44 = ((t29.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t43.reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t44 = (t29.reshape((1, d_K, n_batch, L)) * t43.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t45 = t27.reshape((d_V**2, L*n_batch))
     t46 = t42.reshape((d_V**2, L*n_batch))
     t47 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -19052,7 +19052,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -19062,9 +19062,9 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = W_V.transpose(-1, -2)
-    t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t22 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19095,7 +19095,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t46 = t45 - (A * t45).sum(-1, keepdim=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t47.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
+    d2A = (t10.reshape((1, 1, L, L)) * t47.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t47.reshape((n_batch, L, L, 1))) - (t47.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t50 = (t49.reshape((L*n_batch, d_K)) @ t21.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19135,7 +19135,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -19148,13 +19148,13 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA20 = ((A18.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t19.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A18.reshape((n_batch, L, d_V, 1)) * A18.reshape((n_batch, L, 1, d_V)))
+    dA20 = (t19.reshape((1, 1, d_V, d_V)) * A18.reshape((n_batch, L, d_V, 1))) - (A18.reshape((n_batch, L, 1, d_V)) * A18.reshape((n_batch, L, d_V, 1)))
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t22 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t23 = (dA20.reshape((n_batch, L, d_V, d_V, 1)) * t14.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t23 = (dA20 * t14.reshape((n_batch, L, d_V, 1)))
     t24 = ((t23.permute(0, 1, 3, 2) @ t22.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
     t25 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
-    t26 = ((t25.reshape((n_batch, L, d_K, 1)) * M_1.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t26 = (t25.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     F = t16
     t27 = torch.exp(F - F.amax(-1, keepdim=True))
     A28 = t27 / t27.sum(-1, keepdim=True)
@@ -19165,7 +19165,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t1
     t33 = M_2.permute(3, 2, 0, 1)
     t34 = (X.reshape((L*n_batch, d_V)) @ t32.permute(1, 0)).reshape((n_batch, L, d_K))
-    t35 = ((t34.reshape((n_batch, L, d_K, 1)) * G.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t35 = (t34.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t26.reshape((d_K*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t0 += ((t33.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
@@ -19190,7 +19190,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -19200,10 +19200,10 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t23 = (t22 @ dA)
     t24 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19223,7 +19223,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t36 = (t20.permute(1, 2, 0) @ t21.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t37 = (t36.permute(0, 2, 3, 1) @ dA)
     t38 = (t37.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t39 = (t38.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t26.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t39 = (t38.permute(0, 1, 3, 4, 2) * t26.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t40 = (t39.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t24.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t41 = (t40.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t42 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19265,7 +19265,7 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t18 = (1/(L*n_batch)) * t11
     t19 = (M_1 * t18.permute(0, 2, 1)).permute(2, 0, 1)
     t20 = (oe.contract('abcc,abc->abc', dA, t13)).permute(2, 0, 1)
@@ -19299,7 +19299,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t17 = (M_1.reshape((n_batch, L, 1, d_V)) @ t10.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t18 = oe.contract('abcc,abc->ab', dA, t12)
     return (1/(L*n_batch)) * (t18 * t17).sum()
@@ -19338,26 +19338,26 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = G.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t20.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t22.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t24 = ((W_K.permute(1, 0) @ M_2.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t25 = M_1.transpose(-1, -2)
     t26 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
     t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA29 = ((A27.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t28.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A27.reshape((n_batch, L, d_V, 1)) * A27.reshape((n_batch, L, 1, d_V)))
+    dA29 = (t28.reshape((1, 1, d_V, d_V)) * A27.reshape((n_batch, L, d_V, 1))) - (A27.reshape((n_batch, L, 1, d_V)) * A27.reshape((n_batch, L, d_V, 1)))
     t30 = W_V.transpose(-1, -2)
     t31 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
-    t32 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t32 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t31.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t33 = (t30.permute(1, 0) @ dA29.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t34 = (t33.permute(1, 2, 3, 0) @ M_2)
     t35 = (t34.reshape((L*d_V*n_batch, d_V)) @ W_K).reshape((n_batch, L, d_V, d_K))
-    t36 = ((t35.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t2.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t36 = (t35.permute(2, 3, 0, 1) * t2.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t0 += ((t32.reshape((d_V**2, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
@@ -19394,7 +19394,7 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t19.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t20 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19409,15 +19409,15 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdim=True)
     t32 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = ((A31.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t32.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
+    dA33 = (t32.reshape((1, 1, d_V, d_V)) * A31.reshape((n_batch, L, d_V, 1))) - (A31.reshape((n_batch, L, 1, d_V)) * A31.reshape((n_batch, L, d_V, 1)))
     t34 = W_V.transpose(-1, -2)
-    t35 = (dA33.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t35 = (dA33 * t1.reshape((n_batch, L, d_V, 1)))
     t36 = (t29.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t37 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t34.permute(1, 0)).reshape((n_batch, L, d_V))
     t38 = (t37 @ t35.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t39 = (t38.permute(0, 2, 3, 1) @ dA)
     t40 = (t39.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t41 = (t40.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t23.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t41 = (t40.permute(0, 1, 3, 4, 2) * t23.reshape((n_batch, L, n_batch, L, 1)))
     t42 = (t41.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t25.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
     t43 = (t42.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t44 = (t29.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t29.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19462,26 +19462,26 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = G.transpose(-1, -2)
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t20.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t19
     t23 = M_2.permute(2, 3, 0, 1)
     t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t25 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = (t24.reshape((1, d_K, n_batch, L)) * t22.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t26 = M_1.transpose(-1, -2)
     t27 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A28 = t27 / t27.sum(-1, keepdim=True)
     t29 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA30 = ((A28.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t29.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A28.reshape((n_batch, L, d_V, 1)) * A28.reshape((n_batch, L, 1, d_V)))
+    dA30 = (t29.reshape((1, 1, d_V, d_V)) * A28.reshape((n_batch, L, d_V, 1))) - (A28.reshape((n_batch, L, 1, d_V)) * A28.reshape((n_batch, L, d_V, 1)))
     t31 = W_V.transpose(-1, -2)
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
-    t33 = (dA30.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t33 = (dA30 * t2.reshape((n_batch, L, d_V, 1)))
     t34 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t35 = ((t34 @ t33.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
-    t36 = ((t24.permute(1, 2, 0).reshape((n_batch, L, d_K, 1)) * t32.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t36 = (t24.reshape((1, d_K, n_batch, L)) * t32.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t0 += ((t35.reshape((d_V**2, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
@@ -19518,7 +19518,7 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t19.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t20 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
     t21 = (t18.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19533,15 +19533,15 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A31 = t30 / t30.sum(-1, keepdim=True)
     t32 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA33 = ((A31.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t32.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A31.reshape((n_batch, L, d_V, 1)) * A31.reshape((n_batch, L, 1, d_V)))
+    dA33 = (t32.reshape((1, 1, d_V, d_V)) * A31.reshape((n_batch, L, d_V, 1))) - (A31.reshape((n_batch, L, 1, d_V)) * A31.reshape((n_batch, L, d_V, 1)))
     t34 = W_V.transpose(-1, -2)
-    t35 = (dA33.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t35 = (dA33 * t1.reshape((n_batch, L, d_V, 1)))
     t36 = (t29.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t3.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t37 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t34.permute(1, 0)).reshape((n_batch, L, d_V))
     t38 = (t37 @ t35.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t39 = (t38.permute(0, 2, 3, 1) @ dA)
     t40 = (t39.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t18.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t41 = (t40.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t24.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t41 = (t40.permute(0, 1, 3, 4, 2) * t24.reshape((n_batch, L, n_batch, L, 1)))
     t42 = (t41.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
     t43 = (t42.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t44 = (t29.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t29.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19581,10 +19581,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t18 = (1/(L*n_batch)) * t11
-    t19 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t13.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t20 = ((M_1.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = (dA.permute(2, 3, 0, 1) * t13.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t20 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t18.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -19615,8 +19615,8 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
+    t17 = (dA * t12.reshape((n_batch, L, d_V, 1)))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t17.reshape((L*n_batch, d_V**2)) @ t17.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19644,7 +19644,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -19654,9 +19654,9 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
-    t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19688,7 +19688,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t46 = t45 - (A * t45).sum(-1, keepdim=True)
     t47 = A * t46
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t47.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t47.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t47.reshape((n_batch, L, L, 1))) - (t47.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t48 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t50 = t22 * t49
@@ -19729,7 +19729,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -19739,9 +19739,9 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
-    t19 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t20 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t21 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19775,7 +19775,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t48 = t47 @ X
     t49 = t1 @ t48
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t47.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t47.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t47.reshape((n_batch, L, 1, L)))
+    d2A = (t9.reshape((1, 1, L, L)) * t47.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t47.reshape((n_batch, L, L, 1))) - (t47.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t49.sum((0,))).reshape((n_batch, L, d_V))
     t51 = (t50 @ X.permute(0, 2, 1))
     t52 = (t51.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
@@ -19831,7 +19831,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = Y.sum(-1, keepdim=True)
     t11 = t10.expand(*t10.shape[:-1], d_V)
     t12 = A @ X
@@ -19841,10 +19841,10 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t19 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t20 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t19.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t22 = (t21 @ dA)
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19870,7 +19870,7 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t41 = (1/(d_K*n_batch**2)) * (t40 * t26.permute(0, 2, 3, 1)).sum()
     t42 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t43 = (t22.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t44 = (t43.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t23.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t44 = (t43.permute(0, 1, 3, 4, 2) * t23.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t45 = (t44.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t26.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t46 = (t45.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t47 = (2/(L*d_K*n_batch**2)) * (t46 * t42.permute(0, 2, 3, 1)).sum()
@@ -19900,7 +19900,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -19910,9 +19910,9 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = W_V.transpose(-1, -2)
-    t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t22 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -19947,7 +19947,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t50 = t49 @ X
     t51 = t1 @ t50
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t48.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))
+    d2A = (t10.reshape((1, 1, L, L)) * t48.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t48.reshape((n_batch, L, L, 1))) - (t48.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t52 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t51.sum((0,))).reshape((n_batch, L, d_V))
     t53 = (t52 @ X.permute(0, 2, 1))
     t54 = (t53.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
@@ -20003,7 +20003,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -20013,9 +20013,9 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = W_V.transpose(-1, -2)
-    t20 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t21 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t22 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -20047,7 +20047,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t47 = t46 - (A * t46).sum(-1, keepdim=True)
     t48 = A * t47
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t48.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t48.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t48.reshape((n_batch, L, 1, L)))
+    d2A = (t10.reshape((1, 1, L, L)) * t48.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t48.reshape((n_batch, L, L, 1))) - (t48.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t49 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t50 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t51 = (t49.reshape((L*n_batch, d_K)) @ t49.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -20089,7 +20089,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = Y.sum(-1, keepdim=True)
     t12 = t11.expand(*t11.shape[:-1], d_V)
     t13 = A @ X
@@ -20099,10 +20099,10 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA18 = ((A16.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A16.reshape((n_batch, L, d_V, 1)) * A16.reshape((n_batch, L, 1, d_V)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
     t19 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_K))
     t20 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t21 = (dA18.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t23 = (t22 @ dA)
     t24 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -20130,7 +20130,7 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t44 = (t20.permute(1, 2, 0) @ t21.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t45 = (t44.permute(0, 2, 3, 1) @ dA)
     t46 = (t45.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t47 = (t46.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t26.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t47 = (t46.permute(0, 1, 3, 4, 2) * t26.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t48 = (t47.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t24.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t49 = (t48.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t50 = (2/(L*d_K*n_batch**2)) * (t49 * t43.permute(0, 2, 3, 1)).sum()
@@ -20167,12 +20167,12 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
-    t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA19 = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t20 = (dA * t12.reshape((n_batch, L, d_V, 1)))
     t21 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
     t23 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
@@ -20201,7 +20201,7 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t44 = (1/(d_K*n_batch**2)) * (t43 * t28.permute(0, 2, 3, 1)).sum()
     t45 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t46 = (t26.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t37.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t47 = (t46.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t24.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t47 = (t46.permute(0, 1, 3, 4, 2) * t24.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t48 = (t47.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t28.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t49 = (t48.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA19.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t50 = (2/(L*d_K*n_batch**2)) * (t49 * t45.permute(0, 2, 3, 1)).sum()
@@ -20238,12 +20238,12 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA19 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
-    t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA19 = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t20 = (dA * t12.reshape((n_batch, L, d_V, 1)))
     t21 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -20272,7 +20272,7 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t44 = (1/(d_K*n_batch**2)) * (t43 * t40.permute(0, 2, 3, 1)).sum()
     t45 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t46 = (t26.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t37.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t47 = (t46.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t27.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t47 = (t46.permute(0, 1, 3, 4, 2) * t27.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t48 = (t47.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t49 = (t48.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA19.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t50 = (2/(L*d_K*n_batch**2)) * (t49 * t45.permute(0, 2, 3, 1)).sum()
@@ -20309,8 +20309,8 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t12.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
+    t17 = (dA * t12.reshape((n_batch, L, d_V, 1)))
     t18 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t17.reshape((L*n_batch, d_V**2)) @ t17.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))

@@ -73,23 +73,23 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t5 = W_2.transpose(-1, -2)
     t6 = W_2 @ t5
     t7 = (2/(L*d_V*n_batch)) * t2
-    t8 = ((X.reshape((n_batch, L, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t9 = (t6.reshape((d_ff, d_ff, 1)) * t4.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
-    t10 = ((t9.permute(1, 2, 3, 0).reshape((d_ff, n_batch, L, d_ff, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_ff))).permute(3, 0, 1, 2)
+    t8 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t7.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t9 = (t6.reshape((d_ff, d_ff, 1, 1)) * t4.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+    t10 = (t9 * t4.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)))
     t1[...] = ((t8.reshape((d_V**2, L*n_batch)) @ t10.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t12 = t11.view((d_V, d_ff, d_ff, d_V))
     t13 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t14 = (t4.reshape((n_batch, L, d_ff, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
     t15 = (t14.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t13.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
-    t12[...] = ((t15.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    torch.mul(W_2.reshape((1, d_ff, 1, d_V)), t15.reshape((d_V, d_ff, d_ff, 1)), out=t12)
     t16 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t17 = t16.view((d_ff, d_V, d_V, d_ff))
     t19 = t13.transpose(-1, -2)
     t20 = (2/(L*d_V*n_batch)) * X
     t21 = (t20.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
     t22 = (t21.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-    t17[...] = ((t5.permute(1, 0).reshape((d_ff, d_V, 1)) * t22.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
+    torch.mul(t5.reshape((1, d_V, 1, d_ff)), t22.reshape((d_ff, 1, d_V, d_ff)), out=t17)
     t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t23[...] = 0
     t24 = t23.view((d_ff, d_V, d_ff, d_V))
@@ -97,7 +97,7 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t26 = t19 @ t13
     t27 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t28 = (2/(L*d_V*n_batch)) * t27
-    t25 += (t26.sum((0,)).reshape((d_ff**2, 1)) * t28.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
+    t25.addcmul_(t28.reshape((1, 1, d_V)), t26.sum((0,)).reshape((d_ff, d_ff, 1)))
     return H
 
 
@@ -141,15 +141,15 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
-    t10 = (t9.permute(1, 2, 3, 4, 0).reshape((n_batch, L, n_batch, L, d_ff, 1)) * t8.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, d_ff))
+    t9 = (t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, 1, n_batch, L)))
+    t10 = (t9.permute(1, 2, 3, 4, 0) * t8.reshape((n_batch, L, n_batch, L, 1)))
     t11 = (t9.reshape((d_ff, L**2*n_batch**2)) @ t10.reshape((L**2*n_batch**2, d_ff)))
     t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.permute(1, 0)).sum()
     t13 = torch.sqrt(torch.clamp(t12, min=0.0))
     t14 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t15 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t16 = (t14.reshape((L*n_batch, d_ff)) @ t14.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t17 = (t15.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t17 = (t15.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1))
     t18 = (t17.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = t18 * t16.permute(2, 3, 0, 1)
     t20 = (4/(L**2*d_V**2*n_batch**2)) * (t6 * t19.permute(2, 3, 0, 1)).sum()
@@ -157,7 +157,7 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t23 = t14.transpose(-1, -2)
     t24 = (t3.permute(1, 0).reshape((d_ff, 1, d_V)) @ t3.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t25 = (t23.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t23.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t26 = (t24.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t26 = (t24.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1))
     t27 = (t26.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t28 = t27 * t25.permute(2, 3, 0, 1)
     t29 = (4/(L**2*d_V**2*n_batch**2)) * (t7 * t28.permute(2, 3, 0, 1)).sum()
@@ -186,7 +186,7 @@ def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t8 = X * t6.permute(0, 2, 1)
     t9 = t3 * t3
     t10 = (t8.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t9.reshape((L*n_batch, d_ff)))
-    t0[...] = ((t7.reshape((d_ff, 1, 1)) * t10.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_V))).permute(1, 0)
+    torch.mul(t7.reshape((1, d_ff)), t10, out=t0)
     return out
 
 
@@ -221,9 +221,9 @@ def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t7 = ((X.reshape((n_batch, L, d_V, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t8 = (t5.reshape((d_ff, d_ff, 1)) * t3.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
-    t9 = ((t8.permute(1, 2, 3, 0).reshape((d_ff, n_batch, L, d_ff, 1)) * t3.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_ff))).permute(3, 0, 1, 2)
+    t7 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t6.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t8 = (t5.reshape((d_ff, d_ff, 1, 1)) * t3.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+    t9 = (t8 * t3.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)))
     t0[...] = ((t7.reshape((d_V**2, L*n_batch)) @ t9.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     return out
 
@@ -243,8 +243,8 @@ def mse_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
-    t10 = (t9.permute(1, 2, 3, 4, 0).reshape((n_batch, L, n_batch, L, d_ff, 1)) * t8.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, d_ff))
+    t9 = (t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, 1, n_batch, L)))
+    t10 = (t9.permute(1, 2, 3, 4, 0) * t8.reshape((n_batch, L, n_batch, L, 1)))
     t11 = (t9.reshape((d_ff, L**2*n_batch**2)) @ t10.reshape((L**2*n_batch**2, d_ff)))
     t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.permute(1, 0)).sum()
     t13 = torch.sqrt(torch.clamp(t12, min=0.0))
@@ -266,7 +266,7 @@ def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t5 = (2/(L*d_V*n_batch)) * t1
     t6 = (t3.reshape((n_batch, L, d_ff, 1)) * t5.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
     t7 = (t6.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t4.reshape((L*n_batch, d_ff))).reshape((d_V, d_ff, d_ff))
-    t0[...] = ((t7.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    torch.mul(W_2.reshape((1, d_ff, 1, d_V)), t7.reshape((d_V, d_ff, d_ff, 1)), out=t0)
     return out
 
 
@@ -282,7 +282,7 @@ def mse_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t4 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t5 = (t3.reshape((L*n_batch, d_ff)) @ t3.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t6 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t6 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1))
     t7 = (t6.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t8 = t7 * t5.permute(2, 3, 0, 1)
     t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -344,7 +344,7 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t9 = (2/(L*d_V*n_batch)) * X
     t10 = (t9.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))
     t11 = (t10.permute(3, 2, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t8.reshape((L*n_batch, d_ff))).reshape((d_ff, d_V, d_ff))
-    t0[...] = ((t5.permute(1, 0).reshape((d_ff, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
+    torch.mul(t5.reshape((1, d_V, 1, d_ff)), t11.reshape((d_ff, 1, d_V, d_ff)), out=t0)
     return out
 
 
@@ -363,7 +363,7 @@ def mse_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t7 = t6.transpose(-1, -2)
     t8 = (t4.permute(1, 0).reshape((d_ff, 1, d_V)) @ t4.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t9 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t10 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t10 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1))
     t11 = (t10.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = t11 * t9.permute(2, 3, 0, 1)
     t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -390,7 +390,7 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t1 += (t8.sum((0,)).reshape((d_ff**2, 1)) * t10.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
+    t1.addcmul_(t10.reshape((1, 1, d_V)), t8.sum((0,)).reshape((d_ff, d_ff, 1)))
     return out
 
 
@@ -435,7 +435,7 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     G = t10
     t11 = (1/n_batch) * t4
     t12 = t6.permute(2, 0, 1)
-    t13 = ((G.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t11.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t3 += (t13.reshape((d_V**2, L*n_batch)) @ t12.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t14 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t14[...] = 0
@@ -445,7 +445,7 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t19 = t6.transpose(-1, -2)
     t20 = (1/n_batch) * t17
     t21 = t19.permute(1, 0, 2)
-    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t20.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t16 += (t22.reshape((d_V**2, L*n_batch)) @ t21.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t23[...] = 0
@@ -575,7 +575,7 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     G = t8
     t9 = (1/n_batch) * t2
     t10 = t4.permute(2, 0, 1)
-    t11 = ((G.reshape((n_batch, L, d_V, 1)) * t9.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t11 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t9.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1 += (t11.reshape((d_V**2, L*n_batch)) @ t10.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
@@ -647,7 +647,7 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t10 = t9.transpose(-1, -2)
     t11 = (1/n_batch) * t7
     t12 = t10.permute(1, 0, 2)
-    t13 = ((X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t11.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1 += (t13.reshape((d_V**2, L*n_batch)) @ t12.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
@@ -716,22 +716,22 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t6 = W_2.transpose(-1, -2)
         t7 = W_2 @ t6
         t8 = (2/(L*d_V)) * X
-        t9 = ((t5.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t7.reshape((d_ff, 1, d_ff))).reshape((d_ff, n_batch, L, d_ff))).permute(1, 2, 0, 3)
+        t9 = (t7.reshape((1, 1, d_ff, d_ff)) * t5.reshape((n_batch, L, d_ff, 1)))
         t10 = (t8.reshape((n_batch, L, d_V, 1)) * t5.reshape((n_batch, L, 1, d_ff)))
-        t3[...] = ((t9.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_ff, 1)) * t10.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, 1, d_V)))).permute(0, 1, 3, 4, 2)
+        torch.mul(t9.reshape((n_batch, L, d_ff, 1, d_ff)), t10.reshape((n_batch, L, 1, d_V, d_ff)), out=t3)
         t11 = t1[..., d_V*d_ff:2*d_V*d_ff]
         t12 = t11.view((n_batch, L, d_ff, d_ff, d_V))
         t13 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
         t14 = (2/(L*d_V)) * t5
-        t15 = ((t14.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))).permute(1, 2, 0, 3)
+        t15 = (W_2.reshape((1, 1, d_ff, d_V)) * t14.reshape((n_batch, L, d_ff, 1)))
         t16 = t12.diagonal(0, 2, 3)
         t17 = t13 @ W_2
         F = t17
         t18 = F - Y
         t19 = (2/(L*d_V)) * t18
         G = t19
-        t12[...] = ((t13.reshape((n_batch, L, d_ff, 1)) * t15.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_ff, d_ff, d_V))).permute(0, 1, 3, 2, 4)
-        t16 += (G.reshape((n_batch, L, d_V, 1)) * t5.reshape((n_batch, L, 1, d_ff)))
+        torch.mul(t13.reshape((n_batch, L, 1, d_ff, 1)), t15.reshape((n_batch, L, d_ff, 1, d_V)), out=t12)
+        t16.addcmul_(G.reshape((n_batch, L, d_V, 1)), t5.reshape((n_batch, L, 1, d_ff)))
         t20 = t0.permute(1, 0, 2)
         t21 = t20.reshape((d_V, L*n_batch))
         t22 = (1/n_batch) * t21
@@ -750,8 +750,8 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t34 = t5.transpose(-1, -2)
         t35 = (1/n_batch) * t33
         t36 = t34.permute(1, 0, 2)
-        t37 = ((X.reshape((n_batch, L, d_V, 1)) * t35.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-        t26[...] = ((t6.permute(1, 0).reshape((d_ff, d_V, 1)) * t31.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
+        t37 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t35.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+        torch.mul(t6.reshape((1, d_V, 1, d_ff)), t31.reshape((d_ff, 1, d_V, d_ff)), out=t26)
         t32 += (t37.reshape((d_V**2, L*n_batch)) @ t36.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
         t38 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
         t38[...] = 0
@@ -760,7 +760,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t41 = t28 @ t13
         t42 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
         t43 = (2/(L*d_V*n_batch)) * t42
-        t40 += (t41.sum((0,)).reshape((d_ff**2, 1)) * t43.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
+        t40.addcmul_(t43.reshape((1, 1, d_V)), t41.sum((0,)).reshape((d_ff, d_ff, 1)))
         return H
     H = torch.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
@@ -771,9 +771,9 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t5 = W_2.transpose(-1, -2)
     t6 = W_2 @ t5
     t7 = (2/(L*d_V*n_batch)) * t2
-    t8 = ((X.reshape((n_batch, L, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t9 = (t6.reshape((d_ff, d_ff, 1)) * t4.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
-    t10 = ((t9.permute(1, 2, 3, 0).reshape((d_ff, n_batch, L, d_ff, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_ff))).permute(3, 0, 1, 2)
+    t8 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t7.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t9 = (t6.reshape((d_ff, d_ff, 1, 1)) * t4.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+    t10 = (t9 * t4.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)))
     t1[...] = ((t8.reshape((d_V**2, L*n_batch)) @ t10.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t12 = t11.view((d_V, d_ff, d_ff, d_V))
@@ -788,8 +788,8 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     G = t19
     t20 = (1/n_batch) * t2
     t21 = t4.permute(2, 0, 1)
-    t22 = ((G.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t12[...] = ((t15.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t22 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t20.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    torch.mul(W_2.reshape((1, d_ff, 1, d_V)), t15.reshape((d_V, d_ff, d_ff, 1)), out=t12)
     t16 += (t22.reshape((d_V**2, L*n_batch)) @ t21.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t23 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t24 = t23.view((d_ff, d_V, d_V, d_ff))
@@ -802,8 +802,8 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t32 = t4.transpose(-1, -2)
     t33 = (1/n_batch) * t31
     t34 = t32.permute(1, 0, 2)
-    t35 = ((X.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t24[...] = ((t5.permute(1, 0).reshape((d_ff, d_V, 1)) * t29.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
+    t35 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t33.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    torch.mul(t5.reshape((1, d_V, 1, d_ff)), t29.reshape((d_ff, 1, d_V, d_ff)), out=t24)
     t30 += (t35.reshape((d_V**2, L*n_batch)) @ t34.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t36 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t36[...] = 0
@@ -812,7 +812,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t39 = t26 @ t13
     t40 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t41 = (2/(L*d_V*n_batch)) * t40
-    t38 += (t39.sum((0,)).reshape((d_ff**2, 1)) * t41.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
+    t38.addcmul_(t41.reshape((1, 1, d_V)), t39.sum((0,)).reshape((d_ff, d_ff, 1)))
     return H
 
 
@@ -868,15 +868,15 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
-    t10 = (t9.permute(1, 2, 3, 4, 0).reshape((n_batch, L, n_batch, L, d_ff, 1)) * t8.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, d_ff))
+    t9 = (t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, 1, n_batch, L)))
+    t10 = (t9.permute(1, 2, 3, 4, 0) * t8.reshape((n_batch, L, n_batch, L, 1)))
     t11 = (t9.reshape((d_ff, L**2*n_batch**2)) @ t10.reshape((L**2*n_batch**2, d_ff)))
     t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.permute(1, 0)).sum()
     t13 = torch.sqrt(torch.clamp(t12, min=0.0))
     t14 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t15 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t16 = (t14.reshape((L*n_batch, d_ff)) @ t14.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t17 = (t15.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t17 = (t15.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1))
     t18 = (t17.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = t18 * t16.permute(2, 3, 0, 1)
     t20 = t14 @ W_2
@@ -896,7 +896,7 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t33 = t14.transpose(-1, -2)
     t34 = (t3.permute(1, 0).reshape((d_ff, 1, d_V)) @ t3.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t35 = (t33.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t33.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t36 = (t34.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t36 = (t34.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1))
     t37 = (t36.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t38 = t37 * t35.permute(2, 3, 0, 1)
     t39 = G.transpose(-1, -2)
@@ -934,7 +934,7 @@ def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t8 = X * t6.permute(0, 2, 1)
     t9 = t3 * t3
     t10 = (t8.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t9.reshape((L*n_batch, d_ff)))
-    t0[...] = ((t7.reshape((d_ff, 1, 1)) * t10.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, d_V))).permute(1, 0)
+    torch.mul(t7.reshape((1, d_ff)), t10, out=t0)
     return out
 
 
@@ -969,9 +969,9 @@ def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
     t6 = (2/(L*d_V*n_batch)) * t1
-    t7 = ((X.reshape((n_batch, L, d_V, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t8 = (t5.reshape((d_ff, d_ff, 1)) * t3.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
-    t9 = ((t8.permute(1, 2, 3, 0).reshape((d_ff, n_batch, L, d_ff, 1)) * t3.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_ff))).permute(3, 0, 1, 2)
+    t7 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t6.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t8 = (t5.reshape((d_ff, d_ff, 1, 1)) * t3.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+    t9 = (t8 * t3.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)))
     t0[...] = ((t7.reshape((d_V**2, L*n_batch)) @ t9.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     return out
 
@@ -991,8 +991,8 @@ def mse_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
-    t10 = (t9.permute(1, 2, 3, 4, 0).reshape((n_batch, L, n_batch, L, d_ff, 1)) * t8.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, d_ff))
+    t9 = (t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, 1, n_batch, L)))
+    t10 = (t9.permute(1, 2, 3, 4, 0) * t8.reshape((n_batch, L, n_batch, L, 1)))
     t11 = (t9.reshape((d_ff, L**2*n_batch**2)) @ t10.reshape((L**2*n_batch**2, d_ff)))
     t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.permute(1, 0)).sum()
     t13 = torch.sqrt(torch.clamp(t12, min=0.0))
@@ -1022,8 +1022,8 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     G = t11
     t12 = (1/n_batch) * t1
     t13 = t3.permute(2, 0, 1)
-    t14 = ((G.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t7.permute(1, 0, 2).reshape((d_ff, d_V*d_ff, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, d_V, d_ff, d_V))).permute(1, 0, 2, 3)
+    t14 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t12.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    torch.mul(W_2.reshape((1, d_ff, 1, d_V)), t7.reshape((d_V, d_ff, d_ff, 1)), out=t0)
     t8 += (t14.reshape((d_V**2, L*n_batch)) @ t13.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
@@ -1040,7 +1040,7 @@ def mse_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t4 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t5 = (t3.reshape((L*n_batch, d_ff)) @ t3.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t6 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t6 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1))
     t7 = (t6.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t8 = t7 * t5.permute(2, 3, 0, 1)
     t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1124,8 +1124,8 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t17 = G.transpose(-1, -2)
     t18 = (1/n_batch) * t17
     t19 = t7.permute(1, 0, 2)
-    t20 = ((X.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t0[...] = ((t5.permute(1, 0).reshape((d_ff, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_ff, 1, d_V*d_ff))).reshape((d_ff, d_V, d_ff, d_V))).permute(2, 1, 3, 0)
+    t20 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t18.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    torch.mul(t5.reshape((1, d_V, 1, d_ff)), t11.reshape((d_ff, 1, d_V, d_ff)), out=t0)
     t12 += (t20.reshape((d_V**2, L*n_batch)) @ t19.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
@@ -1145,7 +1145,7 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t7 = t6.transpose(-1, -2)
     t8 = (t4.permute(1, 0).reshape((d_ff, 1, d_V)) @ t4.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t9 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t10 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t10 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1))
     t11 = (t10.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = t11 * t9.permute(2, 3, 0, 1)
     t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1186,7 +1186,7 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t1 += (t8.sum((0,)).reshape((d_ff**2, 1)) * t10.reshape((1, d_V))).reshape((d_ff, d_ff, d_V))
+    t1.addcmul_(t10.reshape((1, 1, d_V)), t8.sum((0,)).reshape((d_ff, d_ff, 1)))
     return out
 
 
@@ -1222,8 +1222,8 @@ def mse_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     t6 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t7 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t8 = t7 * t6
-    t9 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L, n_batch, L))
-    t10 = (t9.permute(1, 2, 3, 4, 0).reshape((n_batch, L, n_batch, L, d_ff, 1)) * t8.reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, d_ff))
+    t9 = (t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, 1, n_batch, L)))
+    t10 = (t9.permute(1, 2, 3, 4, 0) * t8.reshape((n_batch, L, n_batch, L, 1)))
     t11 = (t9.reshape((d_ff, L**2*n_batch**2)) @ t10.reshape((L**2*n_batch**2, d_ff)))
     t12 = (4/(L**2*d_V**2*n_batch**2)) * (t11 * t5.permute(1, 0)).sum()
     t13 = t12
@@ -1245,7 +1245,7 @@ def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t4 = (W_2.reshape((d_ff, 1, d_V)) @ W_2.reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t5 = (t3.reshape((L*n_batch, d_ff)) @ t3.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t6 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t6 = (t4.reshape((d_ff, 1, 1)) * t2.permute(2, 0, 1))
     t7 = (t6.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t8 = t7 * t5.permute(2, 3, 0, 1)
     t9 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1286,7 +1286,7 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t7 = t6.transpose(-1, -2)
     t8 = (t4.permute(1, 0).reshape((d_ff, 1, d_V)) @ t4.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff,))
     t9 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t10 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, n_batch, L))
+    t10 = (t8.reshape((d_ff, 1, 1)) * t7.permute(2, 0, 1))
     t11 = (t10.permute(1, 2, 0).reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = t11 * t9.permute(2, 3, 0, 1)
     t13 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1461,34 +1461,34 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t10.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t11 = W_2.transpose(-1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t15 = (W_2.reshape((d_ff, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-    t16 = (t4.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t13 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t12.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t14 = (dA * t6.reshape((n_batch, L, d_V, 1)))
+    t15 = (W_2.reshape((d_ff, d_V, 1, 1)) * t4.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+    t16 = (t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t11.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t17 = (t15.permute(2, 3, 0, 1) @ t14)
     t18 = ((t17 @ t16.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
     t1[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     t19 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t20 = t19.view((d_V, d_ff, d_ff, d_V))
-    t21 = ((t7.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (t7.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t12.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t22 = (t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t23 = ((t22.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t23 = (t22.permute(3, 2, 0, 1) * t4.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t20[...] = ((t21.reshape((d_V*d_ff, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
     t24 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t25 = t24.view((d_ff, d_V, d_V, d_ff))
     t27 = t7.transpose(-1, -2)
     t28 = (1/(L*n_batch)) * t6
-    t29 = ((X.reshape((n_batch, L, d_V, 1)) * t27.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t30 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t28.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t29 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t27.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    t30 = (dA * t28.reshape((n_batch, L, d_V, 1)))
     t31 = ((t16.permute(1, 2, 0, 3) @ t30.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t25[...] = ((t29.reshape((d_V*d_ff, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
     t32 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t33 = t32.view((d_ff, d_V, d_ff, d_V))
-    t34 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t28.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t35 = ((t7.reshape((n_batch, L, d_ff, 1)) * t27.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t34 = (dA.permute(2, 3, 0, 1) * t28.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t35 = (t7.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t27.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
     t33[...] = ((t35.reshape((d_ff**2, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -1544,15 +1544,15 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t8.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t9 = W_2.transpose(-1, -2)
-    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t10 = (dA * t4.reshape((n_batch, L, d_V, 1)))
     t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = t12 * t11
     t14 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
-    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
-    t16 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t15 = (t14.permute(0, 1, 3, 2) * t2.reshape((n_batch, L, d_ff, 1)))
+    t16 = (W_2.reshape((d_ff, d_V, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t17 = (t16.permute(2, 3, 0, 1) @ t15.permute(0, 1, 3, 2))
     t18 = (t17.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
     t19 = (t18.permute(2, 3, 0, 1) @ t15)
@@ -1561,7 +1561,7 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t22 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t11 * t22
     t24 = (t10.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t25 = (t24.permute(0, 1, 3, 2) * t2.reshape((n_batch, L, d_ff, 1)))
     t26 = (t25.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
     t27 = (t26.permute(2, 3, 0, 1) @ t10.permute(0, 1, 3, 2))
     t28 = (t27.permute(2, 3, 0, 1).reshape((d_ff, d_V, L*n_batch)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))
@@ -1601,12 +1601,12 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t9.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = (X * t11.permute(0, 2, 1)).permute(2, 0, 1)
     t13 = t3 * t3
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t15 = (t10.permute(1, 0).reshape((d_ff, d_V, 1)) * W_2.reshape((d_ff, 1, d_V)))
     t16 = (t15.reshape((d_ff, d_V**2)) @ t14.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
     t17 = t16 * t13.permute(2, 0, 1)
@@ -1631,11 +1631,11 @@ def ce_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t8.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t9 = W_2.transpose(-1, -2)
     t10 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t11 = t2 * t2
-    t12 = (t11.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t9.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t12 = (t11.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t9.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t13 = (t12.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     t14 = (t13.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V)) @ dA.reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))
     t15 = (t14.reshape((n_batch, L, 1, d_V)) @ t4.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
@@ -1661,13 +1661,13 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t9.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = ((X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t13 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t14 = (W_2.reshape((d_ff, d_V, 1)) * t3.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-    t15 = (t3.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t10.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t12 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t11.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t13 = (dA * t5.reshape((n_batch, L, d_V, 1)))
+    t14 = (W_2.reshape((d_ff, d_V, 1, 1)) * t3.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+    t15 = (t3.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t10.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t16 = (t14.permute(2, 3, 0, 1) @ t13)
     t17 = ((t16 @ t15.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
     t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
@@ -1691,15 +1691,15 @@ def ce_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t8.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t9 = W_2.transpose(-1, -2)
-    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t10 = (dA * t4.reshape((n_batch, L, d_V, 1)))
     t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = t12 * t11
     t14 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
-    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
-    t16 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t15 = (t14.permute(0, 1, 3, 2) * t2.reshape((n_batch, L, d_ff, 1)))
+    t16 = (W_2.reshape((d_ff, d_V, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t17 = (t16.permute(2, 3, 0, 1) @ t15.permute(0, 1, 3, 2))
     t18 = (t17.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
     t19 = (t18.permute(2, 3, 0, 1) @ t15)
@@ -1727,12 +1727,12 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t9.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t10 = (1/(L*n_batch)) * t1
-    t11 = ((t6.reshape((n_batch, L, d_ff, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t11 = (t6.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t10.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t12 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t13 = (t12.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t14 = ((t13.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t3.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t14 = (t13.permute(3, 2, 0, 1) * t3.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t0[...] = ((t11.reshape((d_V*d_ff, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -1754,13 +1754,13 @@ def ce_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t8.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t9 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t10 = (dA * t4.reshape((n_batch, L, d_V, 1)))
     t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = t11 * t9
     t13 = (t10.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t14 = (t13.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t14 = (t13.permute(0, 1, 3, 2) * t2.reshape((n_batch, L, d_ff, 1)))
     t15 = (t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
     t16 = (t15.permute(2, 3, 0, 1) @ t10.permute(0, 1, 3, 2))
     t17 = (t16.permute(2, 3, 0, 1).reshape((d_ff, d_V, L*n_batch)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))
@@ -1789,7 +1789,7 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t11.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t12 = (1/(L*n_batch)) * t6
     t13 = (t8 * t4.permute(0, 2, 1)).permute(2, 0, 1)
     t14 = (oe.contract('abcc,abc->abc', dA, t12)).permute(2, 0, 1)
@@ -1815,7 +1815,7 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t10.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t11 = (t7.reshape((n_batch, L, 1, d_ff)) @ t3.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L))
     t12 = oe.contract('abcc,abc->ab', dA, t5)
     return (1/(L*n_batch)) * (t12 * t11).sum()
@@ -1841,14 +1841,14 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t11.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t12 = W_2.transpose(-1, -2)
     t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t14 = t13.transpose(-1, -2)
     t15 = (1/(L*n_batch)) * t6
-    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t15.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t18 = (t14.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t12.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t16 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t4.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    t17 = (dA * t15.reshape((n_batch, L, d_V, 1)))
+    t18 = (t14.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t12.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t19 = ((t18.permute(1, 2, 0, 3) @ t17.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t0[...] = ((t16.reshape((d_V*d_ff, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
     return out
@@ -1872,16 +1872,16 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t10.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
     t14 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = t16 * t14
     t18 = (t15.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
-    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t13.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t19 = (t18.permute(0, 1, 3, 2) * t13.reshape((n_batch, L, d_ff, 1)))
     t20 = (t19.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
     t21 = (t20.permute(2, 3, 0, 1) @ t15)
     t22 = (t21.permute(2, 0, 1, 3).reshape((d_ff, L*n_batch, d_V)) @ t11.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff, n_batch, L))
@@ -1910,10 +1910,10 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t11.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t12 = (1/(L*n_batch)) * t6
-    t13 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t14 = ((t8.reshape((n_batch, L, d_ff, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t13 = (dA.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t14 = (t8.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t4.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
     t0[...] = ((t14.reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -1936,11 +1936,11 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t10.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t11 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = t12 * t11
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t15 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
     t17 = torch.sqrt(torch.clamp(t16, min=0.0))
@@ -1976,7 +1976,7 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     G = t14
     t15 = (1/n_batch) * t4
     t16 = t6.permute(2, 0, 1)
-    t17 = ((G.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t3 += (t17.reshape((d_V**2, L*n_batch)) @ t16.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t18[...] = 0
@@ -1986,7 +1986,7 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t23 = t6.transpose(-1, -2)
     t24 = (1/n_batch) * t21
     t25 = t23.permute(1, 0, 2)
-    t26 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t26 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t24.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t20 += (t26.reshape((d_V**2, L*n_batch)) @ t25.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t27[...] = 0
@@ -2131,7 +2131,7 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     G = t12
     t13 = (1/n_batch) * t2
     t14 = t4.permute(2, 0, 1)
-    t15 = ((G.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t15 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t13.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1 += (t15.reshape((d_V**2, L*n_batch)) @ t14.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
@@ -2213,7 +2213,7 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t14 = t13.transpose(-1, -2)
     t15 = (1/n_batch) * t11
     t16 = t14.permute(1, 0, 2)
-    t17 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1 += (t17.reshape((d_V**2, L*n_batch)) @ t16.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
 
@@ -2292,19 +2292,19 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         A = t10 / t10.sum(-1, keepdim=True)
         t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
         # dA: compact tensor ('L', 'd_V', 'd_V')
-        dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+        dA = (t11.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
         t12 = W_2.transpose(-1, -2)
         t13 = (1/L) * t7
-        t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t13.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-        t15 = (W_2.reshape((d_ff, d_V, 1)) * t5.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-        t16 = (t5.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t12.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+        t14 = (dA * t13.reshape((n_batch, L, d_V, 1)))
+        t15 = (W_2.reshape((d_ff, d_V, 1, 1)) * t5.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+        t16 = (t5.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t12.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
         t17 = (t15.permute(2, 3, 0, 1) @ t14)
         t18 = (t17 @ t16.permute(1, 2, 3, 0))
-        t3[...] = ((X.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_ff**2))).reshape((n_batch, L, d_V, d_ff, d_ff))).permute(0, 1, 3, 2, 4)
+        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t18.reshape((n_batch, L, d_ff, 1, d_ff)), out=t3)
         t19 = t1[..., d_V*d_ff:2*d_V*d_ff]
         t20 = t19.view((n_batch, L, d_ff, d_ff, d_V))
         t21 = (t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-        t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t5.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+        t22 = (t21.permute(0, 1, 3, 2) * t5.reshape((n_batch, L, d_ff, 1)))
         t23 = t20.diagonal(0, 2, 3)
         F = t9
         t24 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -2313,8 +2313,8 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t27 = t26 - Y
         t28 = (1/L) * t27
         G = t28
-        t20[...] = ((t8.reshape((n_batch, L, d_ff, 1)) * t22.reshape((n_batch, L, 1, d_V*d_ff))).reshape((n_batch, L, d_ff, d_ff, d_V))).permute(0, 1, 3, 2, 4)
-        t23 += (G.reshape((n_batch, L, d_V, 1)) * t5.reshape((n_batch, L, 1, d_ff)))
+        torch.mul(t8.reshape((n_batch, L, 1, d_ff, 1)), t22.reshape((n_batch, L, d_ff, 1, d_V)), out=t20)
+        t23.addcmul_(G.reshape((n_batch, L, d_V, 1)), t5.reshape((n_batch, L, 1, d_ff)))
         t29 = t0.permute(1, 0, 2)
         t30 = t29.reshape((d_V, L*n_batch))
         t31 = (1/n_batch) * t30
@@ -2326,21 +2326,21 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t35 = t34.view((d_ff, d_V, d_V, d_ff))
         t37 = t8.transpose(-1, -2)
         t38 = (1/(L*n_batch)) * t7
-        t39 = ((X.reshape((n_batch, L, d_V, 1)) * t37.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-        t40 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t38.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t39 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t37.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+        t40 = (dA * t38.reshape((n_batch, L, d_V, 1)))
         t41 = ((t16.permute(1, 2, 0, 3) @ t40.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
         t42 = t35.diagonal(0, 0, 3)
         t43 = G.transpose(-1, -2)
         t44 = t5.transpose(-1, -2)
         t45 = (1/n_batch) * t43
         t46 = t44.permute(1, 0, 2)
-        t47 = ((X.reshape((n_batch, L, d_V, 1)) * t45.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t47 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t45.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         t35[...] = ((t39.reshape((d_V*d_ff, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
         t42 += (t47.reshape((d_V**2, L*n_batch)) @ t46.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
         t48 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
         t49 = t48.view((d_ff, d_V, d_ff, d_V))
-        t50 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t38.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-        t51 = ((t8.reshape((n_batch, L, d_ff, 1)) * t37.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+        t50 = (dA.permute(2, 3, 0, 1) * t38.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t51 = (t8.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t37.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
         t49[...] = ((t51.reshape((d_ff**2, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
         return H
     H = torch.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
@@ -2357,21 +2357,21 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t10.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t11 = W_2.transpose(-1, -2)
     t12 = (1/(L*n_batch)) * t2
-    t13 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t15 = (W_2.reshape((d_ff, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-    t16 = (t4.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t13 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t12.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t14 = (dA * t6.reshape((n_batch, L, d_V, 1)))
+    t15 = (W_2.reshape((d_ff, d_V, 1, 1)) * t4.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+    t16 = (t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t11.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t17 = (t15.permute(2, 3, 0, 1) @ t14)
     t18 = ((t17 @ t16.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
     t1[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
     t19 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t20 = t19.view((d_V, d_ff, d_ff, d_V))
-    t21 = ((t7.reshape((n_batch, L, d_ff, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (t7.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t12.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t22 = (t14.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t23 = ((t22.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t4.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t23 = (t22.permute(3, 2, 0, 1) * t4.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t24 = t20.diagonal(0, 1, 2)
     F = t8
     t25 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -2382,28 +2382,28 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     G = t29
     t30 = (1/n_batch) * t2
     t31 = t4.permute(2, 0, 1)
-    t32 = ((G.reshape((n_batch, L, d_V, 1)) * t30.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t32 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t30.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t20[...] = ((t21.reshape((d_V*d_ff, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
     t24 += (t32.reshape((d_V**2, L*n_batch)) @ t31.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t33 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t34 = t33.view((d_ff, d_V, d_V, d_ff))
     t36 = t7.transpose(-1, -2)
     t37 = (1/(L*n_batch)) * t6
-    t38 = ((X.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t39 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t37.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t38 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t36.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    t39 = (dA * t37.reshape((n_batch, L, d_V, 1)))
     t40 = ((t16.permute(1, 2, 0, 3) @ t39.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t41 = t34.diagonal(0, 0, 3)
     t42 = G.transpose(-1, -2)
     t43 = t4.transpose(-1, -2)
     t44 = (1/n_batch) * t42
     t45 = t43.permute(1, 0, 2)
-    t46 = ((X.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t46 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t44.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t34[...] = ((t38.reshape((d_V*d_ff, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
     t41 += (t46.reshape((d_V**2, L*n_batch)) @ t45.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     t47 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
     t48 = t47.view((d_ff, d_V, d_ff, d_V))
-    t49 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t37.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t50 = ((t7.reshape((n_batch, L, d_ff, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t49 = (dA.permute(2, 3, 0, 1) * t37.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t50 = (t7.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t36.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
     t48[...] = ((t50.reshape((d_ff**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -2471,15 +2471,15 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t8.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t9 = W_2.transpose(-1, -2)
-    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t10 = (dA * t4.reshape((n_batch, L, d_V, 1)))
     t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = t12 * t11
     t14 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
-    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
-    t16 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t15 = (t14.permute(0, 1, 3, 2) * t2.reshape((n_batch, L, d_ff, 1)))
+    t16 = (W_2.reshape((d_ff, d_V, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t17 = (t16.permute(2, 3, 0, 1) @ t15.permute(0, 1, 3, 2))
     t18 = (t17.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
     t19 = (t18.permute(2, 3, 0, 1) @ t15)
@@ -2488,7 +2488,7 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t22 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t11 * t22
     t24 = (t10.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t25 = (t24.permute(0, 1, 3, 2) * t2.reshape((n_batch, L, d_ff, 1)))
     t26 = (t25.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
     t27 = (t26.permute(2, 3, 0, 1) @ t10.permute(0, 1, 3, 2))
     t28 = (t27.permute(2, 3, 0, 1).reshape((d_ff, d_V, L*n_batch)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))
@@ -2500,8 +2500,8 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t33 = (1/L) * t32
     G = t33
     t34 = t5 * t2
-    t35 = (t11.reshape((n_batch, L, L*n_batch, 1)) * G.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, n_batch, L, d_V))
-    t36 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t35 = (t11.reshape((n_batch, L, n_batch, L, 1)) * G.reshape((n_batch, L, 1, 1, d_V)))
+    t36 = (t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_2.reshape((d_ff, 1, 1, d_V)))
     t37 = (t36.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t34.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t38 = (t35.permute(2, 3, 0, 1, 4).reshape((n_batch, L, L*n_batch, d_V)) @ t10.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, d_V))
     t39 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2518,8 +2518,8 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t51 = G.transpose(-1, -2)
     t52 = t2.transpose(-1, -2)
     t53 = t2 * t45.permute(0, 2, 1)
-    t54 = (t12.reshape((n_batch, L, L*n_batch, 1)) * t51.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, n_batch, L, d_V))
-    t55 = (t52.permute(1, 0, 2).reshape((d_ff, L*n_batch, 1)) * t9.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t54 = (t12.reshape((n_batch, L, n_batch, L, 1)) * t51.permute(0, 2, 1).reshape((n_batch, L, 1, 1, d_V)))
+    t55 = (t52.permute(1, 0, 2).reshape((d_ff, n_batch, L, 1)) * t9.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t56 = (t55.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t53.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t57 = (t54.permute(2, 3, 0, 1, 4).reshape((n_batch, L, L*n_batch, d_V)) @ t10).reshape((n_batch, L, n_batch, L, d_V))
     t58 = (t52.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t52.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2553,12 +2553,12 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t9.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
     t12 = (X * t11.permute(0, 2, 1)).permute(2, 0, 1)
     t13 = t3 * t3
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t15 = (t10.permute(1, 0).reshape((d_ff, d_V, 1)) * W_2.reshape((d_ff, 1, d_V)))
     t16 = (t15.reshape((d_ff, d_V**2)) @ t14.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((d_ff, n_batch, L))
     t17 = t16 * t13.permute(2, 0, 1)
@@ -2583,11 +2583,11 @@ def ce_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t8.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t9 = W_2.transpose(-1, -2)
     t10 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t11 = t2 * t2
-    t12 = (t11.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t9.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t12 = (t11.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t9.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t13 = (t12.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ W_2).reshape((n_batch, L, d_V, d_V))
     t14 = (t13.permute(0, 1, 3, 2).reshape((n_batch, L, d_V, 1, d_V)) @ dA.reshape((n_batch, L, d_V, d_V, 1))).reshape((n_batch, L, d_V))
     t15 = (t14.reshape((n_batch, L, 1, d_V)) @ t4.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
@@ -2613,13 +2613,13 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t9.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t10 = W_2.transpose(-1, -2)
     t11 = (1/(L*n_batch)) * t1
-    t12 = ((X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t13 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t14 = (W_2.reshape((d_ff, d_V, 1)) * t3.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
-    t15 = (t3.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t10.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t12 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t11.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t13 = (dA * t5.reshape((n_batch, L, d_V, 1)))
+    t14 = (W_2.reshape((d_ff, d_V, 1, 1)) * t3.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
+    t15 = (t3.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t10.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t16 = (t14.permute(2, 3, 0, 1) @ t13)
     t17 = ((t16 @ t15.permute(1, 2, 3, 0))).permute(2, 3, 0, 1)
     t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_ff**2))).reshape((d_V, d_V, d_ff, d_ff))).permute(0, 2, 1, 3)
@@ -2643,15 +2643,15 @@ def ce_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t8.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t9 = W_2.transpose(-1, -2)
-    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t10 = (dA * t4.reshape((n_batch, L, d_V, 1)))
     t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = t12 * t11
     t14 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
-    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
-    t16 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t15 = (t14.permute(0, 1, 3, 2) * t2.reshape((n_batch, L, d_ff, 1)))
+    t16 = (W_2.reshape((d_ff, d_V, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t17 = (t16.permute(2, 3, 0, 1) @ t15.permute(0, 1, 3, 2))
     t18 = (t17.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
     t19 = (t18.permute(2, 3, 0, 1) @ t15)
@@ -2679,12 +2679,12 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t9.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t9.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t10 = (1/(L*n_batch)) * t1
-    t11 = ((t6.reshape((n_batch, L, d_ff, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t11 = (t6.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t10.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t12 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t13 = (t12.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t14 = ((t13.permute(3, 0, 1, 2).reshape((d_ff, n_batch, L, d_V, 1)) * t3.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1, 1))).reshape((d_ff, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t14 = (t13.permute(3, 2, 0, 1) * t3.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t15 = t0.diagonal(0, 1, 2)
     F = t7
     t16 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -2695,7 +2695,7 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     G = t20
     t21 = (1/n_batch) * t1
     t22 = t3.permute(2, 0, 1)
-    t23 = ((G.reshape((n_batch, L, d_V, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t21.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t11.reshape((d_V*d_ff, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_V, d_ff, d_ff, d_V))).permute(0, 2, 1, 3)
     t15 += (t23.reshape((d_V**2, L*n_batch)) @ t22.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
@@ -2718,13 +2718,13 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t8.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t9 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t10 = (dA * t4.reshape((n_batch, L, d_V, 1)))
     t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = t11 * t9
     t13 = (t10.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t14 = (t13.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t14 = (t13.permute(0, 1, 3, 2) * t2.reshape((n_batch, L, d_ff, 1)))
     t15 = (t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
     t16 = (t15.permute(2, 3, 0, 1) @ t10.permute(0, 1, 3, 2))
     t17 = (t16.permute(2, 3, 0, 1).reshape((d_ff, d_V, L*n_batch)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))
@@ -2736,8 +2736,8 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t22 = (1/L) * t21
     G = t22
     t23 = t5 * t2
-    t24 = (t11.reshape((n_batch, L, L*n_batch, 1)) * G.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, n_batch, L, d_V))
-    t25 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t24 = (t11.reshape((n_batch, L, n_batch, L, 1)) * G.reshape((n_batch, L, 1, 1, d_V)))
+    t25 = (t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_2.reshape((d_ff, 1, 1, d_V)))
     t26 = (t25.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t23.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t27 = (t24.permute(2, 3, 0, 1, 4).reshape((n_batch, L, L*n_batch, d_V)) @ t10.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, d_V))
     t28 = (t2.reshape((L*n_batch, d_ff)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2768,7 +2768,7 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t11.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t12 = (1/(L*n_batch)) * t6
     t13 = (t8 * t4.permute(0, 2, 1)).permute(2, 0, 1)
     t14 = (oe.contract('abcc,abc->abc', dA, t12)).permute(2, 0, 1)
@@ -2794,7 +2794,7 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t10.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t11 = (t7.reshape((n_batch, L, 1, d_ff)) @ t3.permute(0, 2, 1).reshape((n_batch, L, d_ff, 1))).reshape((n_batch, L))
     t12 = oe.contract('abcc,abc->ab', dA, t5)
     return (1/(L*n_batch)) * (t12 * t11).sum()
@@ -2820,14 +2820,14 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t11.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t12 = W_2.transpose(-1, -2)
     t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t14 = t13.transpose(-1, -2)
     t15 = (1/(L*n_batch)) * t6
-    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t15.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
-    t18 = (t14.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * t12.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t16 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t4.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
+    t17 = (dA * t15.reshape((n_batch, L, d_V, 1)))
+    t18 = (t14.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * t12.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t19 = ((t18.permute(1, 2, 0, 3) @ t17.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t20 = t0.diagonal(0, 0, 3)
     F = t9
@@ -2840,7 +2840,7 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t26 = G.transpose(-1, -2)
     t27 = (1/n_batch) * t26
     t28 = t13.permute(1, 0, 2)
-    t29 = ((X.reshape((n_batch, L, d_V, 1)) * t27.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t27.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t16.reshape((d_V*d_ff, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V*d_ff))).reshape((d_ff, d_V, d_V, d_ff))).permute(0, 2, 1, 3)
     t20 += (t29.reshape((d_V**2, L*n_batch)) @ t28.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
     return out
@@ -2864,16 +2864,16 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t10.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
     t14 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = t16 * t14
     t18 = (t15.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
-    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t13.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t19 = (t18.permute(0, 1, 3, 2) * t13.reshape((n_batch, L, d_ff, 1)))
     t20 = (t19.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
     t21 = (t20.permute(2, 3, 0, 1) @ t15)
     t22 = (t21.permute(2, 0, 1, 3).reshape((d_ff, L*n_batch, d_V)) @ t11.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff, n_batch, L))
@@ -2886,8 +2886,8 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     G = t27
     t28 = G.transpose(-1, -2)
     t29 = t13 * t3.permute(0, 2, 1)
-    t30 = (t16.reshape((n_batch, L, L*n_batch, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, n_batch, L, d_V))
-    t31 = (t12.permute(1, 0, 2).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t30 = (t16.reshape((n_batch, L, n_batch, L, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, 1, d_V)))
+    t31 = (t12.permute(1, 0, 2).reshape((d_ff, n_batch, L, 1)) * t11.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t32 = (t31.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t29.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t33 = (t30.permute(2, 3, 0, 1, 4).reshape((n_batch, L, L*n_batch, d_V)) @ t15).reshape((n_batch, L, n_batch, L, d_V))
     t34 = (t12.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t12.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2918,10 +2918,10 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t11.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t12 = (1/(L*n_batch)) * t6
-    t13 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t14 = ((t8.reshape((n_batch, L, d_ff, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_ff)))).permute(3, 2, 0, 1)
+    t13 = (dA.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t14 = (t8.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t4.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
     t0[...] = ((t14.reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -2944,11 +2944,11 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t10.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t11 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = t12 * t11
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t15 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
     t17 = torch.sqrt(torch.clamp(t16, min=0.0))
@@ -2972,15 +2972,15 @@ def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t8.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t9 = W_2.transpose(-1, -2)
-    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t10 = (dA * t4.reshape((n_batch, L, d_V, 1)))
     t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = t12 * t11
     t14 = (t10.reshape((L*d_V*n_batch, d_V)) @ t9).reshape((n_batch, L, d_V, d_ff))
-    t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
-    t16 = (W_2.reshape((d_ff, d_V, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
+    t15 = (t14.permute(0, 1, 3, 2) * t2.reshape((n_batch, L, d_ff, 1)))
+    t16 = (W_2.reshape((d_ff, d_V, 1, 1)) * t2.permute(2, 0, 1).reshape((d_ff, 1, n_batch, L)))
     t17 = (t16.permute(2, 3, 0, 1) @ t15.permute(0, 1, 3, 2))
     t18 = (t17.permute(2, 3, 0, 1).reshape((d_ff**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_ff, n_batch, L))
     t19 = (t18.permute(2, 3, 0, 1) @ t15)
@@ -3009,13 +3009,13 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t8.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t8.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t9 = (t5.reshape((L*n_batch, d_ff)) @ t5.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t10 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t10 = (dA * t4.reshape((n_batch, L, d_V, 1)))
     t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = t11 * t9
     t13 = (t10.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ W_2.permute(1, 0)).reshape((n_batch, L, d_V, d_ff))
-    t14 = (t13.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t2.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t14 = (t13.permute(0, 1, 3, 2) * t2.reshape((n_batch, L, d_ff, 1)))
     t15 = (t14.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
     t16 = (t15.permute(2, 3, 0, 1) @ t10.permute(0, 1, 3, 2))
     t17 = (t16.permute(2, 3, 0, 1).reshape((d_ff, d_V, L*n_batch)) @ t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1))).reshape((d_ff, d_V))
@@ -3032,8 +3032,8 @@ def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
     t26 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t27 = (n_batch**(-2)) * (t26 * t25).sum()
     t28 = t5 * t2
-    t29 = (t11.reshape((n_batch, L, L*n_batch, 1)) * G.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, n_batch, L, d_V))
-    t30 = (t2.permute(2, 0, 1).reshape((d_ff, L*n_batch, 1)) * W_2.reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t29 = (t11.reshape((n_batch, L, n_batch, L, 1)) * G.reshape((n_batch, L, 1, 1, d_V)))
+    t30 = (t2.permute(2, 0, 1).reshape((d_ff, n_batch, L, 1)) * W_2.reshape((d_ff, 1, 1, d_V)))
     t31 = (t30.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t28.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t32 = (t29.permute(2, 3, 0, 1, 4).reshape((n_batch, L, L*n_batch, d_V)) @ t10.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, d_V))
     t33 = (2/(L*n_batch**2)) * (t32 * t31.permute(3, 4, 0, 1, 2)).sum()
@@ -3062,16 +3062,16 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t10.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t13 = t12.transpose(-1, -2)
     t14 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = t16 * t14
     t18 = (t15.reshape((L*d_V*n_batch, d_V)) @ t11).reshape((n_batch, L, d_V, d_ff))
-    t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L, d_ff, d_V, 1)) * t13.reshape((n_batch, L, d_ff, 1, 1))).reshape((n_batch, L, d_ff, d_V))
+    t19 = (t18.permute(0, 1, 3, 2) * t13.reshape((n_batch, L, d_ff, 1)))
     t20 = (t19.permute(2, 3, 0, 1).reshape((d_V*d_ff, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch))).reshape((d_ff, d_V, n_batch, L))
     t21 = (t20.permute(2, 3, 0, 1) @ t15)
     t22 = (t21.permute(2, 0, 1, 3).reshape((d_ff, L*n_batch, d_V)) @ t11.permute(1, 0).reshape((d_ff, d_V, 1))).reshape((d_ff, n_batch, L))
@@ -3089,8 +3089,8 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t32 = t31 * t30
     t33 = (n_batch**(-2)) * (t16 * t32).sum()
     t34 = t13 * t3.permute(0, 2, 1)
-    t35 = (t16.reshape((n_batch, L, L*n_batch, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, n_batch, L, d_V))
-    t36 = (t12.permute(1, 0, 2).reshape((d_ff, L*n_batch, 1)) * t11.permute(1, 0).reshape((d_ff, 1, d_V))).reshape((d_ff, n_batch, L, d_V))
+    t35 = (t16.reshape((n_batch, L, n_batch, L, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, 1, d_V)))
+    t36 = (t12.permute(1, 0, 2).reshape((d_ff, n_batch, L, 1)) * t11.permute(1, 0).reshape((d_ff, 1, 1, d_V)))
     t37 = (t36.permute(1, 2, 3, 0).reshape((L*d_V*n_batch, d_ff)) @ t34.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t38 = (t35.permute(2, 3, 0, 1, 4).reshape((n_batch, L, L*n_batch, d_V)) @ t15).reshape((n_batch, L, n_batch, L, d_V))
     t39 = (2/(L*n_batch**2)) * (t38 * t37.permute(3, 4, 0, 1, 2)).sum()
@@ -3119,11 +3119,11 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t10.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t10.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t11 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_ff)) @ t3.permute(1, 0, 2).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (t7.reshape((L*n_batch, d_ff)) @ t7.permute(2, 0, 1).reshape((d_ff, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = t12 * t11
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t15 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (1/(L**2*n_batch**2)) * (t15 * t13).sum()
     t17 = t16

@@ -174,7 +174,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t77 = t76 @ t29
     t78 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t79 = (2/(L*d_V*n_batch)) * t78
-    t75 += (t77.sum((0,)).reshape((d_V**2, 1)) * t79.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t75.addcmul_(t79.reshape((1, 1, d_V)), t77.sum((0,)).reshape((d_V, d_V, 1)))
     return H
 
 
@@ -874,7 +874,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += (t11.sum((0,)).reshape((d_V**2, 1)) * t13.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t1.addcmul_(t13.reshape((1, 1, d_V)), t11.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -932,7 +932,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t17 = t4 @ t16
     t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t3 += (t17.sum((0,)).reshape((d_V**2, 1)) * t19.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t3.addcmul_(t19.reshape((1, 1, d_K)), t17.sum((0,)).reshape((d_V, d_V, 1)))
     t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t21 = t20.view((d_V, d_K, d_V, d_V))
     t22 = t4 @ G
@@ -946,7 +946,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t28 = t27.view((d_V, d_K, d_V, d_K))
     t29 = t28.diagonal(0, 1, 3)
     t30 = t17.transpose(-1, -2)
-    t29 += (t30.sum((0,)).reshape((d_V**2, 1)) * t19.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t29.addcmul_(t19.reshape((1, 1, d_K)), t30.sum((0,)).reshape((d_V, d_V, 1)))
     t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t31[...] = 0
     t32 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -1154,7 +1154,7 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = t2 @ t14
     t16 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t1 += (t15.sum((0,)).reshape((d_V**2, 1)) * t17.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t1.addcmul_(t17.reshape((1, 1, d_K)), t15.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -1295,7 +1295,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = t2 @ t15
     t17 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t1 += (t16.sum((0,)).reshape((d_V**2, 1)) * t18.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t1.addcmul_(t18.reshape((1, 1, d_K)), t16.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -1624,7 +1624,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
         t35 = (t2.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t32.reshape((L*n_batch, d_V)))
         t17[...] = ((t22.reshape((d_K*d_V, n_batch)) @ t23.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        t24 += (t35.reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+        t24.addcmul_(t34.reshape((1, 1, d_K)), t35.reshape((d_V, d_V, 1)))
         t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t37 = t36.view((d_V, d_K, d_V, d_V))
         t38 = t5 @ X
@@ -1651,7 +1651,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t57 = t56 @ X
         t58 = (t48.permute(1, 0, 2).reshape((d_V, d_V*n_batch)) @ t57.reshape((d_V*n_batch, d_V)))
         t47[...] = ((t53.reshape((d_K*d_V, n_batch)) @ t54.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        t55 += (t58.reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+        t55.addcmul_(t34.reshape((1, 1, d_K)), t58.reshape((d_V, d_V, 1)))
         t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
         t60 = t59.view((d_V, d_K, d_V, d_K))
         t61 = t9 @ X
@@ -1679,8 +1679,8 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t79 = t78 @ X
         t80 = (2/(L*math.sqrt(d_K)*d_V)) * t79
         t81 = (1/math.sqrt(d_K)) * t10
-        t77[...] = ((t80.reshape((n_batch, L*d_V, 1)) * t49.reshape((n_batch, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
-        t77 += ((t57.reshape((n_batch, d_V**2, 1)) * t81.reshape((n_batch, 1, L*d_K))).reshape((n_batch, d_V, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        torch.mul(t49.reshape((n_batch, 1, d_V, 1, d_K)), t80.reshape((n_batch, L, 1, d_V, 1)), out=t77)
+        t77.addcmul_(t57.reshape((n_batch, 1, d_V, d_V, 1)), t81.reshape((n_batch, L, 1, 1, d_K)))
         t82 = t75[..., d_K*d_V:2*d_K*d_V]
         t83 = t82.view((n_batch, L, d_V, d_V, d_K))
         t84 = t56 @ t18
@@ -1688,8 +1688,8 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t86 = t78 @ t18
         t87 = t48.transpose(-1, -2)
         t88 = (2/(L*math.sqrt(d_K)*d_V)) * t86
-        t83[...] = ((t85.reshape((n_batch, L*d_V, 1)) * t84.reshape((n_batch, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
-        t83 += ((t87.reshape((n_batch, d_V**2, 1)) * t88.reshape((n_batch, 1, L*d_K))).reshape((n_batch, d_V, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
+        torch.mul(t84.reshape((n_batch, 1, d_V, 1, d_K)), t85.reshape((n_batch, L, 1, d_V, 1)), out=t83)
+        t83.addcmul_(t87.reshape((n_batch, 1, d_V, d_V, 1)), t88.reshape((n_batch, L, 1, 1, d_K)))
         t89 = t75[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t89[...] = 0
         t90 = t2.permute(1, 0, 2)
@@ -1706,7 +1706,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t99 = t98 @ t39
         t100 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
         t101 = (2/(L*d_V*n_batch)) * t100
-        t97 += (t99.sum((0,)).reshape((d_V**2, 1)) * t101.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+        t97.addcmul_(t101.reshape((1, 1, d_V)), t99.sum((0,)).reshape((d_V, d_V, 1)))
         return H
     H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -1750,7 +1750,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
     t35 = (t2.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t32.reshape((L*n_batch, d_V)))
     t17[...] = ((t22.reshape((d_K*d_V, n_batch)) @ t23.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t24 += (t35.reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t24.addcmul_(t34.reshape((1, 1, d_K)), t35.reshape((d_V, d_V, 1)))
     t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t37 = t36.view((d_V, d_K, d_V, d_V))
     t38 = t5 @ X
@@ -1777,7 +1777,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t57 = t56 @ X
     t58 = (t48.permute(1, 0, 2).reshape((d_V, d_V*n_batch)) @ t57.reshape((d_V*n_batch, d_V)))
     t47[...] = ((t53.reshape((d_K*d_V, n_batch)) @ t54.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t55 += (t58.reshape((d_V**2, 1)) * t34.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t55.addcmul_(t34.reshape((1, 1, d_K)), t58.reshape((d_V, d_V, 1)))
     t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t60 = t59.view((d_V, d_K, d_V, d_K))
     t61 = t9 @ X
@@ -1826,7 +1826,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t96 = t95 @ t39
     t97 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t98 = (2/(L*d_V*n_batch)) * t97
-    t94 += (t96.sum((0,)).reshape((d_V**2, 1)) * t98.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t94.addcmul_(t98.reshape((1, 1, d_V)), t96.sum((0,)).reshape((d_V, d_V, 1)))
     return H
 
 
@@ -2153,7 +2153,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
     t25 = (t1.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t22.reshape((L*n_batch, d_V)))
     t0[...] = ((t12.reshape((d_K*d_V, n_batch)) @ t13.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t14 += (t25.reshape((d_V**2, 1)) * t24.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t14.addcmul_(t24.reshape((1, 1, d_K)), t25.reshape((d_V, d_V, 1)))
     return out
 
 
@@ -2349,7 +2349,7 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
     t25 = (t3.permute(1, 0, 2).reshape((d_V, d_V*n_batch)) @ t22.reshape((d_V*n_batch, d_V)))
     t0[...] = ((t11.reshape((d_K*d_V, n_batch)) @ t12.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t13 += (t25.reshape((d_V**2, 1)) * t24.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t13.addcmul_(t24.reshape((1, 1, d_K)), t25.reshape((d_V, d_V, 1)))
     return out
 
 
@@ -2748,7 +2748,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = t2 @ t10
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t13 = (2/(L*d_V*n_batch)) * t12
-    t1 += (t11.sum((0,)).reshape((d_V**2, 1)) * t13.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t1.addcmul_(t13.reshape((1, 1, d_V)), t11.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -3311,13 +3311,13 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t14 = ((t9.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
-    t15 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t15 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = t16.view((d_V, d_K, d_V, d_K))
     t18 = X @ W_Q
     t19 = ((X.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
-    t20 = ((t18.reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 = (t18.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t17[...] = ((t19.reshape((d_K*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t22 = t21.view((d_V, d_K, d_V, d_V))
@@ -3328,9 +3328,9 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t26 = t25 @ X
     t27 = t6.transpose(-1, -2)
     t28 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t29 = (t28.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t29 = (t28.reshape((L, L, 1, 1)) * t2.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t30 = ((t26.permute(0, 2, 1) @ t29.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t31 = ((t27.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t31 = (t27.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t4.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t22[...] = ((t30.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t33 = t32.view((d_V, d_K, d_V, d_K))
@@ -3341,31 +3341,31 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t38 = (t37.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t39 = (t38.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t40 = ((t9.permute(0, 2, 1) @ t39.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t41 = ((X.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t41 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t34.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t33[...] = ((t41.reshape((d_K*d_V, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = t42.view((d_V, d_K, d_V, d_K))
     t44 = ((X.permute(0, 2, 1) @ t39.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t45 = ((t18.reshape((n_batch, L, d_K, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t45 = (t18.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t34.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t43[...] = ((t44.reshape((d_V**2, L*n_batch)) @ t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t47 = t46.view((d_V, d_K, d_V, d_V))
     t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
-    t49 = (t48.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t49 = (t48.reshape((L, L, 1, 1)) * t2.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t50 = ((t27.permute(0, 2, 1) @ t49.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t51 = ((t26.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t51 = (t26.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t34.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t47[...] = ((t51.reshape((d_K*d_V, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t53 = t52.view((d_V, d_V, d_V, d_K))
     t54 = t26.transpose(-1, -2)
-    t55 = (t28.reshape((L, L, 1)) * t54.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t55 = (t28.reshape((L, L, 1, 1)) * t54.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t56 = ((X.permute(0, 2, 1) @ t55.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t57 = ((t9.reshape((n_batch, L, d_K, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t57 = (t9.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t6.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t53[...] = ((t56.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t59 = t58.view((d_V, d_V, d_V, d_K))
     t60 = ((t18.permute(0, 2, 1) @ t55.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t61 = ((X.reshape((n_batch, L, d_V, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t61 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t6.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t59[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t60.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t62[...] = 0
@@ -3374,7 +3374,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t65 = t54 @ t26
     t66 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t67 = (2/(L*d_V*n_batch)) * t66
-    t64 += (t65.sum((0,)).reshape((d_V**2, 1)) * t67.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t64.addcmul_(t67.reshape((1, 1, d_V)), t65.sum((0,)).reshape((d_V, d_V, 1)))
     return H
 
 
@@ -3588,7 +3588,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t12 = (t11.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t13 = ((t8.permute(0, 2, 1) @ t12.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
-    t14 = ((X.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t1.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -3645,7 +3645,7 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t12 = (t11.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t13 = ((X.permute(0, 2, 1) @ t12.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
-    t14 = ((t8.reshape((n_batch, L, d_K, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (t8.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t1.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t13.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -3700,9 +3700,9 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ X
     t9 = X @ W_V
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t11 = (t10.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t11 = (t10.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t12 = ((t8.permute(0, 2, 1) @ t11.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t13 = ((t9.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t13 = (t9.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -3812,7 +3812,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t14 = ((t9.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t15 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t15 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -3871,7 +3871,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t14 = ((X.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t15 = ((t9.reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t15 = (t9.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -3930,9 +3930,9 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = Mcausal * T
     t12 = t11 @ X
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t14 = (t13.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t14 = (t13.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t15 = ((t5.permute(0, 2, 1) @ t14.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t16 = ((t12.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t16 = (t12.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t16.reshape((d_K*d_V, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -4047,9 +4047,9 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = t4.transpose(-1, -2)
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t15 = (t14.reshape((L, L, 1)) * t10.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t15 = (t14.reshape((L, L, 1, 1)) * t10.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t16 = ((X.permute(0, 2, 1) @ t15.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t17 = ((t13.reshape((n_batch, L, d_K, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (t13.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t12.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -4112,9 +4112,9 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = X @ W_Q
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t15 = (t14.reshape((L, L, 1)) * t10.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t15 = (t14.reshape((L, L, 1, 1)) * t10.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t16 = ((t13.permute(0, 2, 1) @ t15.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t17 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t12.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -4180,7 +4180,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t1 += (t14.sum((0,)).reshape((d_V**2, 1)) * t16.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t1.addcmul_(t16.reshape((1, 1, d_V)), t14.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -4245,20 +4245,20 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = t4 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t3 += (t19.sum((0,)).reshape((d_V**2, 1)) * t21.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t3.addcmul_(t21.reshape((1, 1, d_K)), t19.sum((0,)).reshape((d_V, d_V, 1)))
     t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t23 = t22.view((d_V, d_K, d_V, d_V))
     t24 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t25 = (t24.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t25 = (t24.reshape((L, L, 1, 1)) * t4.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t26 = ((G.permute(0, 2, 1) @ t25.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t27 = ((X.reshape((n_batch, L, d_V, 1)) * t6.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t27 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t6.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t23[...] = ((t27.reshape((d_K*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t28[...] = 0
     t29 = t28.view((d_V, d_K, d_V, d_K))
     t30 = t29.diagonal(0, 1, 3)
     t31 = t19.transpose(-1, -2)
-    t30 += (t31.sum((0,)).reshape((d_V**2, 1)) * t21.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t30.addcmul_(t21.reshape((1, 1, d_K)), t31.sum((0,)).reshape((d_V, d_V, 1)))
     t32 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t32[...] = 0
     t33 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -4267,21 +4267,21 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t36 = t35 @ t4
     t37 = Mcausal.transpose(-1, -2)
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
-    t39 = (t38.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t39 = (t38.reshape((L, L, 1, 1)) * t4.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t40 = ((X.permute(0, 2, 1) @ t39.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t41 = ((G.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t41 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t36.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t34[...] = ((t40.reshape((d_V**2, L*n_batch)) @ t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t43 = t42.view((d_V, d_V, d_V, d_K))
     t44 = G.transpose(-1, -2)
     t45 = t6.transpose(-1, -2)
     t46 = ((t45.permute(0, 2, 1) @ t39.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t47 = ((X.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t47 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t44.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t43[...] = ((t47.reshape((d_V**2, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t49 = t48.view((d_V, d_V, d_V, d_K))
     t50 = t36.transpose(-1, -2)
-    t51 = ((t50.reshape((n_batch, L, d_K, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t51 = (t50.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t44.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t49[...] = ((t40.reshape((d_V**2, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t52[...] = 0
@@ -4491,7 +4491,7 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t2 @ t16
     t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t1 += (t17.sum((0,)).reshape((d_V**2, 1)) * t19.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t1.addcmul_(t19.reshape((1, 1, d_K)), t17.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -4550,9 +4550,9 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*d_V)) * t10
     G = t11
     t12 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t13 = (t12.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t13 = (t12.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t14 = ((G.permute(0, 2, 1) @ t13.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t15 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t15 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -4646,7 +4646,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += (t19.sum((0,)).reshape((d_V**2, 1)) * t21.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t1.addcmul_(t21.reshape((1, 1, d_K)), t19.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -4731,9 +4731,9 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t16 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t16 = (t15.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t17 = ((X.permute(0, 2, 1) @ t16.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t18 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t18 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -4823,9 +4823,9 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = Mcausal.transpose(-1, -2)
     t14 = t3.transpose(-1, -2)
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t16 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t16 = (t15.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t17 = ((t14.permute(0, 2, 1) @ t16.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t18 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t12.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -4894,9 +4894,9 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = Mcausal.transpose(-1, -2)
     t14 = X @ W_Q
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t16 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t16 = (t15.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t17 = ((X.permute(0, 2, 1) @ t16.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t18 = ((t14.reshape((n_batch, L, d_K, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (t14.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t12.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -4981,11 +4981,11 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t9 = X @ t8
         t10 = t5.transpose(-1, -2)
         t11 = (2/(L*d_K*d_V)) * Mcausal
-        t12 = (t9.permute(1, 0, 2).reshape((L, L*n_batch, 1)) * t11.permute(1, 0).reshape((L, 1, L))).reshape((L, n_batch, L, L))
-        t13 = (t12.permute(2, 3, 0, 1).reshape((L, L, L*n_batch, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+        t12 = (t9.permute(1, 0, 2).reshape((L, n_batch, L, 1)) * t11.permute(1, 0).reshape((L, 1, 1, L)))
+        t13 = (t12.permute(2, 3, 0, 1) * Mcausal.permute(1, 0).reshape((L, L, 1, 1)))
         t14 = (t13.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
         t15 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L*d_K, L)) @ t10).reshape((n_batch, L, d_K, d_K))
-        t3[...] = ((X.reshape((n_batch, L, d_V, 1)) * t15.reshape((n_batch, L, 1, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t15.reshape((n_batch, L, d_K, 1, d_K)), out=t3)
         t16 = t1[..., d_K*d_V:2*d_K*d_V]
         t17 = t16.view((n_batch, L, d_K, d_V, d_K))
         t18 = X @ W_Q
@@ -5006,20 +5006,20 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t30 = t29 @ X
         t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
         t32 = (1/math.sqrt(d_K)) * t31
-        t17[...] = (t19.reshape((n_batch, L, d_K*d_V, 1)) * t18.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_K, d_V, d_K))
-        t20 += (t30.reshape((L*d_V*n_batch, 1)) * t32.reshape((1, d_K))).reshape((n_batch, L, d_V, d_K))
+        torch.mul(t18.reshape((n_batch, L, 1, 1, d_K)), t19.reshape((n_batch, L, d_K, d_V, 1)), out=t17)
+        t20.addcmul_(t32.reshape((1, 1, 1, d_K)), t30.reshape((n_batch, L, d_V, 1)))
         t33 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t34 = t33.view((n_batch, L, d_K, d_V, d_V))
         t35 = t23 @ X
         t36 = (2/(L*math.sqrt(d_K)*d_V)) * Mcausal
-        t37 = (t36.permute(1, 0).reshape((L, L, 1)) * t5.permute(2, 0, 1).reshape((L, 1, d_K*n_batch))).reshape((L, L, n_batch, d_K))
+        t37 = (t36.permute(1, 0).reshape((L, L, 1, 1)) * t5.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
         t38 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
         t39 = (t37.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ t38.permute(1, 2, 0)).reshape((n_batch, L, d_K, d_V))
         t40 = (1/math.sqrt(d_K)) * Mcausal
-        t41 = (t40.permute(1, 0).reshape((L, L, 1)) * t5.permute(2, 0, 1).reshape((L, 1, d_K*n_batch))).reshape((L, L, n_batch, d_K))
+        t41 = (t40.permute(1, 0).reshape((L, L, 1, 1)) * t5.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
         t42 = (t41.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
-        t34[...] = ((t35.reshape((n_batch, L, d_V, 1)) * t39.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t34 += (t42.reshape((n_batch, L, d_K*d_V, 1)) * G.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
+        torch.mul(t35.reshape((n_batch, L, 1, d_V, 1)), t39.reshape((n_batch, L, d_K, 1, d_V)), out=t34)
+        t34.addcmul_(G.reshape((n_batch, L, 1, 1, d_V)), t42.reshape((n_batch, L, d_K, d_V, 1)))
         t43 = t0.permute(1, 0, 2)
         t44 = t43.reshape((d_V, L*n_batch))
         t45 = (1/n_batch) * t44
@@ -5034,32 +5034,32 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t52 = t18.transpose(-1, -2)
         t53 = Mcausal.transpose(-1, -2)
         t54 = (2/(L*d_K*d_V)) * t53
-        t55 = ((X.reshape((n_batch, L, d_V, 1)) * t52.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t56 = (t9.permute(1, 0, 2).reshape((L, L*n_batch, 1)) * t54.reshape((L, 1, L))).reshape((L, n_batch, L, L))
-        t57 = (t56.permute(2, 3, 0, 1).reshape((L, L, L*n_batch, 1)) * t53.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+        t55 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t52.reshape((n_batch, d_K, 1, L)))
+        t56 = (t9.permute(1, 0, 2).reshape((L, n_batch, L, 1)) * t54.reshape((L, 1, 1, L)))
+        t57 = (t56.permute(2, 3, 0, 1) * t53.reshape((L, L, 1, 1)))
         t58 = ((t10.permute(0, 2, 1) @ t57.permute(3, 0, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
         t59 = t51.diagonal(0, 2, 4)
         t60 = t28.transpose(-1, -2)
         t61 = t60 * t53
         t62 = t61 @ X
         t51[...] = ((t55.reshape((n_batch, d_K*d_V, L)) @ t58.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t59 += (t62.reshape((L*d_V*n_batch, 1)) * t32.reshape((1, d_K))).reshape((n_batch, L, d_V, d_K))
+        t59.addcmul_(t32.reshape((1, 1, 1, d_K)), t62.reshape((n_batch, L, d_V, 1)))
         t63 = t49[..., d_K*d_V:2*d_K*d_V]
         t64 = t63.view((n_batch, L, d_K, d_V, d_K))
-        t65 = ((t18.reshape((n_batch, L, d_K, 1)) * t52.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t65 = (t18.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t52.reshape((n_batch, d_K, 1, L)))
         t66 = ((X.permute(0, 2, 1) @ t57.permute(3, 0, 2, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
         t64[...] = ((t66.reshape((n_batch, L*d_V, L)) @ t65.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
         t67 = t49[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t68 = t67.view((n_batch, L, d_K, d_V, d_V))
         t69 = (1/math.sqrt(d_K)) * t53
-        t70 = (t69.permute(1, 0).reshape((L, L, 1)) * t52.permute(2, 0, 1).reshape((L, 1, d_K*n_batch))).reshape((L, L, n_batch, d_K))
+        t70 = (t69.permute(1, 0).reshape((L, L, 1, 1)) * t52.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
         t71 = (t70.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ G).reshape((n_batch, L, d_K, d_V))
         t72 = (2/(L*math.sqrt(d_K)*d_V)) * t53
         t73 = (X.reshape((L*n_batch, d_V)) @ W_V).reshape((n_batch, L, d_V))
-        t74 = (t72.permute(1, 0).reshape((L, L, 1)) * t52.permute(2, 0, 1).reshape((L, 1, d_K*n_batch))).reshape((L, L, n_batch, d_K))
+        t74 = (t72.permute(1, 0).reshape((L, L, 1, 1)) * t52.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
         t75 = (t74.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ t35).reshape((n_batch, L, d_K, d_V))
-        t68[...] = ((X.reshape((n_batch, L, d_V, 1)) * t71.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t68 += (t75.reshape((n_batch, L, d_K*d_V, 1)) * t73.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
+        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t71.reshape((n_batch, L, d_K, 1, d_V)), out=t68)
+        t68.addcmul_(t73.reshape((n_batch, L, 1, 1, d_V)), t75.reshape((n_batch, L, d_K, d_V, 1)))
         t76 = R48.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
         t77 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
         torch.matmul(t45, t76, out=t77)
@@ -5071,21 +5071,21 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t82 = T.transpose(-1, -2)
         t83 = t53 * t82
         t84 = (2/(L*math.sqrt(d_K)*d_V)) * t83
-        t85 = ((t10.reshape((n_batch, L, d_K, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(0, 3, 2, 1)
-        t86 = (Mcausal.reshape((L, L, 1)) * t84.permute(2, 0, 1).reshape((L, 1, L*n_batch))).reshape((L, L, n_batch, L))
+        t85 = (t10.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t7.reshape((n_batch, d_V, 1, L)))
+        t86 = (Mcausal.reshape((L, L, 1, 1)) * t84.permute(2, 0, 1).reshape((L, 1, n_batch, L)))
         t87 = ((X.permute(0, 2, 1) @ t86.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))).permute(0, 2, 1, 3)
         t88 = G.transpose(-1, -2)
-        t89 = (t69.permute(1, 0).reshape((L, L, 1)) * t88.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+        t89 = (t69.permute(1, 0).reshape((L, L, 1, 1)) * t88.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
         t90 = (t89.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
         t81[...] = ((t87.reshape((n_batch, L*d_V, L)) @ t85.permute(0, 3, 1, 2).reshape((n_batch, L, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
-        t81 += (t90.reshape((n_batch, L, d_V**2, 1)) * t10.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+        t81.addcmul_(t10.reshape((n_batch, L, 1, 1, d_K)), t90.reshape((n_batch, L, d_V, d_V, 1)))
         t91 = t79[..., d_K*d_V:2*d_K*d_V]
         t92 = t91.view((n_batch, L, d_V, d_V, d_K))
-        t93 = ((X.reshape((n_batch, L, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(0, 3, 2, 1)
+        t93 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t7.reshape((n_batch, d_V, 1, L)))
         t94 = ((t18.permute(0, 2, 1) @ t86.permute(2, 0, 3, 1).reshape((n_batch, L, L**2))).reshape((n_batch, d_K, L, L))).permute(0, 2, 1, 3)
         t95 = (t89.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))
         t92[...] = ((t93.reshape((n_batch, d_V**2, L)) @ t94.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t92 += ((X.reshape((n_batch, L, d_V, 1)) * t95.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+        t92.addcmul_(X.reshape((n_batch, L, 1, d_V, 1)), t95.reshape((n_batch, L, d_V, 1, d_K)))
         t96 = t79[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t96[...] = 0
         t97 = R78.view((L*n_batch, d_V*(2*d_K*d_V + d_V**2)))
@@ -5099,7 +5099,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t103 = t102 @ t35
         t104 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
         t105 = (2/(L*d_V*n_batch)) * t104
-        t101 += (t103.sum((0,)).reshape((d_V**2, 1)) * t105.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+        t101.addcmul_(t105.reshape((1, 1, d_V)), t103.sum((0,)).reshape((d_V, d_V, 1)))
         return H
     H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
@@ -5118,13 +5118,13 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t14 = ((t9.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
-    t15 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t15 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = t16.view((d_V, d_K, d_V, d_K))
     t18 = X @ W_Q
     t19 = ((X.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
-    t20 = ((t18.reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 = (t18.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t21 = t17.diagonal(0, 1, 3)
     t22 = t18 @ t4
     t23 = (1/math.sqrt(d_K)) * t22
@@ -5143,19 +5143,19 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
     t34 = (t2.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t31.reshape((L*n_batch, d_V)))
     t17[...] = ((t19.reshape((d_K*d_V, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t21 += (t34.reshape((d_V**2, 1)) * t33.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t21.addcmul_(t33.reshape((1, 1, d_K)), t34.reshape((d_V, d_V, 1)))
     t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t36 = t35.view((d_V, d_K, d_V, d_V))
     t37 = t24 @ X
     t38 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t39 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t40 = ((t39.permute(1, 2, 0).reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t41 = (t38.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t40 = (t39.reshape((1, d_V, n_batch, L)) * t4.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t41 = (t38.reshape((L, L, 1, 1)) * t2.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t42 = ((t37.permute(0, 2, 1) @ t41.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t43 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t44 = (t43.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t44 = (t43.reshape((L, L, 1, 1)) * t2.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t45 = ((G.permute(0, 2, 1) @ t44.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t46 = ((X.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t46 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t4.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t36[...] = ((t42.reshape((d_V**2, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t36 += ((t46.reshape((d_K*d_V, L*n_batch)) @ t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -5167,29 +5167,29 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t53 = (t52.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t54 = (t53.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t55 = ((t9.permute(0, 2, 1) @ t54.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t56 = ((X.reshape((n_batch, L, d_V, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t56 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t49.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t57 = t48.diagonal(0, 1, 3)
     t58 = t29.transpose(-1, -2)
     t59 = t58 * t50
     t60 = t59 @ X
     t61 = (t2.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t60.reshape((L*n_batch, d_V)))
     t48[...] = ((t56.reshape((d_K*d_V, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t57 += (t61.reshape((d_V**2, 1)) * t33.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t57.addcmul_(t33.reshape((1, 1, d_K)), t61.reshape((d_V, d_V, 1)))
     t62 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t63 = t62.view((d_V, d_K, d_V, d_K))
     t64 = ((X.permute(0, 2, 1) @ t54.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t65 = ((t18.reshape((n_batch, L, d_K, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t65 = (t18.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t49.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t63[...] = ((t64.reshape((d_V**2, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t66 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t67 = t66.view((d_V, d_K, d_V, d_V))
     t68 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t69 = (t68.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t69 = (t68.reshape((L, L, 1, 1)) * t2.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t70 = ((X.permute(0, 2, 1) @ t69.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t71 = ((G.reshape((n_batch, L, d_V, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t71 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t49.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t72 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
-    t73 = (t72.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t73 = (t72.reshape((L, L, 1, 1)) * t2.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t74 = ((t39.permute(1, 0, 2) @ t73.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t75 = ((t37.reshape((n_batch, L, d_V, 1)) * t49.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t75 = (t37.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t49.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t67[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t67 += ((t75.reshape((d_K*d_V, L*n_batch)) @ t74.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
@@ -5197,19 +5197,19 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t78 = T.transpose(-1, -2)
     t79 = t50 * t78
     t80 = (t79.permute(0, 2, 1) @ t2.permute(0, 2, 1))
-    t81 = ((t80.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t82 = (t38.permute(1, 0).reshape((L, L, 1)) * t6.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t81 = (t80.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t82 = (t38.permute(1, 0).reshape((L, L, 1, 1)) * t6.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t83 = ((t9.permute(0, 2, 1) @ t82.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t84 = G.transpose(-1, -2)
     t85 = ((t9.permute(0, 2, 1) @ t69.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t86 = ((X.reshape((n_batch, L, d_V, 1)) * t84.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t86 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t84.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t77[...] = ((t81.reshape((d_V**2, L*n_batch)) @ t83.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t77 += ((t86.reshape((d_V**2, L*n_batch)) @ t85.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t88 = t87.view((d_V, d_V, d_V, d_K))
-    t89 = ((t80.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t89 = (t80.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t18.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
     t90 = ((X.permute(0, 2, 1) @ t82.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t91 = ((t18.reshape((n_batch, L, d_K, 1)) * t84.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t91 = (t18.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t84.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t88[...] = ((t90.reshape((d_V**2, L*n_batch)) @ t89.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t88 += ((t70.reshape((d_V**2, L*n_batch)) @ t91.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -5220,7 +5220,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t96 = t95 @ t37
     t97 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t98 = (2/(L*d_V*n_batch)) * t97
-    t94 += (t96.sum((0,)).reshape((d_V**2, 1)) * t98.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t94.addcmul_(t98.reshape((1, 1, d_V)), t96.sum((0,)).reshape((d_V, d_V, 1)))
     return H
 
 
@@ -5344,7 +5344,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t33 = (t32 @ t2)
     t34 = (t31 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t35 = (t34.permute(1, 2, 0) @ X.permute(0, 2, 1))
-    t36 = (t33.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch))
+    t36 = (t33.permute(1, 2, 0) * Mcausal.reshape((L, L, 1)))
     t37 = (t36.permute(2, 0, 1) @ t6)
     t38 = (t37.permute(1, 2, 0).reshape((L, L, 1, n_batch)) @ t35.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
     t39 = (t32.reshape((L*n_batch, d_K)) @ t32.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5365,7 +5365,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t54 = (t46.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t55 = (t53.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t8.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
     t56 = (t55.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, L)) @ Mcausal).reshape((n_batch, n_batch, L, L, L))
-    t57 = (t56.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L, L, L, 1)) * t9.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t57 = (t56.permute(0, 1, 2, 4, 3) * t9.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L, L, 1)))
     t58 = (t57.permute(4, 2, 0, 1, 3).reshape((L, L, L*n_batch**2)) @ t54.permute(3, 2, 0, 1).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t59 = t10 * t9
     t60 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5383,7 +5383,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t72 = (t7 @ t71)
     t73 = (t70 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t74 = (t73.permute(1, 2, 0) @ X.permute(0, 2, 1))
-    t75 = (t72.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * t67.reshape((L, L, 1, 1))).reshape((L, L, n_batch))
+    t75 = (t72.permute(1, 2, 0) * t67.reshape((L, L, 1)))
     t76 = (t75.permute(2, 1, 0) @ t6.permute(0, 2, 1))
     t77 = (t76.permute(1, 2, 0).reshape((L, L, 1, n_batch)) @ t74.permute(2, 1, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
     t78 = (t71.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t71.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5408,7 +5408,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t97 = (t95.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t98 = (t96.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t8.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
     t99 = (t98.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, L)) @ t67).reshape((n_batch, n_batch, L, L, L))
-    t100 = (t99.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L, L, L, 1)) * t78.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t100 = (t99.permute(0, 1, 2, 4, 3) * t78.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L, L, 1)))
     t101 = (t100.permute(4, 2, 0, 1, 3).reshape((L, L, L*n_batch**2)) @ t97.permute(3, 2, 0, 1).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t102 = t47 * t78
     t103 = t49 * t8
@@ -5428,7 +5428,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t117 = G.transpose(-1, -2)
     t118 = (t117.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t4.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t119 = (t10.reshape((n_batch, L, n_batch, L, 1)) * t118.reshape((n_batch, L, n_batch, 1, L)))
-    t120 = (t119.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t120 = (t119.permute(3, 4, 0, 1, 2) * Mcausal.reshape((L, L, 1, 1, 1)))
     t121 = (t120.permute(2, 4, 0, 3, 1).reshape((n_batch, n_batch, L**2, L)) @ t12.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t122 = (t121.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t112.permute(2, 1, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t123 = (t117.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t117.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5443,7 +5443,7 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t132 = (t130.reshape((L*n_batch**2, L)) @ Mcausal.permute(1, 0)).reshape((n_batch, L, n_batch, L))
     t133 = (t132.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t131.reshape((L*n_batch**2, L)))
     t134 = (t39.reshape((n_batch, L, n_batch, L, 1)) * t118.reshape((n_batch, L, n_batch, 1, L)))
-    t135 = (t134.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t135 = (t134.permute(3, 4, 0, 1, 2) * Mcausal.reshape((L, L, 1, 1, 1)))
     t136 = (t135.permute(2, 4, 0, 3, 1).reshape((n_batch, n_batch, L**2, L)) @ t10.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t137 = (t136.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t112.permute(2, 1, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t138 = t39 * t123
@@ -5529,7 +5529,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t12 = (t11.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t13 = ((t8.permute(0, 2, 1) @ t12.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
-    t14 = ((X.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t1.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -5586,7 +5586,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = (t10.permute(1, 2, 0).reshape((L, L, L, 1)) * t7.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t12 = (t11.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t13 = ((X.permute(0, 2, 1) @ t12.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
-    t14 = ((t8.reshape((n_batch, L, d_K, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (t8.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t1.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t15 = t0.diagonal(0, 1, 3)
     t16 = t8 @ t3
     t17 = (1/math.sqrt(d_K)) * t16
@@ -5605,7 +5605,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
     t28 = (t1.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t25.reshape((L*n_batch, d_V)))
     t0[...] = ((t13.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t15 += (t28.reshape((d_V**2, 1)) * t27.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t15.addcmul_(t27.reshape((1, 1, d_K)), t28.reshape((d_V, d_V, 1)))
     return out
 
 
@@ -5640,7 +5640,7 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = (t17 @ t2)
     t19 = (t15 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t20 = (t19.permute(1, 2, 0) @ X.permute(0, 2, 1))
-    t21 = (t18.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch))
+    t21 = (t18.permute(1, 2, 0) * Mcausal.reshape((L, L, 1)))
     t22 = (t21.permute(2, 0, 1) @ t16)
     t23 = (t22.permute(1, 2, 0).reshape((L, L, 1, n_batch)) @ t20.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5678,8 +5678,8 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ X
     t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t10 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t11 = ((t10.permute(1, 2, 0).reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t12 = (t9.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t11 = (t10.reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t12 = (t9.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t13 = ((t8.permute(0, 2, 1) @ t12.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t14 = t8 @ W_V
     F = t14
@@ -5687,9 +5687,9 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = (2/(L*d_V)) * t15
     G = t16
     t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t18 = (t17.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t18 = (t17.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t19 = ((G.permute(0, 2, 1) @ t18.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t20 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t20 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t20.reshape((d_K*d_V, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -5729,7 +5729,7 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t21 = (t8.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t20.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t9.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
     t23 = (t22.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, L)) @ Mcausal).reshape((n_batch, n_batch, L, L, L))
-    t24 = (t23.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L, L, L, 1)) * t10.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t24 = (t23.permute(0, 1, 2, 4, 3) * t10.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L, L, 1)))
     t25 = (t24.permute(4, 2, 0, 1, 3).reshape((L, L, L*n_batch**2)) @ t21.permute(3, 2, 0, 1).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t26 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t27 = t26 * t10
@@ -5817,7 +5817,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t14 = ((t9.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t15 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t15 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t16 = t0.diagonal(0, 1, 3)
     t17 = t6.transpose(-1, -2)
     t18 = t3.transpose(-1, -2)
@@ -5839,7 +5839,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
     t32 = (t1.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t29.reshape((L*n_batch, d_V)))
     t0[...] = ((t15.reshape((d_K*d_V, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t16 += (t32.reshape((d_V**2, 1)) * t31.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t16.addcmul_(t31.reshape((1, 1, d_K)), t32.reshape((d_V, d_V, 1)))
     return out
 
 
@@ -5879,7 +5879,7 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t23 = (t22 @ t19)
     t24 = (t17 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t25 = (t24.permute(1, 2, 0) @ X.permute(0, 2, 1))
-    t26 = (t23.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * t14.reshape((L, L, 1, 1))).reshape((L, L, n_batch))
+    t26 = (t23.permute(1, 2, 0) * t14.reshape((L, L, 1)))
     t27 = (t26.permute(2, 1, 0) @ t21.permute(0, 2, 1))
     t28 = (t27.permute(1, 2, 0).reshape((L, L, 1, n_batch)) @ t25.permute(2, 1, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
     t29 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5920,7 +5920,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = (t11.permute(1, 2, 0).reshape((L, L, L, 1)) * t8.permute(2, 1, 0).reshape((L, L, 1, n_batch)))
     t13 = (t12.permute(3, 0, 2, 1).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t14 = ((X.permute(0, 2, 1) @ t13.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t15 = ((t9.reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t15 = (t9.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -5983,15 +5983,15 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t16 = (t15.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t16 = (t15.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t17 = ((X.permute(0, 2, 1) @ t16.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t18 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t18 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t19 = t10 @ X
     t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t21 = (t20.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t21 = (t20.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t22 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t23 = ((t22.permute(1, 0, 2) @ t21.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t24 = ((t19.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t24 = (t19.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t24.reshape((d_K*d_V, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -6035,7 +6035,7 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t25 = (t23.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t26 = (t24.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t14.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
     t27 = (t26.permute(0, 1, 3, 4, 2).reshape((L**2*n_batch**2, L)) @ t3).reshape((n_batch, n_batch, L, L, L))
-    t28 = (t27.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L, L, L, 1)) * t15.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t28 = (t27.permute(0, 1, 2, 4, 3) * t15.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L, L, 1)))
     t29 = (t28.permute(4, 2, 0, 1, 3).reshape((L, L, L*n_batch**2)) @ t25.permute(3, 2, 0, 1).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t30 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t31 = (t22.reshape((L*n_batch, d_V)) @ t22.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6126,8 +6126,8 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = t4.transpose(-1, -2)
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t14 = (t9.permute(0, 2, 1) @ t1.permute(0, 2, 1))
-    t15 = ((t14.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t16 = (t13.permute(1, 0).reshape((L, L, 1)) * t11.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t15 = (t14.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t16 = (t13.permute(1, 0).reshape((L, L, 1, 1)) * t11.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t17 = ((t12.permute(0, 2, 1) @ t16.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t18 = Mcausal * T
     t19 = t11.transpose(-1, -2)
@@ -6138,9 +6138,9 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t22
     t23 = G.transpose(-1, -2)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t25 = (t24.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t25 = (t24.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t26 = ((t12.permute(0, 2, 1) @ t25.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t27 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t23.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t0 += ((t27.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
@@ -6186,7 +6186,7 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = G.transpose(-1, -2)
     t28 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t29 = (t14.reshape((n_batch, L, n_batch, L, 1)) * t28.reshape((n_batch, L, n_batch, 1, L)))
-    t30 = (t29.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t30 = (t29.permute(3, 4, 0, 1, 2) * Mcausal.reshape((L, L, 1, 1, 1)))
     t31 = (t30.permute(2, 4, 0, 3, 1).reshape((n_batch, n_batch, L**2, L)) @ t15.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t32 = (t31.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t17.permute(2, 1, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t33 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6223,8 +6223,8 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = X @ W_Q
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
     t14 = (t9.permute(0, 2, 1) @ t1.permute(0, 2, 1))
-    t15 = ((t14.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
-    t16 = (t13.permute(1, 0).reshape((L, L, 1)) * t11.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t15 = (t14.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t12.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
+    t16 = (t13.permute(1, 0).reshape((L, L, 1, 1)) * t11.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t17 = ((X.permute(0, 2, 1) @ t16.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t18 = Mcausal * T
     t19 = t11.transpose(-1, -2)
@@ -6235,9 +6235,9 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t22
     t23 = G.transpose(-1, -2)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t25 = (t24.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t25 = (t24.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t26 = ((X.permute(0, 2, 1) @ t25.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t27 = ((t12.reshape((n_batch, L, d_K, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (t12.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t23.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t0 += ((t26.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
@@ -6283,7 +6283,7 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = G.transpose(-1, -2)
     t28 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t29 = (t14.reshape((n_batch, L, n_batch, L, 1)) * t28.reshape((n_batch, L, n_batch, 1, L)))
-    t30 = (t29.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t30 = (t29.permute(3, 4, 0, 1, 2) * Mcausal.reshape((L, L, 1, 1, 1)))
     t31 = (t30.permute(2, 4, 0, 3, 1).reshape((n_batch, n_batch, L**2, L)) @ t15.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t32 = (t31.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t17.permute(2, 1, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t33 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6323,7 +6323,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = t2 @ t13
     t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t16 = (2/(L*d_V*n_batch)) * t15
-    t1 += (t14.sum((0,)).reshape((d_V**2, 1)) * t16.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t1.addcmul_(t16.reshape((1, 1, d_V)), t14.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -6430,7 +6430,7 @@ def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t31 = (t29.sum((0,)).permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t32 = (t7 @ t2)
     t33 = (t31.permute(1, 2, 0) @ X.permute(0, 2, 1))
-    t34 = (t32.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch))
+    t34 = (t32.permute(1, 2, 0) * Mcausal.reshape((L, L, 1)))
     t35 = (t34.permute(2, 0, 1) @ t6)
     t36 = (t35.permute(1, 2, 0).reshape((L, L, 1, n_batch)) @ t33.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
     t37 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t36 * Mcausal).sum()
@@ -6482,7 +6482,7 @@ def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t28 = (G.reshape((L*n_batch, d_V)) @ t8.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t29 = (X.reshape((L*n_batch, d_V)) @ t7.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t30 = (t28.reshape((n_batch, L, n_batch, L, 1)) * t9.reshape((n_batch, L, n_batch, 1, L)))
-    t31 = (t30.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t31 = (t30.permute(3, 4, 0, 1, 2) * Mcausal.permute(1, 0).reshape((L, L, 1, 1, 1)))
     t32 = (t31.permute(2, 4, 1, 3, 0).reshape((n_batch, n_batch, L**2, L)) @ t10.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t33 = (t32.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t29.permute(1, 0, 2, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t34 = (4/(L*d_K*d_V*n_batch**2)) * (t33 * Mcausal.permute(1, 0)).sum()
@@ -6541,7 +6541,7 @@ def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t35 = (t33.sum((0,)).permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t36 = (t8 @ t2)
     t37 = (t35.permute(1, 2, 0) @ X.permute(0, 2, 1))
-    t38 = (t36.permute(1, 2, 0).reshape((L, L, n_batch, 1)) * t3.reshape((L, L, 1, 1))).reshape((L, L, n_batch))
+    t38 = (t36.permute(1, 2, 0) * t3.reshape((L, L, 1)))
     t39 = (t38.permute(2, 1, 0) @ t7.permute(0, 2, 1))
     t40 = (t39.permute(1, 2, 0).reshape((L, L, 1, n_batch)) @ t37.permute(2, 1, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
     t41 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t40 * t3.permute(1, 0)).sum()
@@ -6630,7 +6630,7 @@ def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t31 = (X.reshape((L*n_batch, d_V)) @ t11.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t32 = (G.reshape((L*n_batch, d_V)) @ t4.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t33 = (t31.reshape((n_batch, L, n_batch, L, 1)) * t12.reshape((n_batch, L, n_batch, 1, L)))
-    t34 = (t33.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t34 = (t33.permute(3, 4, 0, 1, 2) * t3.permute(1, 0).reshape((L, L, 1, 1, 1)))
     t35 = (t34.permute(2, 4, 1, 3, 0).reshape((n_batch, n_batch, L**2, L)) @ t13.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t36 = (t35.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t32.permute(1, 0, 2, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t37 = (4/(L*d_K*d_V*n_batch**2)) * (t36 * t3.permute(1, 0)).sum()
@@ -6689,7 +6689,7 @@ def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t35 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t37 = (t17.reshape((n_batch, L, n_batch, L, 1)) * t35.reshape((n_batch, L, n_batch, 1, L)))
-    t38 = (t37.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t38 = (t37.permute(3, 4, 0, 1, 2) * Mcausal.permute(1, 0).reshape((L, L, 1, 1, 1)))
     t39 = (t38.permute(2, 4, 1, 3, 0).reshape((n_batch, n_batch, L**2, L)) @ t36.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t40 = (t39.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t15.permute(1, 0, 2, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t41 = (4/(L*d_K*d_V*n_batch**2)) * (t40 * t1.permute(1, 0)).sum()
@@ -6748,7 +6748,7 @@ def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t35 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = (t27.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t37 = (t17.reshape((n_batch, L, n_batch, L, 1)) * t35.reshape((n_batch, L, n_batch, 1, L)))
-    t38 = (t37.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L, n_batch))
+    t38 = (t37.permute(3, 4, 0, 1, 2) * Mcausal.permute(1, 0).reshape((L, L, 1, 1, 1)))
     t39 = (t38.permute(2, 4, 1, 3, 0).reshape((n_batch, n_batch, L**2, L)) @ t36.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t40 = (t39.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t15.permute(1, 0, 2, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t41 = (4/(L*d_K*d_V*n_batch**2)) * (t40 * t1.permute(1, 0)).sum()
@@ -6802,9 +6802,9 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t4 = X @ W_K
     t5 = (1/math.sqrt(d_K)) * Mcausal
-    t6 = (t5.permute(1, 0).reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t6 = (t5.permute(1, 0).reshape((L, L, 1, 1)) * t2.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t7 = (t6.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t4).reshape((n_batch, L, d_V, d_K))
-    t3[...] = ((X.reshape((n_batch, L, d_V, 1)) * t7.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_V, d_K))).permute(0, 1, 3, 2, 4)
+    t3[...] = (X.reshape((n_batch, L, 1, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, d_K)))
     return out
 
 
@@ -6819,7 +6819,7 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t2 = t0 @ t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t3 = X @ W_K
-    t4 = (Mcausal.permute(1, 0).reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t4 = (Mcausal.permute(1, 0).reshape((L, L, 1, 1)) * t2.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     J = (t4.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t3).reshape((n_batch, L, d_V, d_K))
     J5 = (1/math.sqrt(d_K)) * X
     return (J, J5, )
@@ -6839,9 +6839,9 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t4 = X @ W_Q
     t5 = (1/math.sqrt(d_K)) * Mcausal
-    t6 = (t5.permute(1, 0).reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t6 = (t5.permute(1, 0).reshape((L, L, 1, 1)) * t2.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t7 = (t6.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t3[...] = (t7.reshape((n_batch, L, d_V**2, 1)) * t4.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_V, d_V, d_K))
+    t3[...] = (t4.reshape((n_batch, L, 1, 1, d_K)) * t7.reshape((n_batch, L, d_V, d_V, 1)))
     return out
 
 
@@ -6855,7 +6855,7 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-    t3 = (Mcausal.permute(1, 0).reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t3 = (Mcausal.permute(1, 0).reshape((L, L, 1, 1)) * t2.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     J = (t3.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t4 = X @ W_Q
     J5 = (1/math.sqrt(d_K)) * t4
@@ -6995,10 +6995,10 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t15 = t6.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
-    t17 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t16.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t18 = (t8.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t6.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
     t19 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t20 = ((t19.permute(0, 2, 1, 3) @ t18.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
@@ -7008,7 +7008,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t23 = X @ W_Q
     t24 = t5.transpose(-1, -2)
     t25 = t24 @ X
-    t26 = ((t23.reshape((n_batch, L, d_K, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t26 = (t23.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t16.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t27 = (t25.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t28 = ((t27.permute(0, 2, 1, 3) @ t18.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
     t22[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
@@ -7016,8 +7016,8 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t30 = t29.view((d_V, d_K, d_V, d_V))
     t31 = T @ X
     t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t33 = ((t31.reshape((n_batch, L, d_V, 1)) * t32.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t34 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t33 = (t31.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t32.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t34 = (dA * t8.reshape((n_batch, L, d_V, 1)))
     t35 = ((t6 @ t34.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     t30[...] = ((t33.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -7028,39 +7028,39 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t41 = t40.sum(-2, keepdim=True)
     t42 = t41.expand(*t41.shape[:-2], d_V, t41.shape[-1])
     t43 = (1/(L*d_K*n_batch)) * t39
-    t44 = ((X.reshape((n_batch, L, d_V, 1)) * t43.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t44 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t43.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t45 = (t42.reshape((n_batch, d_V, L, 1)) * t38.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
     t46 = ((t19.permute(0, 2, 1, 3) @ t45.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
     t37[...] = ((t44.reshape((d_K*d_V, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t48 = t47.view((d_V, d_K, d_V, d_K))
-    t49 = ((t23.reshape((n_batch, L, d_K, 1)) * t43.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t49 = (t23.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t43.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t50 = ((t27.permute(0, 2, 1, 3) @ t45.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
     t48[...] = ((t50.reshape((d_V**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t52 = t51.view((d_V, d_K, d_V, d_V))
     t53 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
-    t54 = ((t31.reshape((n_batch, L, d_V, 1)) * t53.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t55 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t54 = (t31.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t53.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t55 = (dA * t42.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t56 = ((t38 @ t55.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t52[...] = ((t54.reshape((d_K*d_V, L*n_batch)) @ t56.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t58 = t57.view((d_V, d_V, d_V, d_K))
     t59 = t31.transpose(-1, -2)
     t60 = (1/(L*math.sqrt(d_K)*n_batch)) * t59
-    t61 = ((X.reshape((n_batch, L, d_V, 1)) * t60.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t61 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t60.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t62 = ((t15.permute(0, 2, 1) @ t34.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t58[...] = ((t61.reshape((d_V**2, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t64 = t63.view((d_V, d_V, d_V, d_K))
-    t65 = ((t23.reshape((n_batch, L, d_K, 1)) * t60.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t65 = (t23.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t60.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t66 = ((t25.permute(0, 2, 1) @ t34.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t64[...] = ((t66.reshape((d_V**2, L*n_batch)) @ t65.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t68 = t67.view((d_V, d_V, d_V, d_V))
     t69 = (1/(L*n_batch)) * t59
-    t70 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t71 = ((t31.reshape((n_batch, L, d_V, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t70 = (dA.permute(2, 3, 0, 1) * t8.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t71 = (t31.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t69.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t68[...] = ((t71.reshape((d_V**2, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -7136,13 +7136,13 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = t16 * t15
-    t18 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t18 = (t14.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_K))
     t20 = (t19.reshape((L*n_batch, d_K**2)) @ t19.permute(2, 3, 0, 1).reshape((d_K**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
@@ -7153,13 +7153,13 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t26 = (t25.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t27 = (t23.reshape((L*n_batch, d_K)) @ t23.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t28 = t27 * t15
-    t29 = (t26.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t29 = (t26.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t30 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
     t31 = (t30.reshape((L*n_batch, d_K*d_V)) @ t30.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t32 = (1/(L**2*d_K**2*n_batch**2)) * (t31 * t28).sum()
     t33 = torch.sqrt(torch.clamp(t32, min=0.0))
     t34 = T @ X
-    t35 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t35 = (dA * t6.reshape((n_batch, L, d_V, 1)))
     t36 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
     t37 = (t36.reshape((L*n_batch, d_K*d_V)) @ t36.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t38 = t37 * t15
@@ -7173,18 +7173,18 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t46 = t45.expand(*t45.shape[:-2], d_V, t45.shape[-1])
     t47 = (t43.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t43.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t48 = t16 * t47
-    t49 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t49 = (t14.permute(0, 2, 3, 1) * t46.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t50 = (t49.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t42.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
     t51 = (t50.reshape((L*n_batch, d_K*d_V)) @ t50.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t52 = (1/(L**2*d_K**2*n_batch**2)) * (t51 * t48).sum()
     t53 = torch.sqrt(torch.clamp(t52, min=0.0))
     t54 = t27 * t47
-    t55 = (t26.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t55 = (t26.permute(0, 2, 3, 1) * t46.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t56 = (t55.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t42.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
     t57 = (t56.reshape((L*n_batch, d_V**2)) @ t56.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t58 = (1/(L**2*d_K**2*n_batch**2)) * (t57 * t54).sum()
     t59 = torch.sqrt(torch.clamp(t58, min=0.0))
-    t60 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t60 = (dA * t46.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t61 = (t60.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t42.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
     t62 = (t61.reshape((L*n_batch, d_V**2)) @ t61.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t63 = t62 * t47
@@ -7233,7 +7233,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
     t16 = (X * t15.permute(0, 2, 1)).permute(2, 0, 1)
@@ -7266,7 +7266,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t4.transpose(-1, -2)
     t14 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = (t13 @ t4)
@@ -7299,10 +7299,10 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t17 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
     t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t19 = ((t18.permute(0, 2, 1, 3) @ t17.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
@@ -7332,13 +7332,13 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = t16 * t15
-    t18 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t18 = (t14.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_K))
     t20 = (t19.reshape((L*n_batch, d_K**2)) @ t19.permute(2, 3, 0, 1).reshape((d_K**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
@@ -7370,12 +7370,12 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = X @ W_Q
     t15 = t4.transpose(-1, -2)
     t16 = t15 @ X
     t17 = (1/(L*d_K*n_batch)) * t1
-    t18 = ((t14.reshape((n_batch, L, d_K, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (t14.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t17.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t19 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
     t20 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t21 = ((t20.permute(0, 2, 1, 3) @ t19.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
@@ -7405,7 +7405,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = X @ W_Q
     t14 = t3.transpose(-1, -2)
     t15 = t14 @ X
@@ -7413,7 +7413,7 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t13.reshape((L*n_batch, d_K)) @ t13.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = t18 * t17
-    t20 = (t16.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (t16.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
     t22 = (t21.reshape((L*n_batch, d_K*d_V)) @ t21.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = (1/(L**2*d_K**2*n_batch**2)) * (t22 * t19).sum()
@@ -7445,11 +7445,11 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = ((t14.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t16 = (t14.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t17 = (dA * t7.reshape((n_batch, L, d_V, 1)))
     t18 = ((t5 @ t17.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
@@ -7477,9 +7477,9 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = T @ X
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA * t6.reshape((n_batch, L, d_V, 1)))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
     t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t15.reshape((L*n_batch, d_K*d_V)) @ t15.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7517,7 +7517,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = (t9 * t18.permute(0, 2, 1)).permute(2, 0, 1)
@@ -7553,7 +7553,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = t2.transpose(-1, -2)
     t17 = (t8.reshape((n_batch, L, 1, d_K)) @ t4.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t18 = (t16 @ t2)
@@ -7589,12 +7589,12 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t2.transpose(-1, -2)
     t18 = t11.transpose(-1, -2)
     t19 = t17 @ t18
     t20 = (1/(L*d_K*n_batch)) * t5
-    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t21 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t20.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t22 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
     t23 = (t19.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t24 = ((t23.permute(0, 2, 1, 3) @ t22.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
@@ -7627,7 +7627,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = t1.transpose(-1, -2)
     t17 = t10.transpose(-1, -2)
     t18 = t16 @ t17
@@ -7635,7 +7635,7 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t20 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = t21 * t20
-    t23 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t23 = (t19.permute(0, 2, 3, 1) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
     t25 = (t24.reshape((L*n_batch, d_K*d_V)) @ t24.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t26 = (1/(L**2*d_K**2*n_batch**2)) * (t25 * t22).sum()
@@ -7670,10 +7670,10 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t19 = ((t9.reshape((n_batch, L, d_K, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t19 = (t9.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t18.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t20 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
     t21 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t22 = ((t21.permute(0, 2, 1, 3) @ t20.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
@@ -7706,13 +7706,13 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = t2.transpose(-1, -2)
     t17 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t18 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = t19 * t18
-    t21 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (t17.permute(0, 2, 3, 1) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
     t23 = (t22.reshape((L*n_batch, d_V**2)) @ t22.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (1/(L**2*d_K**2*n_batch**2)) * (t23 * t20).sum()
@@ -7747,11 +7747,11 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = T @ X
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t5
-    t19 = ((t17.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t20 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (t17.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t18.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t20 = (dA * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t21 = ((t3 @ t20.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t0[...] = ((t19.reshape((d_K*d_V, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -7782,9 +7782,9 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = T @ X
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (dA * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t18 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
     t19 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t18.reshape((L*n_batch, d_V**2)) @ t18.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7820,7 +7820,7 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (t11 * t15.permute(0, 2, 1)).permute(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
@@ -7851,7 +7851,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = (t10.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -7882,14 +7882,14 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t1
     t17 = t3.transpose(-1, -2)
     t18 = t16 @ t17
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t20 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t19.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t21 = (dA * t10.reshape((n_batch, L, d_V, 1)))
     t22 = ((t18.permute(0, 2, 1) @ t21.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
@@ -7918,12 +7918,12 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
     t16 = t2.transpose(-1, -2)
     t17 = t15 @ t16
-    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA * t9.reshape((n_batch, L, d_V, 1)))
     t19 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (t18.reshape((n_batch, L*d_V, d_V)) @ t17).reshape((n_batch, L, d_V, d_K))
@@ -7959,14 +7959,14 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t15 = X @ W_Q
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t1
     t18 = t17 @ X
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t20 = ((t15.reshape((n_batch, L, d_K, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (t15.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t19.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t21 = (dA * t10.reshape((n_batch, L, d_V, 1)))
     t22 = ((t18.permute(0, 2, 1) @ t21.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
@@ -7995,12 +7995,12 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = X @ W_Q
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t0
     t17 = t16 @ X
-    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA * t9.reshape((n_batch, L, d_V, 1)))
     t19 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (t18.reshape((n_batch, L*d_V, d_V)) @ t17).reshape((n_batch, L, d_V, d_V))
@@ -8036,10 +8036,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t10.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t17 = ((t11.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (dA.permute(2, 3, 0, 1) * t10.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t17 = (t11.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -8067,8 +8067,8 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
+    t14 = (dA * t9.reshape((n_batch, L, d_V, 1)))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8115,7 +8115,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t21 = t4 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t3 += (t21.sum((0,)).reshape((d_V**2, 1)) * t23.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t3.addcmul_(t23.reshape((1, 1, d_K)), t21.sum((0,)).reshape((d_V, d_V, 1)))
     t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t25 = t24.view((d_V, d_K, d_V, d_V))
     t26 = t4 @ G
@@ -8129,7 +8129,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t32 = t31.view((d_V, d_K, d_V, d_K))
     t33 = t32.diagonal(0, 1, 3)
     t34 = t21.transpose(-1, -2)
-    t33 += (t34.sum((0,)).reshape((d_V**2, 1)) * t23.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t33.addcmul_(t23.reshape((1, 1, d_K)), t34.sum((0,)).reshape((d_V, d_V, 1)))
     t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t35[...] = 0
     t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -8352,7 +8352,7 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t2 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += (t19.sum((0,)).reshape((d_V**2, 1)) * t21.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t1.addcmul_(t21.reshape((1, 1, d_K)), t19.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -8513,7 +8513,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = t2 @ t19
     t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t1 += (t20.sum((0,)).reshape((d_V**2, 1)) * t22.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t1.addcmul_(t22.reshape((1, 1, d_K)), t20.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -8856,13 +8856,13 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         A = t14 / t14.sum(-1, keepdim=True)
         t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
         # dA: compact tensor ('L', 'd_V', 'd_V')
-        dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+        dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
         t16 = t7.transpose(-1, -2)
         t17 = (1/(L*d_K)) * t9
         t18 = (t17.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
         t19 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
         t20 = (t18.permute(0, 2, 3, 1) @ t19.permute(0, 2, 3, 1))
-        t3[...] = ((X.reshape((n_batch, L, d_V, 1)) * t20.reshape((n_batch, L, 1, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t20.reshape((n_batch, L, d_K, 1, d_K)), out=t3)
         t21 = t1[..., d_K*d_V:2*d_K*d_V]
         t22 = t21.view((n_batch, L, d_K, d_V, d_K))
         t23 = X @ W_Q
@@ -8882,19 +8882,19 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t35 = t34 @ X
         t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
         t37 = (1/math.sqrt(d_K)) * t36
-        t22[...] = (t27.reshape((n_batch, L, d_K*d_V, 1)) * t23.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_K, d_V, d_K))
-        t28 += (t35.reshape((L*d_V*n_batch, 1)) * t37.reshape((1, d_K))).reshape((n_batch, L, d_V, d_K))
+        torch.mul(t23.reshape((n_batch, L, 1, 1, d_K)), t27.reshape((n_batch, L, d_K, d_V, 1)), out=t22)
+        t28.addcmul_(t37.reshape((1, 1, 1, d_K)), t35.reshape((n_batch, L, d_V, 1)))
         t38 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t39 = t38.view((n_batch, L, d_K, d_V, d_V))
         t40 = t5 @ X
         t41 = T @ X
         t42 = (1/(L*math.sqrt(d_K))) * t9
-        t43 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t42.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t43 = (dA * t42.reshape((n_batch, L, d_V, 1)))
         t44 = (W_V.permute(1, 0) @ t40.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
         t45 = ((t44.permute(1, 2, 0) @ t43.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
         t46 = (1/math.sqrt(d_K)) * G
-        t39[...] = ((t41.reshape((n_batch, L, d_V, 1)) * t45.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t39 += ((t40.reshape((n_batch, d_K*d_V, 1)) * t46.reshape((n_batch, 1, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
+        torch.mul(t41.reshape((n_batch, L, 1, d_V, 1)), t45.reshape((n_batch, L, d_K, 1, d_V)), out=t39)
+        t39.addcmul_(t46.reshape((n_batch, L, 1, 1, d_V)), t40.reshape((n_batch, 1, d_K, d_V, 1)))
         t47 = t0.permute(1, 0, 2)
         t48 = t47.reshape((d_V, L*n_batch))
         t49 = (1/n_batch) * t48
@@ -8910,7 +8910,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t57 = t56.sum(-2, keepdim=True)
         t58 = t57.expand(*t57.shape[:-2], d_V, t57.shape[-1])
         t59 = (1/(L*d_K*n_batch)) * t55
-        t60 = ((X.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+        t60 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t59.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
         t61 = (t58.reshape((n_batch, d_V, L, 1)) * t54.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
         t62 = ((t19.permute(0, 2, 1, 3) @ t61.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
         t63 = t53.diagonal(0, 1, 3)
@@ -8919,10 +8919,10 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t66 = (t64.permute(0, 2, 1) @ t54.permute(0, 2, 1))
         t67 = (t66.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
         t53[...] = ((t60.reshape((d_K*d_V, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-        t63 += (t67.reshape((d_V**2, 1)) * t65.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+        t63.addcmul_(t65.reshape((1, 1, d_K)), t67.reshape((d_V, d_V, 1)))
         t68 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
         t69 = t68.view((d_V, d_K, d_V, d_K))
-        t70 = ((t23.reshape((n_batch, L, d_K, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+        t70 = (t23.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t59.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
         t71 = ((t26.permute(0, 2, 1, 3) @ t61.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
         t69[...] = ((t71.reshape((d_V**2, L*n_batch)) @ t70.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
         t72 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -8932,8 +8932,8 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t76 = t74.permute(1, 2, 0)
         t77 = ((G.permute(0, 2, 1) @ t75.permute(0, 2, 1))).permute(2, 1, 0)
         t78 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
-        t79 = ((t41.reshape((n_batch, L, d_V, 1)) * t78.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-        t80 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t58.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t79 = (t41.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t78.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+        t80 = (dA * t58.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
         t81 = (W_V.permute(1, 0) @ t74.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
         t82 = ((t81.permute(1, 2, 0) @ t80.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
         t73[...] = ((t76.reshape((d_V**2, n_batch)) @ t77.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
@@ -8947,10 +8947,10 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t89 = ((t85.permute(0, 2, 1) @ t87.permute(0, 2, 1))).permute(2, 1, 0)
         t90 = T.transpose(-1, -2)
         t91 = (1/(L*math.sqrt(d_K)*n_batch)) * t90
-        t92 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+        t92 = (dA * t9.reshape((n_batch, L, d_V, 1)))
         t93 = ((t16.permute(0, 2, 1) @ t92.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
         t94 = (t91.permute(0, 2, 1) @ t0.permute(0, 2, 1))
-        t95 = ((t94.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+        t95 = (t94.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
         t84[...] = ((t88.reshape((d_V**2, n_batch)) @ t89.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
         t84 += ((t95.reshape((d_V**2, L*n_batch)) @ t93.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
         t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
@@ -8959,15 +8959,15 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t99 = t98.permute(1, 2, 0)
         t100 = ((X.permute(0, 2, 1) @ t87.permute(0, 2, 1))).permute(2, 1, 0)
         t101 = ((t25.permute(0, 2, 1) @ t92.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-        t102 = ((t94.reshape((n_batch, L, d_V, 1)) * t23.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+        t102 = (t94.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t23.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
         t97[...] = ((t100.reshape((d_V**2, n_batch)) @ t99.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
         t97 += ((t101.reshape((d_V**2, L*n_batch)) @ t102.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
         t103 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t104 = t103.view((d_V, d_V, d_V, d_V))
         t105 = t41.transpose(-1, -2)
         t106 = (1/(L*n_batch)) * t105
-        t107 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t9.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-        t108 = ((t41.reshape((n_batch, L, d_V, 1)) * t106.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t107 = (dA.permute(2, 3, 0, 1) * t9.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t108 = (t41.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t106.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         t104[...] = ((t108.reshape((d_V**2, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
         return H
     H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
@@ -8989,10 +8989,10 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t15 = t6.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * t2
-    t17 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t16.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t18 = (t8.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t6.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
     t19 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t20 = ((t19.permute(0, 2, 1, 3) @ t18.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
@@ -9002,7 +9002,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t23 = X @ W_Q
     t24 = t5.transpose(-1, -2)
     t25 = t24 @ X
-    t26 = ((t23.reshape((n_batch, L, d_K, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t26 = (t23.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t16.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t27 = (t25.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t28 = ((t27.permute(0, 2, 1, 3) @ t18.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
     t29 = t22.diagonal(0, 1, 3)
@@ -9019,14 +9019,14 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
     t39 = (t2.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t36.reshape((L*n_batch, d_V)))
     t22[...] = ((t28.reshape((d_K*d_V, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t29 += (t39.reshape((d_V**2, 1)) * t38.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t29.addcmul_(t38.reshape((1, 1, d_K)), t39.reshape((d_V, d_V, 1)))
     t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t41 = t40.view((d_V, d_K, d_V, d_V))
     t42 = t4 @ X
     t43 = T @ X
     t44 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t45 = ((t43.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t46 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t45 = (t43.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t44.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t46 = (dA * t8.reshape((n_batch, L, d_V, 1)))
     t47 = (W_V.permute(1, 0) @ t42.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
     t48 = ((t47.permute(1, 2, 0) @ t46.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     t49 = (1/(math.sqrt(d_K)*n_batch)) * t2
@@ -9042,7 +9042,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t57 = t56.sum(-2, keepdim=True)
     t58 = t57.expand(*t57.shape[:-2], d_V, t57.shape[-1])
     t59 = (1/(L*d_K*n_batch)) * t55
-    t60 = ((X.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t60 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t59.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t61 = (t58.reshape((n_batch, d_V, L, 1)) * t54.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
     t62 = ((t19.permute(0, 2, 1, 3) @ t61.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
     t63 = t53.diagonal(0, 1, 3)
@@ -9050,10 +9050,10 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t65 = (t64.permute(0, 2, 1) @ t54.permute(0, 2, 1))
     t66 = (t65.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
     t53[...] = ((t60.reshape((d_K*d_V, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t63 += (t66.reshape((d_V**2, 1)) * t38.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t63.addcmul_(t38.reshape((1, 1, d_K)), t66.reshape((d_V, d_V, 1)))
     t67 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t68 = t67.view((d_V, d_K, d_V, d_K))
-    t69 = ((t23.reshape((n_batch, L, d_K, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t69 = (t23.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t59.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t70 = ((t27.permute(0, 2, 1, 3) @ t61.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
     t68[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t69.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t71 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -9063,8 +9063,8 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t75 = t73.permute(1, 2, 0)
     t76 = ((G.permute(0, 2, 1) @ t74.permute(0, 2, 1))).permute(2, 1, 0)
     t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
-    t78 = ((t43.reshape((n_batch, L, d_V, 1)) * t77.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t79 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t58.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t78 = (t43.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t77.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t79 = (dA * t58.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t80 = (W_V.permute(1, 0) @ t73.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
     t81 = ((t80.permute(1, 2, 0) @ t79.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t72[...] = ((t75.reshape((d_V**2, n_batch)) @ t76.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
@@ -9079,7 +9079,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t89 = (1/(L*math.sqrt(d_K)*n_batch)) * t88
     t90 = ((t15.permute(0, 2, 1) @ t46.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t91 = (t89.permute(0, 2, 1) @ t2.permute(0, 2, 1))
-    t92 = ((t91.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t92 = (t91.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t83[...] = ((t86.reshape((d_V**2, n_batch)) @ t87.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t83 += ((t92.reshape((d_V**2, L*n_batch)) @ t90.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t93 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
@@ -9088,15 +9088,15 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t96 = t95.permute(1, 2, 0)
     t97 = ((X.permute(0, 2, 1) @ t49.permute(0, 2, 1))).permute(2, 1, 0)
     t98 = ((t25.permute(0, 2, 1) @ t46.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t99 = ((t91.reshape((n_batch, L, d_V, 1)) * t23.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t99 = (t91.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t23.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
     t94[...] = ((t97.reshape((d_V**2, n_batch)) @ t96.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t94 += ((t98.reshape((d_V**2, L*n_batch)) @ t99.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t100 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t101 = t100.view((d_V, d_V, d_V, d_V))
     t102 = t43.transpose(-1, -2)
     t103 = (1/(L*n_batch)) * t102
-    t104 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t105 = ((t43.reshape((n_batch, L, d_V, 1)) * t103.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t104 = (dA.permute(2, 3, 0, 1) * t8.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t105 = (t43.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t103.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t101[...] = ((t105.reshape((d_V**2, L*n_batch)) @ t104.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -9196,13 +9196,13 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = t16 * t15
-    t18 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t18 = (t14.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_K))
     t20 = (t19.reshape((L*n_batch, d_K**2)) @ t19.permute(2, 3, 0, 1).reshape((d_K**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
@@ -9228,7 +9228,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t39 = (t33.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t40 = (t32.reshape((L*n_batch, d_K)) @ t32.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t41 = t40 * t15
-    t42 = (t39.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t42 = (t39.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t43 = (t42.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
     t44 = (t43.reshape((L*n_batch, d_K*d_V)) @ t43.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t45 = (n_batch**(-2)) * (t31 * t31).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t38 * t37.permute(2, 0, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t44 * t41).sum()
@@ -9236,7 +9236,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t47 = t2 @ X
     t48 = T @ X
     t49 = (W_V.permute(1, 0) @ t47.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
-    t50 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t50 = (dA * t6.reshape((n_batch, L, d_V, 1)))
     t51 = (t50.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t49.permute(1, 0, 2)).reshape((n_batch, L, d_V, d_K))
     t52 = (t51.reshape((L*n_batch, d_K*d_V)) @ t51.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t53 = t52 * t15
@@ -9264,13 +9264,13 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t75 = (t74 @ t64.permute(0, 2, 1))
     t76 = (t68.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t68.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t77 = t16 * t76
-    t78 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t78 = (t14.permute(0, 2, 3, 1) * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t79 = (t78.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t64.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
     t80 = (t79.reshape((L*n_batch, d_K*d_V)) @ t79.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t81 = (n_batch**(-2)) * (t67 * t66).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t67 * t75).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t80 * t77).sum()
     t82 = torch.sqrt(torch.clamp(t81, min=0.0))
     t83 = t40 * t76
-    t84 = (t39.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t84 = (t39.permute(0, 2, 3, 1) * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t85 = (t84.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t64.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
     t86 = (t85.reshape((L*n_batch, d_V**2)) @ t85.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t87 = (1/(L**2*d_K**2*n_batch**2)) * (t86 * t83).sum()
@@ -9278,7 +9278,7 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t89 = t0 @ X
     t90 = (t89.reshape((n_batch, d_V**2)) @ t89.permute(1, 2, 0).reshape((d_V**2, n_batch)))
     t91 = (t60.permute(0, 2, 1, 3).reshape((n_batch, n_batch, 1, L**2)) @ t76.permute(0, 2, 1, 3).reshape((n_batch, n_batch, L**2, 1))).reshape((n_batch, n_batch))
-    t92 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t92 = (dA * t71.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t93 = (t48.reshape((L*n_batch, d_V)) @ t89.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
     t94 = (t93.reshape((n_batch, L*n_batch, d_V)) @ t89).reshape((n_batch, L, n_batch, d_V))
     t95 = (t94.reshape((L*n_batch**2, d_V)) @ W_V).reshape((n_batch, L, n_batch, d_V))
@@ -9354,7 +9354,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
     t16 = (X * t15.permute(0, 2, 1)).permute(2, 0, 1)
@@ -9387,7 +9387,7 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t4.transpose(-1, -2)
     t14 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = (t13 @ t4)
@@ -9420,10 +9420,10 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = t5.transpose(-1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t17 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
     t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t19 = ((t18.permute(0, 2, 1, 3) @ t17.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
@@ -9453,13 +9453,13 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = t16 * t15
-    t18 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t18 = (t14.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_K))
     t20 = (t19.reshape((L*n_batch, d_K**2)) @ t19.permute(2, 3, 0, 1).reshape((d_K**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
@@ -9491,12 +9491,12 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = X @ W_Q
     t15 = t4.transpose(-1, -2)
     t16 = t15 @ X
     t17 = (1/(L*d_K*n_batch)) * t1
-    t18 = ((t14.reshape((n_batch, L, d_K, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (t14.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t17.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t19 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_K)))
     t20 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t21 = ((t20.permute(0, 2, 1, 3) @ t19.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
@@ -9514,7 +9514,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
     t32 = (t1.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t29.reshape((L*n_batch, d_V)))
     t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t22 += (t32.reshape((d_V**2, 1)) * t31.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t22.addcmul_(t31.reshape((1, 1, d_K)), t32.reshape((d_V, d_V, 1)))
     return out
 
 
@@ -9551,7 +9551,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A20 = t19 / t19.sum(-1, keepdim=True)
     t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A20.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t21.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A20.reshape((n_batch, L, d_V, 1)) * A20.reshape((n_batch, L, 1, d_V)))
+    dA = (t21.reshape((1, 1, d_V, d_V)) * A20.reshape((n_batch, L, d_V, 1))) - (A20.reshape((n_batch, L, 1, d_V)) * A20.reshape((n_batch, L, d_V, 1)))
     t22 = X @ W_Q
     t23 = t14 @ X
     t24 = (t22 @ t18)
@@ -9563,7 +9563,7 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t30 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t31 = (t22.reshape((L*n_batch, d_K)) @ t22.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t32 = t31 * t30
-    t33 = (t29.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t33 = (t29.permute(0, 2, 3, 1) * t2.reshape((n_batch, L, d_V, 1)))
     t34 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t18.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
     t35 = (t34.reshape((L*n_batch, d_K*d_V)) @ t34.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = (n_batch**(-2)) * (t17 * t17).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t28 * t27.permute(2, 0, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t35 * t32).sum()
@@ -9595,11 +9595,11 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = T @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = ((t14.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t16 = (t14.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t17 = (dA * t6.reshape((n_batch, L, d_V, 1)))
     t18 = (W_V.permute(1, 0) @ t4.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
     t19 = ((t18.permute(1, 2, 0) @ t17.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     F = t11
@@ -9639,10 +9639,10 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = T @ X
     t14 = (W_V.permute(1, 0) @ t3.permute(2, 0, 1).reshape((d_V, d_K*n_batch))).reshape((d_V, n_batch, d_K))
-    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t16 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t14.permute(1, 0, 2)).reshape((n_batch, L, d_V, d_K))
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t16.reshape((L*n_batch, d_K*d_V)) @ t16.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -9694,7 +9694,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
     t19 = (t9 * t18.permute(0, 2, 1)).permute(2, 0, 1)
@@ -9730,7 +9730,7 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = t2.transpose(-1, -2)
     t17 = (t8.reshape((n_batch, L, 1, d_K)) @ t4.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t18 = (t16 @ t2)
@@ -9766,12 +9766,12 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t2.transpose(-1, -2)
     t18 = t11.transpose(-1, -2)
     t19 = t17 @ t18
     t20 = (1/(L*d_K*n_batch)) * t5
-    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t20.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t21 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t20.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t22 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
     t23 = (t19.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t24 = ((t23.permute(0, 2, 1, 3) @ t22.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
@@ -9791,7 +9791,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t36 = (t33.permute(0, 2, 1) @ t3.permute(0, 2, 1))
     t37 = (t36.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
     t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t25 += (t37.reshape((d_V**2, 1)) * t35.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t25.addcmul_(t35.reshape((1, 1, d_K)), t37.reshape((d_V, d_V, 1)))
     return out
 
 
@@ -9833,7 +9833,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A25.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t26.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
+    dA = (t26.reshape((1, 1, d_V, d_V)) * A25.reshape((n_batch, L, d_V, 1))) - (A25.reshape((n_batch, L, 1, d_V)) * A25.reshape((n_batch, L, d_V, 1)))
     t27 = t1.transpose(-1, -2)
     t28 = t6.transpose(-1, -2)
     t29 = t27 @ t28
@@ -9844,7 +9844,7 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t34 = (t29.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t35 = (t20.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t20.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = t17 * t35
-    t37 = (t34.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t37 = (t34.permute(0, 2, 3, 1) * t23.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t38 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
     t39 = (t38.reshape((L*n_batch, d_K*d_V)) @ t38.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t40 = (n_batch**(-2)) * (t18 * t16).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t18 * t33).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t39 * t36).sum()
@@ -9879,10 +9879,10 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t3.transpose(-1, -2)
     t18 = (1/(L*d_K*n_batch)) * t5
-    t19 = ((t9.reshape((n_batch, L, d_K, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t19 = (t9.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t18.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t20 = (t8.reshape((n_batch, d_V, L, 1)) * t3.permute(0, 2, 1).reshape((n_batch, d_V, 1, d_V)))
     t21 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t22 = ((t21.permute(0, 2, 1, 3) @ t20.permute(0, 2, 1, 3))).permute(3, 2, 0, 1)
@@ -9915,13 +9915,13 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = t2.transpose(-1, -2)
     t17 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t18 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = t19 * t18
-    t21 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (t17.permute(0, 2, 3, 1) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
     t23 = (t22.reshape((L*n_batch, d_V**2)) @ t22.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (1/(L**2*d_K**2*n_batch**2)) * (t23 * t20).sum()
@@ -9968,11 +9968,11 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A25.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t26.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
+    dA = (t26.reshape((1, 1, d_V, d_V)) * A25.reshape((n_batch, L, d_V, 1))) - (A25.reshape((n_batch, L, 1, d_V)) * A25.reshape((n_batch, L, d_V, 1)))
     t27 = T @ X
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t29 = ((t27.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t30 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t29 = (t27.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t28.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t30 = (dA * t23.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t31 = (W_V.permute(1, 0) @ t2.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((d_V, n_batch, d_V))
     t32 = ((t31.permute(1, 2, 0) @ t30.permute(0, 2, 3, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t0[...] = ((t19.reshape((d_V**2, n_batch)) @ t20.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
@@ -10018,9 +10018,9 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A25 = t24 / t24.sum(-1, keepdim=True)
     t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A25.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t26.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A25.reshape((n_batch, L, d_V, 1)) * A25.reshape((n_batch, L, 1, d_V)))
+    dA = (t26.reshape((1, 1, d_V, d_V)) * A25.reshape((n_batch, L, d_V, 1))) - (A25.reshape((n_batch, L, 1, d_V)) * A25.reshape((n_batch, L, d_V, 1)))
     t27 = T @ X
-    t28 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t28 = (dA * t23.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t29 = (t27.reshape((L*n_batch, d_V)) @ t1.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
     t30 = (t29.reshape((n_batch, L*n_batch, d_V)) @ t1).reshape((n_batch, L, n_batch, d_V))
     t31 = (t30.reshape((L*n_batch**2, d_V)) @ W_V).reshape((n_batch, L, n_batch, d_V))
@@ -10061,7 +10061,7 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (t11 * t15.permute(0, 2, 1)).permute(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
@@ -10092,7 +10092,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = (t10.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -10134,14 +10134,14 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A22.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t23.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))
+    dA = (t23.reshape((1, 1, d_V, d_V)) * A22.reshape((n_batch, L, d_V, 1))) - (A22.reshape((n_batch, L, 1, d_V)) * A22.reshape((n_batch, L, d_V, 1)))
     t24 = t9.transpose(-1, -2)
     t25 = t24 @ t2
     t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
-    t27 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t27 = (dA * t4.reshape((n_batch, L, d_V, 1)))
     t28 = ((t25.permute(0, 2, 1) @ t27.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t29 = (t26.permute(0, 2, 1) @ t1.permute(0, 2, 1))
-    t30 = ((t29.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t30 = (t29.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t0[...] = ((t18.reshape((d_V**2, n_batch)) @ t19.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t0 += ((t30.reshape((d_V**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
@@ -10182,10 +10182,10 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A22.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t23.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))
+    dA = (t23.reshape((1, 1, d_V, d_V)) * A22.reshape((n_batch, L, d_V, 1))) - (A22.reshape((n_batch, L, 1, d_V)) * A22.reshape((n_batch, L, d_V, 1)))
     t24 = t8.transpose(-1, -2)
     t25 = t24 @ t1
-    t26 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t3.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t26 = (dA * t3.reshape((n_batch, L, d_V, 1)))
     t27 = (t25.reshape((d_V*n_batch, d_K)) @ t1.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, d_V, n_batch, L))
     t28 = (t27.permute(0, 2, 1, 3) @ t17.permute(0, 2, 3, 1))
     t29 = (X.reshape((L*n_batch, d_V)) @ t15.permute(2, 0, 1).reshape((d_V, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
@@ -10239,14 +10239,14 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A23 = t22 / t22.sum(-1, keepdim=True)
     t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A23.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t24.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A23.reshape((n_batch, L, d_V, 1)) * A23.reshape((n_batch, L, 1, d_V)))
+    dA = (t24.reshape((1, 1, d_V, d_V)) * A23.reshape((n_batch, L, d_V, 1))) - (A23.reshape((n_batch, L, 1, d_V)) * A23.reshape((n_batch, L, d_V, 1)))
     t25 = t9.transpose(-1, -2)
     t26 = t25 @ X
     t27 = (1/(L*math.sqrt(d_K)*n_batch)) * t21
-    t28 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t3.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t28 = (dA * t3.reshape((n_batch, L, d_V, 1)))
     t29 = ((t26.permute(0, 2, 1) @ t28.permute(0, 3, 2, 1).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t30 = (t27.permute(0, 2, 1) @ t1.permute(0, 2, 1))
-    t31 = ((t30.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t31 = (t30.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t16.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
     t0[...] = ((t20.reshape((d_V**2, n_batch)) @ t19.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t0 += ((t29.reshape((d_V**2, L*n_batch)) @ t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
@@ -10288,10 +10288,10 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A23 = t22 / t22.sum(-1, keepdim=True)
     t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A23.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t24.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A23.reshape((n_batch, L, d_V, 1)) * A23.reshape((n_batch, L, 1, d_V)))
+    dA = (t24.reshape((1, 1, d_V, d_V)) * A23.reshape((n_batch, L, d_V, 1))) - (A23.reshape((n_batch, L, 1, d_V)) * A23.reshape((n_batch, L, d_V, 1)))
     t25 = t8.transpose(-1, -2)
     t26 = t25 @ X
-    t27 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t27 = (dA * t2.reshape((n_batch, L, d_V, 1)))
     t28 = (t26.reshape((d_V*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, d_V, n_batch, L))
     t29 = (t28.permute(0, 2, 1, 3) @ t18.permute(0, 2, 3, 1))
     t30 = (t15.reshape((L*n_batch, d_K)) @ t16.permute(2, 0, 1).reshape((d_K, d_V*n_batch))).reshape((n_batch, L, n_batch, d_V))
@@ -10333,10 +10333,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t10.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t17 = ((t11.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (dA.permute(2, 3, 0, 1) * t10.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t17 = (t11.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -10364,8 +10364,8 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
+    t14 = (dA * t9.reshape((n_batch, L, d_V, 1)))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10397,13 +10397,13 @@ def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t4.transpose(-1, -2)
     t14 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_K, L, d_V))
     t15 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = t16 * t15
-    t18 = (t14.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t18 = (t14.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_K))
     t20 = (t19.reshape((L*n_batch, d_K**2)) @ t19.permute(2, 3, 0, 1).reshape((d_K**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (1/(L**2*d_K**2*n_batch**2)) * (t20 * t17).sum()
@@ -10436,7 +10436,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = X @ W_Q
     t14 = t3.transpose(-1, -2)
     t15 = t14 @ X
@@ -10444,7 +10444,7 @@ def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t13.reshape((L*n_batch, d_K)) @ t13.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = t18 * t17
-    t20 = (t16.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (t16.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
     t22 = (t21.reshape((L*n_batch, d_K*d_V)) @ t21.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = (1/(L**2*d_K**2*n_batch**2)) * (t22 * t19).sum()
@@ -10494,9 +10494,9 @@ def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = T @ X
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA * t6.reshape((n_batch, L, d_V, 1)))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_K))
     t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t15.reshape((L*n_batch, d_K*d_V)) @ t15.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10551,7 +10551,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = t1.transpose(-1, -2)
     t17 = t10.transpose(-1, -2)
     t18 = t16 @ t17
@@ -10559,7 +10559,7 @@ def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t20 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = t21 * t20
-    t23 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_K, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_K))
+    t23 = (t19.permute(0, 2, 3, 1) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_K, d_V))
     t25 = (t24.reshape((L*n_batch, d_K*d_V)) @ t24.permute(2, 3, 0, 1).reshape((d_K*d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t26 = (1/(L**2*d_K**2*n_batch**2)) * (t25 * t22).sum()
@@ -10615,13 +10615,13 @@ def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = t2.transpose(-1, -2)
     t17 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, d_V, L, d_V))
     t18 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = t19 * t18
-    t21 = (t17.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (t17.permute(0, 2, 3, 1) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
     t23 = (t22.reshape((L*n_batch, d_V**2)) @ t22.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t24 = (1/(L**2*d_K**2*n_batch**2)) * (t23 * t20).sum()
@@ -10657,9 +10657,9 @@ def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = T @ X
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (dA * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t18 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, d_V, d_V))
     t19 = (t4.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t4.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t18.reshape((L*n_batch, d_V**2)) @ t18.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10715,12 +10715,12 @@ def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
     t16 = t2.transpose(-1, -2)
     t17 = t15 @ t16
-    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA * t9.reshape((n_batch, L, d_V, 1)))
     t19 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (t18.reshape((n_batch, L*d_V, d_V)) @ t17).reshape((n_batch, L, d_V, d_K))
@@ -10776,12 +10776,12 @@ def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = X @ W_Q
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t0
     t17 = t16 @ X
-    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA * t9.reshape((n_batch, L, d_V, 1)))
     t19 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (t18.reshape((n_batch, L*d_V, d_V)) @ t17).reshape((n_batch, L, d_V, d_V))
@@ -10837,8 +10837,8 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
+    t14 = (dA * t9.reshape((n_batch, L, d_V, 1)))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t10.reshape((L*n_batch, d_V)) @ t10.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -10949,33 +10949,33 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t15 = t5.transpose(-1, -2)
     t16 = t4.transpose(-1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t19 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t20 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t20 = (t19.permute(0, 2, 3, 1) * t7.reshape((n_batch, L, d_V, 1)))
     t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t22 = (t21.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t17.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t23 = (t22.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t22 = (t21.permute(1, 3, 0, 2) * t17.reshape((L, L, 1, 1)))
+    t23 = (t22.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t24 = (t23.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t25 = ((t16.permute(0, 2, 1) @ t24.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
     t1[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t27 = t26.view((d_V, d_K, d_V, d_K))
     t28 = X @ W_Q
-    t29 = ((t28.reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29 = (t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t30 = ((X.permute(0, 2, 1) @ t24.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     t27[...] = ((t30.reshape((d_K*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t32 = t31.view((d_V, d_K, d_V, d_V))
     t33 = t11 @ X
     t34 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t35 = ((t33.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t35 = (t33.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t36 = (t7.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, L)))
     t37 = (t36.permute(0, 2, 3, 1) @ dA)
-    t38 = (t37.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t34.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t38 = (t37.permute(1, 2, 0, 3) * t34.reshape((L, L, 1, 1)))
     t39 = ((t4 @ t38.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     t32[...] = ((t35.reshape((d_V**2, L*n_batch)) @ t39.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -10986,47 +10986,47 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t45 = t44.sum(-2, keepdim=True)
     t46 = t45.expand(*t45.shape[:-2], d_V, t45.shape[-1])
     t47 = (1/(L*d_K*n_batch)) * t43
-    t48 = ((X.reshape((n_batch, L, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t49 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t48 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t42.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t49 = (t19.permute(0, 2, 3, 1) * t46.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t50 = (t49.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t51 = (t50.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t47.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t52 = (t51.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t51 = (t50.permute(1, 3, 0, 2) * t47.permute(1, 0).reshape((L, L, 1, 1)))
+    t52 = (t51.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t53 = (t52.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t54 = ((t16.permute(0, 2, 1) @ t53.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t41[...] = ((t48.reshape((d_K*d_V, L*n_batch)) @ t54.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t55 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t56 = t55.view((d_V, d_K, d_V, d_K))
-    t57 = ((t28.reshape((n_batch, L, d_K, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t57 = (t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t42.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t58 = ((X.permute(0, 2, 1) @ t53.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t56[...] = ((t58.reshape((d_V**2, L*n_batch)) @ t57.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t59 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t60 = t59.view((d_V, d_K, d_V, d_V))
     t61 = (1/(L*math.sqrt(d_K)*n_batch)) * t43
-    t62 = ((t33.reshape((n_batch, L, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t62 = (t33.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t42.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t63 = (t46.reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, L)))
     t64 = (t63.permute(0, 2, 3, 1) @ dA)
-    t65 = (t64.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t61.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t65 = (t64.permute(1, 2, 0, 3) * t61.permute(1, 0).reshape((L, L, 1, 1)))
     t66 = ((t2 @ t65.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t60[...] = ((t62.reshape((d_K*d_V, L*n_batch)) @ t66.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t68 = t67.view((d_V, d_V, d_V, d_K))
     t69 = t33.transpose(-1, -2)
-    t70 = ((X.reshape((n_batch, L, d_V, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t71 = (t19.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t34.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t70 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t69.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t71 = (t19.permute(1, 2, 0, 3) * t34.permute(1, 0).reshape((L, L, 1, 1)))
     t72 = (t71.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
-    t73 = ((t72.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t73 = (t72.permute(2, 3, 0, 1) * t7.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t68[...] = ((t70.reshape((d_V**2, L*n_batch)) @ t73.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t75 = t74.view((d_V, d_V, d_V, d_K))
-    t76 = ((t28.reshape((n_batch, L, d_K, 1)) * t69.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t76 = (t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t69.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t77 = (t71.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t78 = ((t77.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t78 = (t77.permute(2, 3, 0, 1) * t7.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t75[...] = ((t78.reshape((d_V**2, L*n_batch)) @ t76.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t80 = t79.view((d_V, d_V, d_V, d_V))
     t81 = (1/(L*n_batch)) * t69
-    t82 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t83 = ((t33.reshape((n_batch, L, d_V, 1)) * t81.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t82 = (dA.permute(2, 3, 0, 1) * t7.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t83 = (t33.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t81.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t80[...] = ((t83.reshape((d_V**2, L*n_batch)) @ t82.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -11109,7 +11109,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -11118,10 +11118,10 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t21 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t21 = (t15.permute(0, 2, 3, 1) * t5.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t24 = (t23.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
+    t24 = (t23.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -11135,11 +11135,11 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t35 = (1/(L**2*d_K**2*n_batch**2)) * (t34 * t18.permute(0, 2, 3, 1)).sum()
     t36 = torch.sqrt(torch.clamp(t35, min=0.0))
     t37 = t9 @ X
-    t38 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t38 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t39 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t40 = (t37.reshape((L*n_batch, d_V)) @ t37.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t41 = t40 * t16
-    t42 = (t39.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t42 = (t39.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t43 = (t42.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t44 = (t43.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t42.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t45 = (1/(L**2*d_K*n_batch**2)) * (t44 * t41.permute(0, 2, 3, 1)).sum()
@@ -11151,10 +11151,10 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t51 = t50.expand(*t50.shape[:-2], d_V, t50.shape[-1])
     t52 = (t47.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t47.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t53 = t18 * t52
-    t54 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t51.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t54 = (t15.permute(0, 2, 3, 1) * t51.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t55 = (t54.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t56 = (t55.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t48.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t57 = (t56.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t56 = (t55.permute(1, 3, 0, 2) * t48.permute(1, 0).reshape((L, L, 1, 1)))
+    t57 = (t56.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t58 = (t57.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t59 = (t58.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t53.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t60 = (t59.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t57.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -11165,10 +11165,10 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t65 = (t64.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t57.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t66 = (1/(L**2*d_K**2*n_batch**2)) * (t65 * t18.permute(0, 2, 3, 1)).sum()
     t67 = torch.sqrt(torch.clamp(t66, min=0.0))
-    t68 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t51.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t68 = (dA * t51.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t69 = (t68.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t70 = t40 * t52
-    t71 = (t69.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t48.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t71 = (t69.permute(1, 3, 0, 2) * t48.permute(1, 0).reshape((L, L, 1, 1)))
     t72 = (t71.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t73 = (t72.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t71.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t74 = (1/(L**2*d_K*n_batch**2)) * (t73 * t70.permute(0, 2, 3, 1)).sum()
@@ -11176,7 +11176,7 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t76 = t37.transpose(-1, -2)
     t77 = (t76.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t76.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t78 = t18 * t77
-    t79 = (t21.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t79 = (t21.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t80 = (t79.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t78.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t81 = (t80.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t79.permute(2, 3, 0, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t82 = (1/(L**2*d_K*n_batch**2)) * (t81 * t20.permute(0, 2, 3, 1)).sum()
@@ -11218,16 +11218,16 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
     t17 = (X * t1.permute(0, 2, 1)).permute(2, 0, 1)
     t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t19 = (t18.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t21 = (t20.permute(1, 3, 0, 2) * t16.reshape((L, L, 1, 1)))
+    t22 = (t21.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t24 = (t23.permute(3, 0, 1, 2) @ t15.permute(2, 0, 1).reshape((d_K, n_batch, L, 1))).reshape((d_K, n_batch, L))
     t0[...] = (t17.reshape((d_V, L*n_batch)) @ t24.permute(1, 2, 0).reshape((L*n_batch, d_K)))
@@ -11257,7 +11257,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
@@ -11296,16 +11296,16 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = ((X.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t1.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t19 = (t18.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t21 = (t20.permute(1, 3, 0, 2) * t16.reshape((L, L, 1, 1)))
+    t22 = (t21.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t24 = ((t15.permute(0, 2, 1) @ t23.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
@@ -11335,7 +11335,7 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -11344,10 +11344,10 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t21 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t21 = (t15.permute(0, 2, 3, 1) * t5.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t24 = (t23.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
+    t24 = (t23.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -11381,16 +11381,16 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = t4.transpose(-1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = ((t15.reshape((n_batch, L, d_K, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (t15.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t1.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t19 = (t18.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t21 = (t20.permute(1, 3, 0, 2) * t16.reshape((L, L, 1, 1)))
+    t22 = (t21.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t24 = ((X.permute(0, 2, 1) @ t23.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
@@ -11420,7 +11420,7 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t3.transpose(-1, -2)
     t14 = X @ W_Q
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -11429,10 +11429,10 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t18 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t21 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t21 = (t15.permute(0, 2, 3, 1) * t5.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t24 = (t23.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
+    t24 = (t23.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -11466,13 +11466,13 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = t10 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = ((t14.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (t14.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t1.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t17 = (t6.permute(0, 2, 1).reshape((n_batch, d_V, L, 1)) * t4.permute(0, 2, 1).reshape((n_batch, d_V, 1, L)))
     t18 = (t17.permute(0, 2, 3, 1) @ dA)
-    t19 = (t18.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t15.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t19 = (t18.permute(1, 2, 0, 3) * t15.reshape((L, L, 1, 1)))
     t20 = ((t3 @ t19.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
@@ -11501,15 +11501,15 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t9 @ X
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t13.reshape((L*n_batch, d_V)) @ t13.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = t18 * t16
-    t20 = (t15.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t20 = (t15.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t21 = (t20.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t22 = (t21.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t20.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t23 = (1/(L**2*d_K*n_batch**2)) * (t22 * t19.permute(0, 2, 3, 1)).sum()
@@ -11546,15 +11546,15 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t17.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = (t9 * t3.permute(0, 2, 1)).permute(2, 0, 1)
     t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t21.permute(0, 2, 3, 1) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t24 = (t23.permute(1, 3, 0, 2) * t19.permute(1, 0).reshape((L, L, 1, 1)))
+    t25 = (t24.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t27 = (t26.permute(3, 0, 1, 2) @ X.permute(2, 0, 1).reshape((d_V, n_batch, L, 1))).reshape((d_V, n_batch, L))
     t0[...] = (t27.reshape((d_V, L*n_batch)) @ t20.permute(1, 2, 0).reshape((L*n_batch, d_K)))
@@ -11588,7 +11588,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t4.transpose(-1, -2)
     t18 = (t8.reshape((n_batch, L, 1, d_K)) @ t2.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t19 = (Mcausal.reshape((L, L, 1)) * t3.permute(1, 0).reshape((L, 1, L)))
@@ -11630,16 +11630,16 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t17.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t18 = t5.transpose(-1, -2)
     t19 = t11.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t21 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t22 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t23 = (t22.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t23 = (t22.permute(0, 2, 3, 1) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t25 = (t24.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t26 = (t25.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t25 = (t24.permute(1, 3, 0, 2) * t20.permute(1, 0).reshape((L, L, 1, 1)))
+    t26 = (t25.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t27 = (t26.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t28 = ((t19.permute(0, 2, 1) @ t27.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
@@ -11673,7 +11673,7 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t4.transpose(-1, -2)
     t18 = t10.transpose(-1, -2)
     t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -11682,10 +11682,10 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t22 * t21
     t24 = (t18.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t25 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t25 = (t19.permute(0, 2, 3, 1) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t26 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t27 = (t26.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t28 = (t27.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t27 = (t26.permute(1, 3, 0, 2) * t3.permute(1, 0).reshape((L, L, 1, 1)))
+    t28 = (t27.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t29 = (t28.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t30 = (t29.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t31 = (t30.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t28.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -11723,15 +11723,15 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t17.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = ((t9.reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t20 = (t9.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t21.permute(0, 2, 3, 1) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t24 = (t23.permute(1, 3, 0, 2) * t19.permute(1, 0).reshape((L, L, 1, 1)))
+    t25 = (t24.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t27 = ((X.permute(0, 2, 1) @ t26.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t0[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
@@ -11765,7 +11765,7 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t4.transpose(-1, -2)
     t18 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -11773,10 +11773,10 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t21 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t24 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t24 = (t18.permute(0, 2, 3, 1) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t26 = (t25.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t27 = (t26.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t26 = (t25.permute(1, 3, 0, 2) * t3.permute(1, 0).reshape((L, L, 1, 1)))
+    t27 = (t26.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t28 = (t27.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t19.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t29 = (t28.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t30 = (t29.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -11814,13 +11814,13 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t17.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t18 = t14 @ X
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t20 = ((t18.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t20 = (t18.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t21 = (t8.reshape((n_batch, d_V, L, 1)) * t5.permute(0, 2, 1).reshape((n_batch, d_V, 1, L)))
     t22 = (t21.permute(0, 2, 3, 1) @ dA)
-    t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t23 = (t22.permute(1, 2, 0, 3) * t19.permute(1, 0).reshape((L, L, 1, 1)))
     t24 = ((t1 @ t23.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t0[...] = ((t20.reshape((d_K*d_V, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -11853,15 +11853,15 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t13 @ X
-    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t20 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t17.reshape((L*n_batch, d_V)) @ t17.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t22 * t21
-    t24 = (t19.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t24 = (t19.permute(1, 3, 0, 2) * t3.permute(1, 0).reshape((L, L, 1, 1)))
     t25 = (t24.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t26 = (t25.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t24.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t27 = (1/(L**2*d_K*n_batch**2)) * (t26 * t23.permute(0, 2, 3, 1)).sum()
@@ -11897,7 +11897,7 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = (1/(L*n_batch)) * t10
     t18 = (t13 * t17.permute(0, 2, 1)).permute(2, 0, 1)
     t19 = (oe.contract('abcc,abc->abc', dA, t12)).permute(2, 0, 1)
@@ -11931,7 +11931,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = (t12.reshape((n_batch, L, 1, d_V)) @ t9.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t17 = oe.contract('abcc,abc->ab', dA, t11)
     return (1/(L*n_batch)) * (t17 * t16).sum()
@@ -11965,16 +11965,16 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = t4.transpose(-1, -2)
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t10.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t22 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t23 = (t22.permute(1, 2, 0, 3) * t20.permute(1, 0).reshape((L, L, 1, 1)))
     t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t19).reshape((n_batch, L, d_V, d_K))
-    t25 = ((t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t25 = (t24.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -12005,7 +12005,7 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = t3.transpose(-1, -2)
@@ -12014,8 +12014,8 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = (t18.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t24 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t25 = (t24.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t24 = (t19.permute(0, 2, 3, 1) * t11.reshape((n_batch, L, d_V, 1)))
+    t25 = (t24.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t26 = (t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t22.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t27 = (t26.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t25.permute(2, 3, 0, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.permute(0, 2, 3, 1)).sum()
@@ -12051,16 +12051,16 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = ((t19.reshape((n_batch, L, d_K, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (t19.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t10.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t22 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t23 = (t22.permute(1, 2, 0, 3) * t20.permute(1, 0).reshape((L, L, 1, 1)))
     t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t25 = ((t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t25 = (t24.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -12091,7 +12091,7 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
@@ -12100,8 +12100,8 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t21 = (t18.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t24 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t25 = (t24.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t24 = (t19.permute(0, 2, 3, 1) * t11.reshape((n_batch, L, d_V, 1)))
+    t25 = (t24.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t26 = (t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t22.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t27 = (t26.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t25.permute(2, 3, 0, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.permute(0, 2, 3, 1)).sum()
@@ -12137,10 +12137,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = (1/(L*n_batch)) * t10
-    t18 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t19 = ((t13.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (dA.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t19 = (t13.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -12171,8 +12171,8 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
+    t16 = (dA * t11.reshape((n_batch, L, d_V, 1)))
     t17 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t12.reshape((L*n_batch, d_V)) @ t12.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t16.reshape((L*n_batch, d_V**2)) @ t16.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -12222,20 +12222,20 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = t4 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t3 += (t23.sum((0,)).reshape((d_V**2, 1)) * t25.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t3.addcmul_(t25.reshape((1, 1, d_K)), t23.sum((0,)).reshape((d_V, d_V, 1)))
     t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t27 = t26.view((d_V, d_K, d_V, d_V))
     t28 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t29 = (t28.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t29 = (t28.reshape((L, L, 1, 1)) * t4.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t30 = ((G.permute(0, 2, 1) @ t29.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t31 = ((X.reshape((n_batch, L, d_V, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t31 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t8.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t27[...] = ((t31.reshape((d_K*d_V, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t32[...] = 0
     t33 = t32.view((d_V, d_K, d_V, d_K))
     t34 = t33.diagonal(0, 1, 3)
     t35 = t23.transpose(-1, -2)
-    t34 += (t35.sum((0,)).reshape((d_V**2, 1)) * t25.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t34.addcmul_(t25.reshape((1, 1, d_K)), t35.sum((0,)).reshape((d_V, d_V, 1)))
     t36 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t36[...] = 0
     t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
@@ -12244,21 +12244,21 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t40 = t39 @ t4
     t41 = Mcausal.transpose(-1, -2)
     t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
-    t43 = (t42.reshape((L, L, 1)) * t4.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t43 = (t42.reshape((L, L, 1, 1)) * t4.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t44 = ((X.permute(0, 2, 1) @ t43.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t45 = ((G.reshape((n_batch, L, d_V, 1)) * t40.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t45 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t40.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t38[...] = ((t44.reshape((d_V**2, L*n_batch)) @ t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t47 = t46.view((d_V, d_V, d_V, d_K))
     t48 = G.transpose(-1, -2)
     t49 = t8.transpose(-1, -2)
     t50 = ((t49.permute(0, 2, 1) @ t43.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t51 = ((X.reshape((n_batch, L, d_V, 1)) * t48.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t51 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t48.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t47[...] = ((t51.reshape((d_V**2, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t53 = t52.view((d_V, d_V, d_V, d_K))
     t54 = t40.transpose(-1, -2)
-    t55 = ((t54.reshape((n_batch, L, d_K, 1)) * t48.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t55 = (t54.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t48.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t53[...] = ((t44.reshape((d_V**2, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t56[...] = 0
@@ -12483,7 +12483,7 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = t2 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += (t21.sum((0,)).reshape((d_V**2, 1)) * t23.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t1.addcmul_(t23.reshape((1, 1, d_K)), t21.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -12552,9 +12552,9 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = (1/L) * t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t17 = (t16.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t17 = (t16.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t18 = ((G.permute(0, 2, 1) @ t17.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t19 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t19.reshape((d_K*d_V, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -12658,7 +12658,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = t2 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t1 += (t23.sum((0,)).reshape((d_V**2, 1)) * t25.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t1.addcmul_(t25.reshape((1, 1, d_K)), t23.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -12753,9 +12753,9 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = (1/L) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t20 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t20 = (t19.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t21 = ((X.permute(0, 2, 1) @ t20.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t22 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t22 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -12855,9 +12855,9 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = Mcausal.transpose(-1, -2)
     t18 = t5.transpose(-1, -2)
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t20 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t20 = (t19.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t21 = ((t18.permute(0, 2, 1) @ t20.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t16.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
 
@@ -12936,9 +12936,9 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = Mcausal.transpose(-1, -2)
     t18 = X @ W_Q
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t20 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t20 = (t19.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t21 = ((X.permute(0, 2, 1) @ t20.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t22 = ((t18.reshape((n_batch, L, d_K, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = (t18.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t16.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
 
@@ -13035,18 +13035,18 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         A = t14 / t14.sum(-1, keepdim=True)
         t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
         # dA: compact tensor ('L', 'd_V', 'd_V')
-        dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+        dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
         t16 = t6.transpose(-1, -2)
         t17 = t5.transpose(-1, -2)
         t18 = (1/(L*d_K)) * Mcausal
         t19 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-        t20 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t20 = (t19.permute(0, 2, 3, 1) * t8.reshape((n_batch, L, d_V, 1)))
         t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t6.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-        t22 = (t21.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t18.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-        t23 = (t22.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+        t22 = (t21.permute(1, 3, 0, 2) * t18.reshape((L, L, 1, 1)))
+        t23 = (t22.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
         t24 = (t23.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
         t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_K, L)) @ t17).reshape((n_batch, L, d_K, d_K))
-        t3[...] = ((X.reshape((n_batch, L, d_V, 1)) * t25.reshape((n_batch, L, 1, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
+        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t25.reshape((n_batch, L, d_K, 1, d_K)), out=t3)
         t26 = t1[..., d_K*d_V:2*d_K*d_V]
         t27 = t26.view((n_batch, L, d_K, d_V, d_K))
         t28 = X @ W_Q
@@ -13064,8 +13064,8 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t38 = t37 @ X
         t39 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
         t40 = (1/math.sqrt(d_K)) * t39
-        t27[...] = (t29.reshape((n_batch, L, d_K*d_V, 1)) * t28.reshape((n_batch, L, 1, d_K))).reshape((n_batch, L, d_K, d_V, d_K))
-        t30 += (t38.reshape((L*d_V*n_batch, 1)) * t40.reshape((1, d_K))).reshape((n_batch, L, d_V, d_K))
+        torch.mul(t28.reshape((n_batch, L, 1, 1, d_K)), t29.reshape((n_batch, L, d_K, d_V, 1)), out=t27)
+        t30.addcmul_(t40.reshape((1, 1, 1, d_K)), t38.reshape((n_batch, L, d_V, 1)))
         t41 = t1[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t42 = t41.view((n_batch, L, d_K, d_V, d_V))
         t43 = t12 @ X
@@ -13073,13 +13073,13 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t45 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
         t46 = (t45.reshape((d_V, n_batch, L, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, 1, L)))
         t47 = (t46.permute(1, 3, 2, 0) @ dA)
-        t48 = (t47.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t44.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+        t48 = (t47.permute(1, 2, 0, 3) * t44.reshape((L, L, 1, 1)))
         t49 = ((t5 @ t48.permute(2, 1, 0, 3).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, L, d_V))).permute(0, 2, 1, 3)
         t50 = (1/math.sqrt(d_K)) * Mcausal
-        t51 = (t50.permute(1, 0).reshape((L, L, 1)) * t5.permute(2, 0, 1).reshape((L, 1, d_K*n_batch))).reshape((L, L, n_batch, d_K))
+        t51 = (t50.permute(1, 0).reshape((L, L, 1, 1)) * t5.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
         t52 = (t51.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ X).reshape((n_batch, L, d_K, d_V))
-        t42[...] = ((t43.reshape((n_batch, L, d_V, 1)) * t49.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
-        t42 += (t52.reshape((n_batch, L, d_K*d_V, 1)) * G.reshape((n_batch, L, 1, d_V))).reshape((n_batch, L, d_K, d_V, d_V))
+        torch.mul(t43.reshape((n_batch, L, 1, d_V, 1)), t49.reshape((n_batch, L, d_K, 1, d_V)), out=t42)
+        t42.addcmul_(G.reshape((n_batch, L, 1, 1, d_V)), t52.reshape((n_batch, L, d_K, d_V, 1)))
         t53 = t0.permute(1, 0, 2)
         t54 = t53.reshape((d_V, L*n_batch))
         t55 = (1/n_batch) * t54
@@ -13097,35 +13097,35 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t65 = t64.sum(-2, keepdim=True)
         t66 = t65.expand(*t65.shape[:-2], d_V, t65.shape[-1])
         t67 = (1/(L*d_K)) * t63
-        t68 = ((X.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
-        t69 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t66.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+        t68 = (X.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t62.reshape((n_batch, d_K, 1, L)))
+        t69 = (t19.permute(0, 2, 3, 1) * t66.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
         t70 = (t69.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t6.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-        t71 = (t70.permute(1, 2, 0, 3).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
+        t71 = (t70.permute(1, 2, 0, 3) * Mcausal.reshape((L, L, 1, 1)))
         t72 = (t71.permute(2, 0, 3, 1).reshape((n_batch, L**2, L)) @ t17).reshape((n_batch, L, L, d_K))
-        t73 = ((t72.permute(2, 1, 0, 3).reshape((L, L, d_K*n_batch, 1)) * t67.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_K))).permute(2, 0, 3, 1)
+        t73 = (t72.permute(0, 2, 3, 1) * t67.reshape((1, L, 1, L)))
         t74 = t61.diagonal(0, 2, 4)
         t75 = t36.transpose(-1, -2)
         t76 = t75 * t63
         t77 = (t76 @ X)
         t61[...] = ((t68.reshape((n_batch, d_K*d_V, L)) @ t73.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_V, L, d_K))).permute(0, 3, 1, 2, 4)
-        t74 += (t77.reshape((L*d_V*n_batch, 1)) * t40.reshape((1, d_K))).reshape((n_batch, L, d_V, d_K))
+        t74.addcmul_(t40.reshape((1, 1, 1, d_K)), t77.reshape((n_batch, L, d_V, 1)))
         t78 = t59[..., d_K*d_V:2*d_K*d_V]
         t79 = t78.view((n_batch, L, d_K, d_V, d_K))
-        t80 = ((t28.reshape((n_batch, L, d_K, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t80 = (t28.permute(0, 2, 1).reshape((n_batch, 1, d_K, L)) * t62.reshape((n_batch, d_K, 1, L)))
         t81 = (t71.permute(2, 0, 3, 1).reshape((n_batch, L**2, L)) @ X).reshape((n_batch, L, L, d_V))
-        t82 = ((t81.permute(2, 1, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t67.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))).permute(2, 0, 3, 1)
+        t82 = (t81.permute(0, 2, 3, 1) * t67.reshape((1, L, 1, L)))
         t79[...] = ((t82.reshape((n_batch, L*d_V, L)) @ t80.permute(0, 3, 1, 2).reshape((n_batch, L, d_K**2))).reshape((n_batch, L, d_V, d_K, d_K))).permute(0, 1, 3, 2, 4)
         t83 = t59[..., 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t84 = t83.view((n_batch, L, d_K, d_V, d_V))
         t85 = (1/math.sqrt(d_K)) * t63
-        t86 = (t85.permute(1, 0).reshape((L, L, 1)) * t62.permute(2, 0, 1).reshape((L, 1, d_K*n_batch))).reshape((L, L, n_batch, d_K))
+        t86 = (t85.permute(1, 0).reshape((L, L, 1, 1)) * t62.permute(2, 0, 1).reshape((L, 1, n_batch, d_K)))
         t87 = (t86.permute(2, 1, 3, 0).reshape((n_batch, L*d_K, L)) @ G).reshape((n_batch, L, d_K, d_V))
         t88 = (1/(L*math.sqrt(d_K))) * t63
-        t89 = ((t43.reshape((n_batch, L, d_V, 1)) * t62.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(0, 3, 2, 1)
+        t89 = (t43.permute(0, 2, 1).reshape((n_batch, 1, d_V, L)) * t62.reshape((n_batch, d_K, 1, L)))
         t90 = (t45.reshape((d_V, n_batch, L, 1)) * t66.permute(1, 0, 2).reshape((d_V, n_batch, 1, L)))
         t91 = (t90.permute(1, 3, 2, 0) @ dA)
-        t92 = ((t91.permute(2, 1, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t88.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))).permute(2, 0, 3, 1)
-        t84[...] = ((X.reshape((n_batch, L, d_V, 1)) * t87.reshape((n_batch, L, 1, d_K*d_V))).reshape((n_batch, L, d_V, d_K, d_V))).permute(0, 1, 3, 2, 4)
+        t92 = (t91.permute(0, 2, 3, 1) * t88.reshape((1, L, 1, L)))
+        torch.mul(X.reshape((n_batch, L, 1, d_V, 1)), t87.reshape((n_batch, L, d_K, 1, d_V)), out=t84)
         t84 += ((t89.reshape((n_batch, d_K*d_V, L)) @ t92.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L, d_V))).permute(0, 3, 1, 2, 4)
         t93 = R58.view((L*n_batch, d_K*(2*d_K*d_V + d_V**2)))
         t94 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
@@ -13137,32 +13137,32 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t98 = t63 * t97
         t99 = (1/(L*math.sqrt(d_K)*n_batch)) * t98
         t100 = (t99.permute(0, 2, 1) @ t0.permute(0, 2, 1))
-        t101 = ((t100.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-        t102 = (t19.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+        t101 = (t100.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+        t102 = (t19.permute(1, 2, 0, 3) * Mcausal.permute(1, 0).reshape((L, L, 1, 1)))
         t103 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t17).reshape((n_batch, L, d_V, d_K))
-        t104 = ((t103.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+        t104 = (t103.permute(2, 3, 0, 1) * t8.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
         t105 = G.transpose(-1, -2)
         t106 = (1/(math.sqrt(d_K)*n_batch)) * t63
-        t107 = (t106.reshape((L, L, 1)) * t0.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+        t107 = (t106.reshape((L, L, 1, 1)) * t0.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
         t108 = ((t17.permute(0, 2, 1) @ t107.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-        t109 = ((X.reshape((n_batch, L, d_V, 1)) * t105.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t109 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t105.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         t96[...] = ((t101.reshape((d_V**2, L*n_batch)) @ t104.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
         t96 += ((t109.reshape((d_V**2, L*n_batch)) @ t108.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
         t110 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
         t111 = t110.view((d_V, d_V, d_V, d_K))
-        t112 = ((t100.reshape((n_batch, L, d_V, 1)) * t28.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+        t112 = (t100.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
         t113 = (t102.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-        t114 = ((t113.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+        t114 = (t113.permute(2, 3, 0, 1) * t8.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
         t115 = ((X.permute(0, 2, 1) @ t107.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-        t116 = ((t28.reshape((n_batch, L, d_K, 1)) * t105.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t116 = (t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t105.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         t111[...] = ((t114.reshape((d_V**2, L*n_batch)) @ t112.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
         t111 += ((t115.reshape((d_V**2, L*n_batch)) @ t116.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
         t117 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t118 = t117.view((d_V, d_V, d_V, d_V))
         t119 = t43.transpose(-1, -2)
         t120 = (1/(L*n_batch)) * t119
-        t121 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-        t122 = ((t43.reshape((n_batch, L, d_V, 1)) * t120.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+        t121 = (dA.permute(2, 3, 0, 1) * t8.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+        t122 = (t43.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t120.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         t118[...] = ((t122.reshape((d_V**2, L*n_batch)) @ t121.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
         return H
     H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
@@ -13185,23 +13185,23 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t15 = t5.transpose(-1, -2)
     t16 = t4.transpose(-1, -2)
     t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t18 = ((X.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t19 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t20 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t20 = (t19.permute(0, 2, 3, 1) * t7.reshape((n_batch, L, d_V, 1)))
     t21 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t22 = (t21.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t17.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t23 = (t22.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t22 = (t21.permute(1, 3, 0, 2) * t17.reshape((L, L, 1, 1)))
+    t23 = (t22.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t24 = (t23.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t25 = ((t16.permute(0, 2, 1) @ t24.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
     t1[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t27 = t26.view((d_V, d_K, d_V, d_K))
     t28 = X @ W_Q
-    t29 = ((t28.reshape((n_batch, L, d_K, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29 = (t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t30 = ((X.permute(0, 2, 1) @ t24.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     t31 = t27.diagonal(0, 1, 3)
     F = t12
@@ -13218,21 +13218,21 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t41 = (1/(math.sqrt(d_K)*n_batch)) * t40
     t42 = (t2.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t39.reshape((L*n_batch, d_V)))
     t27[...] = ((t30.reshape((d_K*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t31 += (t42.reshape((d_V**2, 1)) * t41.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t31.addcmul_(t41.reshape((1, 1, d_K)), t42.reshape((d_V, d_V, 1)))
     t43 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t44 = t43.view((d_V, d_K, d_V, d_V))
     t45 = t11 @ X
     t46 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t47 = ((t45.reshape((n_batch, L, d_V, 1)) * t2.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t47 = (t45.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t48 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t49 = (t48.reshape((d_V, n_batch, L, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, 1, L)))
     t50 = (t49.permute(1, 3, 2, 0) @ dA)
-    t51 = (t50.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t46.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t51 = (t50.permute(1, 2, 0, 3) * t46.reshape((L, L, 1, 1)))
     t52 = ((t4 @ t51.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     t53 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t54 = (t53.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t54 = (t53.reshape((L, L, 1, 1)) * t2.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t55 = ((G.permute(0, 2, 1) @ t54.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t56 = ((X.reshape((n_batch, L, d_V, 1)) * t4.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t56 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t4.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t44[...] = ((t47.reshape((d_V**2, L*n_batch)) @ t52.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t44 += ((t56.reshape((d_K*d_V, L*n_batch)) @ t55.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t57 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
@@ -13243,11 +13243,11 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t62 = t61.sum(-2, keepdim=True)
     t63 = t62.expand(*t62.shape[:-2], d_V, t62.shape[-1])
     t64 = (1/(L*d_K*n_batch)) * t60
-    t65 = ((X.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
-    t66 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t63.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t65 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t59.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
+    t66 = (t19.permute(0, 2, 3, 1) * t63.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t67 = (t66.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t68 = (t67.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t64.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t69 = (t68.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t68 = (t67.permute(1, 3, 0, 2) * t64.permute(1, 0).reshape((L, L, 1, 1)))
+    t69 = (t68.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t70 = (t69.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t71 = ((t16.permute(0, 2, 1) @ t70.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t72 = t58.diagonal(0, 1, 3)
@@ -13256,23 +13256,23 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t75 = (t74.permute(0, 2, 1) @ t2.permute(0, 2, 1))
     t76 = (t75.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
     t58[...] = ((t65.reshape((d_K*d_V, L*n_batch)) @ t71.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t72 += (t76.reshape((d_V**2, 1)) * t41.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t72.addcmul_(t41.reshape((1, 1, d_K)), t76.reshape((d_V, d_V, 1)))
     t77 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t78 = t77.view((d_V, d_K, d_V, d_K))
-    t79 = ((t28.reshape((n_batch, L, d_K, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t79 = (t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t59.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t80 = ((X.permute(0, 2, 1) @ t70.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t78[...] = ((t80.reshape((d_V**2, L*n_batch)) @ t79.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t81 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t82 = t81.view((d_V, d_K, d_V, d_V))
     t83 = (1/(math.sqrt(d_K)*n_batch)) * t60
-    t84 = (t83.reshape((L, L, 1)) * t2.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t84 = (t83.reshape((L, L, 1, 1)) * t2.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t85 = ((X.permute(0, 2, 1) @ t84.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t86 = ((G.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t86 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t59.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t87 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
-    t88 = ((t45.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t88 = (t45.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t59.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t89 = (t48.reshape((d_V, n_batch, L, 1)) * t63.permute(1, 0, 2).reshape((d_V, n_batch, 1, L)))
     t90 = (t89.permute(1, 3, 2, 0) @ dA)
-    t91 = (t90.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t87.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t91 = (t90.permute(1, 2, 0, 3) * t87.permute(1, 0).reshape((L, L, 1, 1)))
     t92 = ((t2 @ t91.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t82[...] = ((t85.reshape((d_V**2, L*n_batch)) @ t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t82 += ((t88.reshape((d_K*d_V, L*n_batch)) @ t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
@@ -13281,29 +13281,29 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t95 = T.transpose(-1, -2)
     t96 = t60 * t95
     t97 = (t96.permute(0, 2, 1) @ t2.permute(0, 2, 1))
-    t98 = ((t97.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
-    t99 = (t19.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t46.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t98 = (t97.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t99 = (t19.permute(1, 2, 0, 3) * t46.permute(1, 0).reshape((L, L, 1, 1)))
     t100 = (t99.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t16).reshape((n_batch, L, d_V, d_K))
-    t101 = ((t100.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t101 = (t100.permute(2, 3, 0, 1) * t7.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t102 = G.transpose(-1, -2)
     t103 = ((t16.permute(0, 2, 1) @ t84.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t104 = ((X.reshape((n_batch, L, d_V, 1)) * t102.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t104 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t102.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t94[...] = ((t98.reshape((d_V**2, L*n_batch)) @ t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t94 += ((t104.reshape((d_V**2, L*n_batch)) @ t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t105 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t106 = t105.view((d_V, d_V, d_V, d_K))
-    t107 = ((t97.reshape((n_batch, L, d_V, 1)) * t28.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t107 = (t97.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
     t108 = (t99.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t109 = ((t108.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t110 = ((t28.reshape((n_batch, L, d_K, 1)) * t102.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t109 = (t108.permute(2, 3, 0, 1) * t7.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t110 = (t28.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t102.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t106[...] = ((t109.reshape((d_V**2, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t106 += ((t85.reshape((d_V**2, L*n_batch)) @ t110.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t111 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t112 = t111.view((d_V, d_V, d_V, d_V))
     t113 = t45.transpose(-1, -2)
     t114 = (1/(L*n_batch)) * t113
-    t115 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t7.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t116 = ((t45.reshape((n_batch, L, d_V, 1)) * t114.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t115 = (dA.permute(2, 3, 0, 1) * t7.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t116 = (t45.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t114.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t112[...] = ((t116.reshape((d_V**2, L*n_batch)) @ t115.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -13415,7 +13415,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -13424,10 +13424,10 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t21 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t21 = (t15.permute(0, 2, 3, 1) * t5.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t24 = (t23.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
+    t24 = (t23.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -13448,7 +13448,7 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t40 = (t39 @ t2)
     t41 = (t38 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t42 = (t41.permute(1, 2, 0) @ X.permute(0, 2, 1))
-    t43 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L, L, L, 1)) * t40.reshape((n_batch, L, L, 1, 1))).reshape((n_batch, L, L, L))
+    t43 = (t22.permute(0, 1, 3, 2) * t40.reshape((n_batch, L, L, 1)))
     t44 = (t43.permute(1, 0, 3, 2).reshape((L, L*n_batch, L)) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch, L))
     t45 = (t44.permute(0, 2, 1).reshape((L, L, 1, n_batch)) @ t42.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
     t46 = (t39.reshape((L*n_batch, d_K)) @ t39.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13459,17 +13459,17 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t51 = torch.sqrt(torch.clamp(t50, min=0.0))
     t52 = t9 @ X
     t53 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t54 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t54 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t55 = (t54.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t53.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t56 = (t52.reshape((L*n_batch, d_V)) @ t52.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t57 = t56 * t16
-    t58 = (t55.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t58 = (t55.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t59 = (t58.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t60 = (t59.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t58.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t61 = (X.reshape((L*n_batch, d_V)) @ t52.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t62 = (t61.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
-    t63 = (t62.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
-    t64 = (t17.permute(3, 0, 1, 2).reshape((L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, 1, L))).reshape((L, n_batch, L, n_batch, L))
+    t63 = (t62.permute(3, 4, 0, 1, 2) * Mcausal.permute(1, 0).reshape((L, L, 1, 1, 1)))
+    t64 = (t17.permute(3, 0, 1, 2).reshape((L, n_batch, L, n_batch, 1)) * Mcausal.permute(1, 0).reshape((L, 1, 1, 1, L)))
     t65 = (t53.permute(1, 2, 0) @ t54.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t66 = (t64.permute(1, 3, 4, 0, 2) @ t63.permute(2, 3, 4, 0, 1))
     t67 = (t66.permute(0, 4, 1, 2, 3).reshape((L*n_batch, L**2*n_batch)) @ t65.permute(0, 2, 1, 3).reshape((L**2*n_batch, d_V))).reshape((n_batch, L, d_V))
@@ -13490,15 +13490,15 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t82 = t81.sum(-2, keepdim=True)
     t83 = t82.expand(*t82.shape[:-2], d_V, t82.shape[-1])
     t84 = (t14 @ t80)
-    t85 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t83.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t85 = (t15.permute(0, 2, 3, 1) * t83.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t86 = (t85.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t87 = (t86.reshape((n_batch, L, L, L, 1)) * t84.permute(0, 2, 1).reshape((n_batch, L, L, 1, 1))).reshape((n_batch, L, L, L))
+    t87 = (t86 * t84.permute(0, 2, 1).reshape((n_batch, L, L, 1)))
     t88 = (t87.permute(1, 0, 3, 2).reshape((L, L*n_batch, L)) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch, L))
     t89 = (t88.permute(0, 2, 1).reshape((L, L, 1, n_batch)) @ t79.permute(2, 1, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
     t90 = (t80.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t80.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t91 = t18 * t90
-    t92 = (t86.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t76.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t93 = (t92.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t92 = (t86.permute(1, 3, 0, 2) * t76.permute(1, 0).reshape((L, L, 1, 1)))
+    t93 = (t92.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t94 = (t93.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t95 = (t94.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t96 = (t95.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t93.permute(3, 2, 1, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -13512,17 +13512,17 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t104 = t69 * t90
     t105 = (t19.reshape((L*n_batch**2, L)) @ t76).reshape((n_batch, L, n_batch, L))
     t106 = (t105.permute(1, 0, 2, 3).reshape((L, L*n_batch**2)) @ t104.permute(0, 2, 3, 1).reshape((L*n_batch**2, L)))
-    t107 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t83.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t107 = (dA * t83.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t108 = (t52.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t109 = (t108.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
-    t110 = (t109.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * t76.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t110 = (t109.permute(3, 4, 0, 1, 2) * t76.permute(1, 0).reshape((L, L, 1, 1, 1)))
     t111 = (t53.permute(1, 2, 0) @ t107.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t112 = (t111.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t113 = (t112.permute(0, 2, 3, 4, 1) @ t110.permute(2, 0, 3, 1, 4))
     t114 = (t113.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t90.permute(3, 0, 1, 2).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t115 = (t107.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t53.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t116 = t56 * t90
-    t117 = (t115.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t76.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t117 = (t115.permute(1, 3, 0, 2) * t76.permute(1, 0).reshape((L, L, 1, 1)))
     t118 = (t117.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t16.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t119 = (t118.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t117.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t120 = (1/(d_K*n_batch**2)) * (t106 * t76).sum() + (2/(L*d_K*n_batch**2)) * (t114 * t76.permute(1, 0)).sum() + (1/(L**2*d_K*n_batch**2)) * (t119 * t116.permute(0, 2, 3, 1)).sum()
@@ -13532,13 +13532,13 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t124 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t123).reshape((n_batch, n_batch, L, L))
     t125 = (t124.permute(1, 0, 3, 2).reshape((n_batch, L*n_batch, L)) @ t123).reshape((n_batch, n_batch, L, L))
     t126 = t125 * t18.permute(0, 2, 3, 1)
-    t127 = (t21.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t127 = (t21.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t128 = (t127.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t129 = (t128.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t127.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t130 = G.transpose(-1, -2)
     t131 = (t21.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t130.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t132 = (t131.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t18.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
-    t133 = (t132.permute(1, 4, 0, 2, 3).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t132 = (t131.permute(0, 1, 3, 4, 2) * t18.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    t133 = (t132.permute(1, 4, 0, 2, 3) * Mcausal.reshape((L, L, 1, 1, 1)))
     t134 = (t133.permute(2, 3, 0, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t135 = (t134.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t124.permute(2, 0, 1, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t136 = (t130.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t130.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13551,8 +13551,8 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t143 = t125 * t46.permute(0, 2, 3, 1)
     t144 = (t127.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t145 = (t144.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t127.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t146 = (t131.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t46.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
-    t147 = (t146.permute(1, 4, 0, 2, 3).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t146 = (t131.permute(0, 1, 3, 4, 2) * t46.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    t147 = (t146.permute(1, 4, 0, 2, 3) * Mcausal.reshape((L, L, 1, 1, 1)))
     t148 = (t147.permute(2, 3, 0, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t149 = (t148.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t124.permute(2, 0, 1, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t150 = t46 * t136
@@ -13593,16 +13593,16 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
     t17 = (X * t1.permute(0, 2, 1)).permute(2, 0, 1)
     t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t19 = (t18.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t21 = (t20.permute(1, 3, 0, 2) * t16.reshape((L, L, 1, 1)))
+    t22 = (t21.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t24 = (t23.permute(3, 0, 1, 2) @ t15.permute(2, 0, 1).reshape((d_K, n_batch, L, 1))).reshape((d_K, n_batch, L))
     t0[...] = (t17.reshape((d_V, L*n_batch)) @ t24.permute(1, 2, 0).reshape((L*n_batch, d_K)))
@@ -13632,7 +13632,7 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (X.reshape((n_batch, L, 1, d_V)) @ t0.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
@@ -13671,16 +13671,16 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = t4.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = ((X.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t1.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t19 = (t18.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t21 = (t20.permute(1, 3, 0, 2) * t16.reshape((L, L, 1, 1)))
+    t22 = (t21.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t24 = ((t15.permute(0, 2, 1) @ t23.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_K, d_K, L))).permute(2, 1, 0, 3)
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
@@ -13710,7 +13710,7 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -13719,10 +13719,10 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t21 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t21 = (t15.permute(0, 2, 3, 1) * t5.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t24 = (t23.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
+    t24 = (t23.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -13756,16 +13756,16 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = t4.transpose(-1, -2)
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = ((t15.reshape((n_batch, L, d_K, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t17 = (t15.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t1.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t18 = (t14.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t19 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t19 = (t18.permute(0, 2, 3, 1) * t6.reshape((n_batch, L, d_V, 1)))
     t20 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t21 = (t20.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t16.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t22 = (t21.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t21 = (t20.permute(1, 3, 0, 2) * t16.reshape((L, L, 1, 1)))
+    t22 = (t21.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t23 = (t22.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_K))
     t24 = ((X.permute(0, 2, 1) @ t23.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_K))).reshape((n_batch, d_V, d_K, L))).permute(2, 1, 0, 3)
     t25 = t0.diagonal(0, 1, 3)
@@ -13783,7 +13783,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
     t36 = (t1.permute(1, 0, 2).reshape((d_V, L*n_batch)) @ t33.reshape((L*n_batch, d_V)))
     t0[...] = ((t24.reshape((d_K*d_V, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t25 += (t36.reshape((d_V**2, 1)) * t35.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t25.addcmul_(t35.reshape((1, 1, d_K)), t36.reshape((d_V, d_V, 1)))
     return out
 
 
@@ -13822,15 +13822,15 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A21 = t20 / t20.sum(-1, keepdim=True)
     t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A21.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t22.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A21.reshape((n_batch, L, d_V, 1)) * A21.reshape((n_batch, L, 1, d_V)))
+    dA = (t22.reshape((1, 1, d_V, d_V)) * A21.reshape((n_batch, L, d_V, 1))) - (A21.reshape((n_batch, L, 1, d_V)) * A21.reshape((n_batch, L, d_V, 1)))
     t23 = X @ W_Q
     t24 = (t15.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t25 = (t23 @ t4)
-    t26 = (t24.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t26 = (t24.permute(0, 2, 3, 1) * t2.reshape((n_batch, L, d_V, 1)))
     t27 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t9.permute(0, 2, 1)).reshape((n_batch, L, L, L))
     t28 = (t19 @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t29 = (t28.permute(1, 2, 0) @ X.permute(0, 2, 1))
-    t30 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L, L, L, 1)) * t25.reshape((n_batch, L, L, 1, 1))).reshape((n_batch, L, L, L))
+    t30 = (t27.permute(0, 1, 3, 2) * t25.reshape((n_batch, L, L, 1)))
     t31 = (t30.permute(1, 0, 3, 2).reshape((L, L*n_batch, L)) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch, L))
     t32 = (t31.permute(0, 2, 1).reshape((L, L, 1, n_batch)) @ t29.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
     t33 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -13838,8 +13838,8 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t35 = (t23.reshape((L*n_batch, d_K)) @ t23.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t36 = t35 * t33
     t37 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t38 = (t27.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t39 = (t38.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t38 = (t27.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
+    t39 = (t38.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t40 = (t39.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t34.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t41 = (t40.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t36.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t42 = (t41.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t39.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -13873,14 +13873,14 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t14 = t9 @ X
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t16 = ((t14.reshape((n_batch, L, d_V, 1)) * t1.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (t14.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t1.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t17 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t18 = (t17.reshape((d_V, n_batch, L, 1)) * t5.permute(2, 0, 1).reshape((d_V, n_batch, 1, L)))
     t19 = (t18.permute(1, 3, 2, 0) @ dA)
-    t20 = (t19.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t15.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t20 = (t19.permute(1, 2, 0, 3) * t15.reshape((L, L, 1, 1)))
     t21 = ((t3 @ t20.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(1, 2, 0, 3)
     F = t11
     t22 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -13890,9 +13890,9 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t26 = (1/L) * t25
     G = t26
     t27 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t28 = (t27.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t28 = (t27.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t29 = ((G.permute(0, 2, 1) @ t28.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t30 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t30 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t30.reshape((d_K*d_V, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -13921,16 +13921,16 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t8 @ X
     t14 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t4.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t15 = (dA * t4.reshape((n_batch, L, d_V, 1)))
     t16 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t14.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t13.reshape((L*n_batch, d_V)) @ t13.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = t19 * t17
-    t21 = (t16.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t21 = (t16.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t22 = (t21.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t23 = (t22.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t21.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     F = t10
@@ -13942,8 +13942,8 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t28
     t29 = (X.reshape((L*n_batch, d_V)) @ t13.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t30 = (t29.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t17.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
-    t31 = (t30.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
-    t32 = (t18.permute(3, 0, 1, 2).reshape((L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, 1, L))).reshape((L, n_batch, L, n_batch, L))
+    t31 = (t30.permute(3, 4, 0, 1, 2) * Mcausal.permute(1, 0).reshape((L, L, 1, 1, 1)))
+    t32 = (t18.permute(3, 0, 1, 2).reshape((L, n_batch, L, n_batch, 1)) * Mcausal.permute(1, 0).reshape((L, 1, 1, 1, L)))
     t33 = (t14.permute(1, 2, 0) @ t15.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t34 = (t32.permute(1, 3, 4, 0, 2) @ t31.permute(2, 3, 4, 0, 1))
     t35 = (t34.permute(0, 4, 1, 2, 3).reshape((L*n_batch, L**2*n_batch)) @ t33.permute(0, 2, 1, 3).reshape((L**2*n_batch, d_V))).reshape((n_batch, L, d_V))
@@ -13987,15 +13987,15 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t17.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
     t20 = (t9 * t3.permute(0, 2, 1)).permute(2, 0, 1)
     t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t21.permute(0, 2, 3, 1) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t24 = (t23.permute(1, 3, 0, 2) * t19.permute(1, 0).reshape((L, L, 1, 1)))
+    t25 = (t24.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t27 = (t26.permute(3, 0, 1, 2) @ X.permute(2, 0, 1).reshape((d_V, n_batch, L, 1))).reshape((d_V, n_batch, L))
     t0[...] = (t27.reshape((d_V, L*n_batch)) @ t20.permute(1, 2, 0).reshape((L*n_batch, d_K)))
@@ -14029,7 +14029,7 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t4.transpose(-1, -2)
     t18 = (t8.reshape((n_batch, L, 1, d_K)) @ t2.permute(0, 2, 1).reshape((n_batch, L, d_K, 1))).reshape((n_batch, L))
     t19 = (Mcausal.reshape((L, L, 1)) * t3.permute(1, 0).reshape((L, 1, L)))
@@ -14071,16 +14071,16 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t17.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t18 = t5.transpose(-1, -2)
     t19 = t11.transpose(-1, -2)
     t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t21 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t22 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t23 = (t22.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t23 = (t22.permute(0, 2, 3, 1) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t24 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t25 = (t24.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t20.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t26 = (t25.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t25 = (t24.permute(1, 3, 0, 2) * t20.permute(1, 0).reshape((L, L, 1, 1)))
+    t26 = (t25.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t27 = (t26.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t28 = ((t19.permute(0, 2, 1) @ t27.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
     t29 = t0.diagonal(0, 1, 3)
@@ -14101,7 +14101,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t42 = (t39.permute(0, 2, 1) @ t1.permute(0, 2, 1))
     t43 = (t42.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ X.reshape((L*n_batch, d_V)))
     t0[...] = ((t21.reshape((d_K*d_V, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t29 += (t43.reshape((d_V**2, 1)) * t41.reshape((1, d_K))).reshape((d_V, d_V, d_K))
+    t29.addcmul_(t41.reshape((1, 1, d_K)), t43.reshape((d_V, d_V, 1)))
     return out
 
 
@@ -14149,21 +14149,21 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdim=True)
     t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A30.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
+    dA = (t31.reshape((1, 1, d_V, d_V)) * A30.reshape((n_batch, L, d_V, 1))) - (A30.reshape((n_batch, L, 1, d_V)) * A30.reshape((n_batch, L, d_V, 1)))
     t32 = t9.transpose(-1, -2)
     t33 = t4.transpose(-1, -2)
     t34 = (t32.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t35 = (t33 @ t25)
-    t36 = (t34.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t36 = (t34.permute(0, 2, 3, 1) * t28.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t37 = (t36.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t9.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t38 = (t37.reshape((n_batch, L, L, L, 1)) * t35.permute(0, 2, 1).reshape((n_batch, L, L, 1, 1))).reshape((n_batch, L, L, L))
+    t38 = (t37 * t35.permute(0, 2, 1).reshape((n_batch, L, L, 1)))
     t39 = (t38.permute(1, 0, 3, 2).reshape((L, L*n_batch, L)) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch, L))
     t40 = (t39.permute(0, 2, 1).reshape((L, L, 1, n_batch)) @ t23.permute(2, 1, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
     t41 = (t25.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t25.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t42 = (t33.reshape((L*n_batch, d_K)) @ t33.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t43 = t21 * t41
-    t44 = (t37.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t18.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t45 = (t44.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t44 = (t37.permute(1, 3, 0, 2) * t18.permute(1, 0).reshape((L, L, 1, 1)))
+    t45 = (t44.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t46 = (t45.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t47 = (t46.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t42.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t48 = (t47.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t45.permute(3, 2, 1, 0).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -14201,15 +14201,15 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t17.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t17.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t18 = t5.transpose(-1, -2)
     t19 = (1/(L*d_K*n_batch)) * t4
-    t20 = ((t9.reshape((n_batch, L, d_K, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t20 = (t9.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t21 = (t18.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t22 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t21.permute(0, 2, 3, 1) * t8.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t23 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t5.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t24 = (t23.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t25 = (t24.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t24 = (t23.permute(1, 3, 0, 2) * t19.permute(1, 0).reshape((L, L, 1, 1)))
+    t25 = (t24.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t26 = (t25.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     t27 = ((X.permute(0, 2, 1) @ t26.permute(0, 2, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
     t0[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
@@ -14243,7 +14243,7 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t4.transpose(-1, -2)
     t18 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14251,10 +14251,10 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t24 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t24 = (t18.permute(0, 2, 3, 1) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t26 = (t25.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t27 = (t26.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t26 = (t25.permute(1, 3, 0, 2) * t3.permute(1, 0).reshape((L, L, 1, 1)))
+    t27 = (t26.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t28 = (t27.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t19.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t29 = (t28.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t30 = (t29.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -14295,9 +14295,9 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = (1/L) * t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t20 = (t19.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t20 = (t19.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t21 = ((X.permute(0, 2, 1) @ t20.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t22 = ((G.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t22 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t23 = Y.transpose(-1, -2)
     t24 = t23.sum(-2, keepdim=True)
     t25 = t24.expand(*t24.shape[:-2], d_V, t24.shape[-1])
@@ -14305,14 +14305,14 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A27 = t26 / t26.sum(-1, keepdim=True)
     t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A27.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t28.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A27.reshape((n_batch, L, d_V, 1)) * A27.reshape((n_batch, L, 1, d_V)))
+    dA = (t28.reshape((1, 1, d_V, d_V)) * A27.reshape((n_batch, L, d_V, 1))) - (A27.reshape((n_batch, L, 1, d_V)) * A27.reshape((n_batch, L, d_V, 1)))
     t29 = t12 @ X
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t31 = ((t29.reshape((n_batch, L, d_V, 1)) * t3.permute(0, 2, 1).reshape((n_batch, L, 1, d_K)))).permute(3, 2, 0, 1)
+    t31 = (t29.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_K, 1, n_batch, L)))
     t32 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t33 = (t32.reshape((d_V, n_batch, L, 1)) * t25.permute(1, 0, 2).reshape((d_V, n_batch, 1, L)))
     t34 = (t33.permute(1, 3, 2, 0) @ dA)
-    t35 = (t34.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t30.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t35 = (t34.permute(1, 2, 0, 3) * t30.permute(1, 0).reshape((L, L, 1, 1)))
     t36 = ((t1 @ t35.permute(2, 1, 3, 0).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(1, 2, 0, 3)
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
     t0 += ((t31.reshape((d_K*d_V, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
@@ -14363,13 +14363,13 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A30 = t29 / t29.sum(-1, keepdim=True)
     t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A30.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t31.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A30.reshape((n_batch, L, d_V, 1)) * A30.reshape((n_batch, L, 1, d_V)))
+    dA = (t31.reshape((1, 1, d_V, d_V)) * A30.reshape((n_batch, L, d_V, 1))) - (A30.reshape((n_batch, L, 1, d_V)) * A30.reshape((n_batch, L, d_V, 1)))
     t32 = t11 @ X
-    t33 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t33 = (dA * t28.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t34 = (t32.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t35 = (W_V.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t36 = (t34.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t18.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
-    t37 = (t36.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t37 = (t36.permute(3, 4, 0, 1, 2) * t3.permute(1, 0).reshape((L, L, 1, 1, 1)))
     t38 = (t35.permute(1, 2, 0) @ t33.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t39 = (t38.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t40 = (t39.permute(0, 2, 3, 4, 1) @ t37.permute(2, 0, 3, 1, 4))
@@ -14377,7 +14377,7 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t42 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t35.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t43 = (t32.reshape((L*n_batch, d_V)) @ t32.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t44 = t43 * t19
-    t45 = (t42.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t45 = (t42.permute(1, 3, 0, 2) * t3.permute(1, 0).reshape((L, L, 1, 1)))
     t46 = (t45.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t18.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t47 = (t46.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t45.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t48 = (1/(d_K*n_batch**2)) * (t25 * t3).sum() + (2/(L*d_K*n_batch**2)) * (t41 * t3.permute(1, 0)).sum() + (1/(L**2*d_K*n_batch**2)) * (t47 * t44.permute(0, 2, 3, 1)).sum()
@@ -14413,7 +14413,7 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = (1/(L*n_batch)) * t10
     t18 = (t13 * t17.permute(0, 2, 1)).permute(2, 0, 1)
     t19 = (oe.contract('abcc,abc->abc', dA, t12)).permute(2, 0, 1)
@@ -14447,7 +14447,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = (t12.reshape((n_batch, L, 1, d_V)) @ t9.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t17 = oe.contract('abcc,abc->ab', dA, t11)
     return (1/(L*n_batch)) * (t17 * t16).sum()
@@ -14481,16 +14481,16 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t13.transpose(-1, -2)
     t18 = t4.transpose(-1, -2)
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t20 = (t9.permute(0, 2, 1) @ t1.permute(0, 2, 1))
-    t21 = ((t20.reshape((n_batch, L, d_V, 1)) * X.reshape((n_batch, L, 1, d_V)))).permute(2, 3, 0, 1)
+    t21 = (t20.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t22 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t23 = (t22.permute(1, 2, 0, 3) * t19.permute(1, 0).reshape((L, L, 1, 1)))
     t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t18).reshape((n_batch, L, d_V, d_K))
-    t25 = ((t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_K, 1)) * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_K))).permute(0, 3, 1, 2)
+    t25 = (t24.permute(2, 3, 0, 1) * t11.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t14
     t26 = torch.exp(F - F.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
@@ -14500,9 +14500,9 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t30
     t31 = G.transpose(-1, -2)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t33 = (t32.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t33 = (t32.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t34 = ((t18.permute(0, 2, 1) @ t33.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_K, d_V, L))).permute(2, 1, 0, 3)
-    t35 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t35 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t31.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     t0 += ((t35.reshape((d_V**2, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     return out
@@ -14534,18 +14534,18 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = t12.transpose(-1, -2)
     t17 = t3.transpose(-1, -2)
     t18 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (t17.reshape((L*n_batch, d_K)) @ t17.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t22 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t18.permute(0, 2, 3, 1) * t10.reshape((n_batch, L, d_V, 1)))
     t23 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t8).reshape((n_batch, n_batch, L, L))
     t24 = (t23.permute(1, 0, 3, 2).reshape((n_batch, L*n_batch, L)) @ t8).reshape((n_batch, n_batch, L, L))
     t25 = t24 * t20.permute(0, 2, 3, 1)
-    t26 = (t22.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t26 = (t22.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t27 = (t26.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t28 = (t27.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t26.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     F = t13
@@ -14557,8 +14557,8 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     G = t33
     t34 = G.transpose(-1, -2)
     t35 = (t22.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t36 = (t35.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t20.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
-    t37 = (t36.permute(1, 4, 0, 2, 3).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t36 = (t35.permute(0, 1, 3, 4, 2) * t20.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    t37 = (t36.permute(1, 4, 0, 2, 3) * Mcausal.reshape((L, L, 1, 1, 1)))
     t38 = (t37.permute(2, 3, 0, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t39 = (t38.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t23.permute(2, 0, 1, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t40 = (t34.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14599,16 +14599,16 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t13.transpose(-1, -2)
     t18 = X @ W_Q
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t20 = (t9.permute(0, 2, 1) @ t1.permute(0, 2, 1))
-    t21 = ((t20.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_K)))).permute(2, 3, 0, 1)
+    t21 = (t20.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)) * t18.permute(2, 0, 1).reshape((1, d_K, n_batch, L)))
     t22 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t23 = (t22.permute(1, 2, 0, 3).reshape((L, L, d_V*n_batch, 1)) * t19.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t23 = (t22.permute(1, 2, 0, 3) * t19.permute(1, 0).reshape((L, L, 1, 1)))
     t24 = (t23.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t25 = ((t24.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
+    t25 = (t24.permute(2, 3, 0, 1) * t11.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t14
     t26 = torch.exp(F - F.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
@@ -14618,9 +14618,9 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t30
     t31 = G.transpose(-1, -2)
     t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t33 = (t32.reshape((L, L, 1)) * t1.permute(2, 0, 1).reshape((L, 1, d_V*n_batch))).reshape((L, L, n_batch, d_V))
+    t33 = (t32.reshape((L, L, 1, 1)) * t1.permute(2, 0, 1).reshape((L, 1, n_batch, d_V)))
     t34 = ((X.permute(0, 2, 1) @ t33.permute(2, 0, 3, 1).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, d_V, L))).permute(2, 1, 0, 3)
-    t35 = ((t18.reshape((n_batch, L, d_K, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t35 = (t18.permute(2, 0, 1).reshape((1, d_K, n_batch, L)) * t31.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(2, 0, 1, 3)
     t0 += ((t34.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))).reshape((d_V, d_V, d_V, d_K))).permute(0, 2, 1, 3)
     return out
@@ -14652,18 +14652,18 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = t12.transpose(-1, -2)
     t17 = X @ W_Q
     t18 = (t16.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (t17.reshape((L*n_batch, d_K)) @ t17.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t22 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t22 = (t18.permute(0, 2, 3, 1) * t10.reshape((n_batch, L, d_V, 1)))
     t23 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t8).reshape((n_batch, n_batch, L, L))
     t24 = (t23.permute(1, 0, 3, 2).reshape((n_batch, L*n_batch, L)) @ t8).reshape((n_batch, n_batch, L, L))
     t25 = t24 * t20.permute(0, 2, 3, 1)
-    t26 = (t22.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t26 = (t22.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t27 = (t26.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t28 = (t27.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t26.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     F = t13
@@ -14675,8 +14675,8 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t33
     t34 = G.transpose(-1, -2)
     t35 = (t22.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t36 = (t35.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t20.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
-    t37 = (t36.permute(1, 4, 0, 2, 3).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t36 = (t35.permute(0, 1, 3, 4, 2) * t20.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    t37 = (t36.permute(1, 4, 0, 2, 3) * Mcausal.reshape((L, L, 1, 1, 1)))
     t38 = (t37.permute(2, 3, 0, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t39 = (t38.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t23.permute(2, 0, 1, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t40 = (t34.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14717,10 +14717,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = (1/(L*n_batch)) * t10
-    t18 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t12.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t19 = ((t13.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (dA.permute(2, 3, 0, 1) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t19 = (t13.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -14751,8 +14751,8 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
+    t16 = (dA * t11.reshape((n_batch, L, d_V, 1)))
     t17 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t12.reshape((L*n_batch, d_V)) @ t12.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t16.reshape((L*n_batch, d_V**2)) @ t16.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -14785,7 +14785,7 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t3.transpose(-1, -2)
     t14 = t2.transpose(-1, -2)
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -14794,10 +14794,10 @@ def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
     t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t21 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t21 = (t15.permute(0, 2, 3, 1) * t5.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t24 = (t23.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
+    t24 = (t23.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -14832,7 +14832,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t3.transpose(-1, -2)
     t14 = X @ W_Q
     t15 = (t13.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -14841,10 +14841,10 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t18 = (t14.reshape((L*n_batch, d_K)) @ t14.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = t18 * t16
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t21 = (t15.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t21 = (t15.permute(0, 2, 3, 1) * t5.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t23 = (t22.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t24 = (t23.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t23 = (t22.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
+    t24 = (t23.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t25 = (t24.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t26 = (t25.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t27 = (t26.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -14864,7 +14864,7 @@ def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
     t39 = (t37.sum((0,)).permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t40 = (t14 @ t2)
     t41 = (t39.permute(1, 2, 0) @ X.permute(0, 2, 1))
-    t42 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L, L, L, 1)) * t40.reshape((n_batch, L, L, 1, 1))).reshape((n_batch, L, L, L))
+    t42 = (t22.permute(0, 1, 3, 2) * t40.reshape((n_batch, L, L, 1)))
     t43 = (t42.permute(1, 0, 3, 2).reshape((L, L*n_batch, L)) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch, L))
     t44 = (t43.permute(0, 2, 1).reshape((L, L, 1, n_batch)) @ t41.permute(1, 2, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
     t45 = (2/(L*d_K**(3/2)*n_batch**2)) * (t44 * Mcausal).sum()
@@ -14898,15 +14898,15 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     A = t11 / t11.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t13 = t9 @ X
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t5.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA * t5.reshape((n_batch, L, d_V, 1)))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t13.reshape((L*n_batch, d_V)) @ t13.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = t18 * t16
-    t20 = (t15.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t20 = (t15.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t21 = (t20.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t22 = (t21.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t20.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t23 = (1/(L**2*d_K*n_batch**2)) * (t22 * t19.permute(0, 2, 3, 1)).sum()
@@ -14926,8 +14926,8 @@ def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
     t35 = (1/(d_K*n_batch**2)) * (t34 * Mcausal).sum()
     t36 = (X.reshape((L*n_batch, d_V)) @ t13.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t37 = (t36.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)) * t16.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, 1, L)))
-    t38 = (t37.permute(3, 4, 0, 1, 2).reshape((L, L, L*n_batch**2, 1)) * Mcausal.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
-    t39 = (t3.permute(1, 0, 2).reshape((L, d_V*n_batch, 1)) * Mcausal.permute(1, 0).reshape((L, 1, L))).reshape((L, n_batch, d_V, L))
+    t38 = (t37.permute(3, 4, 0, 1, 2) * Mcausal.permute(1, 0).reshape((L, L, 1, 1, 1)))
+    t39 = (t3.permute(1, 0, 2).reshape((L, n_batch, d_V, 1)) * Mcausal.permute(1, 0).reshape((L, 1, 1, L)))
     t40 = (t39.permute(1, 3, 0, 2) @ t14)
     t41 = (t40.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t42 = (t41.permute(0, 3, 2, 1, 4).reshape((n_batch, n_batch, L, L**2)) @ t38.permute(3, 2, 4, 1, 0).reshape((n_batch, n_batch, L**2, L)))
@@ -14966,7 +14966,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t4.transpose(-1, -2)
     t18 = t10.transpose(-1, -2)
     t19 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
@@ -14975,10 +14975,10 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t22 * t21
     t24 = (t18.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t25 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t25 = (t19.permute(0, 2, 3, 1) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t26 = (t25.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t27 = (t26.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t28 = (t27.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t27 = (t26.permute(1, 3, 0, 2) * t3.permute(1, 0).reshape((L, L, 1, 1)))
+    t28 = (t27.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t29 = (t28.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t30 = (t29.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t31 = (t30.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t28.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -15001,7 +15001,7 @@ def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
     t46 = (t44.sum((0,)).permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t47 = (t18 @ t2)
     t48 = (t46.permute(1, 2, 0) @ X.permute(0, 2, 1))
-    t49 = (t26.reshape((n_batch, L, L, L, 1)) * t47.permute(0, 2, 1).reshape((n_batch, L, L, 1, 1))).reshape((n_batch, L, L, L))
+    t49 = (t26 * t47.permute(0, 2, 1).reshape((n_batch, L, L, 1)))
     t50 = (t49.permute(1, 0, 3, 2).reshape((L, L*n_batch, L)) @ Mcausal.reshape((L, L, 1))).reshape((L, n_batch, L))
     t51 = (t50.permute(0, 2, 1).reshape((L, L, 1, n_batch)) @ t48.permute(2, 1, 0).reshape((L, L, n_batch, 1))).reshape((L, L))
     t52 = (2/(L*d_K**(3/2)*n_batch**2)) * (t51 * t3.permute(1, 0)).sum()
@@ -15039,7 +15039,7 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t4.transpose(-1, -2)
     t18 = (t17.permute(0, 2, 1) @ dA.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -15047,10 +15047,10 @@ def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
     t21 = (t8.reshape((L*n_batch, d_K)) @ t8.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t24 = (t18.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
+    t24 = (t18.permute(0, 2, 3, 1) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t25 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L**2, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t26 = (t25.permute(1, 3, 0, 2).reshape((L, L, L*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, L))
-    t27 = (t26.permute(0, 3, 1, 2).reshape((L, L, L*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, L, n_batch))
+    t26 = (t25.permute(1, 3, 0, 2) * t3.permute(1, 0).reshape((L, L, 1, 1)))
+    t27 = (t26.permute(0, 3, 1, 2) * Mcausal.reshape((L, L, 1, 1)))
     t28 = (t27.permute(3, 0, 1, 2).reshape((n_batch, L**2, L)) @ t19.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
     t29 = (t28.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t30 = (t29.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t27.permute(3, 2, 0, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
@@ -15089,15 +15089,15 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t16.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t17 = t13 @ X
-    t18 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA * t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1)))
     t19 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t4.permute(0, 2, 1)).reshape((n_batch, L, d_V, L))
     t20 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_K)) @ t2.permute(1, 0, 2).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (t17.reshape((L*n_batch, d_V)) @ t17.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t22 * t21
-    t24 = (t19.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t24 = (t19.permute(1, 3, 0, 2) * t3.permute(1, 0).reshape((L, L, 1, 1)))
     t25 = (t24.permute(2, 0, 3, 1).reshape((n_batch, L*d_V, L)) @ t20.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t26 = (t25.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t24.permute(2, 3, 1, 0).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t27 = (1/(L**2*d_K*n_batch**2)) * (t26 * t23.permute(0, 2, 3, 1)).sum()
@@ -15119,8 +15119,8 @@ def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
     t41 = (1/(d_K*n_batch**2)) * (t40 * t3).sum()
     t42 = (X.reshape((L*n_batch, d_V)) @ t17.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t43 = (t19.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t44 = (t43.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
-    t45 = (t44.permute(1, 4, 0, 2, 3).reshape((L, L, L*n_batch**2, 1)) * t3.permute(1, 0).reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t44 = (t43.permute(0, 1, 3, 4, 2) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    t45 = (t44.permute(1, 4, 0, 2, 3) * t3.permute(1, 0).reshape((L, L, 1, 1, 1)))
     t46 = (t45.permute(2, 3, 0, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t47 = (t46.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t42.permute(1, 2, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t48 = (2/(L*d_K*n_batch**2)) * (t47 * t3).sum()
@@ -15157,7 +15157,7 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = t3.transpose(-1, -2)
@@ -15166,8 +15166,8 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t21 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = (t18.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t24 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t25 = (t24.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t24 = (t19.permute(0, 2, 3, 1) * t11.reshape((n_batch, L, d_V, 1)))
+    t25 = (t24.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t26 = (t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t22.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t27 = (t26.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t25.permute(2, 3, 0, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.permute(0, 2, 3, 1)).sum()
@@ -15188,8 +15188,8 @@ def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
     t41 = (1/(d_K*n_batch**2)) * (t40 * t1).sum()
     t42 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t43 = (t24.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t44 = (t43.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
-    t45 = (t44.permute(1, 4, 0, 2, 3).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t44 = (t43.permute(0, 1, 3, 4, 2) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    t45 = (t44.permute(1, 4, 0, 2, 3) * Mcausal.reshape((L, L, 1, 1, 1)))
     t46 = (t45.permute(2, 3, 1, 4, 0).reshape((n_batch, n_batch, L**2, L)) @ t42.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t47 = (t46.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t23.permute(1, 2, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t48 = (2/(L*d_K*n_batch**2)) * (t47 * t1).sum()
@@ -15226,7 +15226,7 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
@@ -15235,8 +15235,8 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t21 = (t18.reshape((L*n_batch, d_K)) @ t18.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = t21 * t20
     t23 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t24 = (t19.permute(0, 2, 3, 1).reshape((n_batch, L, d_V, L, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, L))
-    t25 = (t24.permute(1, 3, 0, 2).reshape((L, L, d_V*n_batch, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, d_V))
+    t24 = (t19.permute(0, 2, 3, 1) * t11.reshape((n_batch, L, d_V, 1)))
+    t25 = (t24.permute(1, 3, 0, 2) * Mcausal.reshape((L, L, 1, 1)))
     t26 = (t25.permute(2, 1, 3, 0).reshape((n_batch, L*d_V, L)) @ t22.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
     t27 = (t26.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t25.permute(2, 3, 0, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
     t28 = (1/(L**2*d_K*n_batch**2)) * (t27 * t23.permute(0, 2, 3, 1)).sum()
@@ -15257,8 +15257,8 @@ def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
     t41 = (1/(d_K*n_batch**2)) * (t40 * t1).sum()
     t42 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t43 = (t24.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t34.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t44 = (t43.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
-    t45 = (t44.permute(1, 4, 0, 2, 3).reshape((L, L, L*n_batch**2, 1)) * Mcausal.reshape((L, L, 1, 1))).reshape((L, L, n_batch, n_batch, L))
+    t44 = (t43.permute(0, 1, 3, 4, 2) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    t45 = (t44.permute(1, 4, 0, 2, 3) * Mcausal.reshape((L, L, 1, 1, 1)))
     t46 = (t45.permute(2, 3, 1, 4, 0).reshape((n_batch, n_batch, L**2, L)) @ t42.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t47 = (t46.permute(4, 3, 0, 1, 2).reshape((L, L, L*n_batch**2)) @ t23.permute(1, 2, 0, 3).reshape((L, L*n_batch**2, 1))).reshape((L, L))
     t48 = (2/(L*d_K*n_batch**2)) * (t47 * t1).sum()
@@ -15295,8 +15295,8 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, d_V, 1)) * A.reshape((n_batch, L, 1, d_V)))
-    t16 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t15.reshape((1, 1, d_V, d_V)) * A.reshape((n_batch, L, d_V, 1))) - (A.reshape((n_batch, L, 1, d_V)) * A.reshape((n_batch, L, d_V, 1)))
+    t16 = (dA * t11.reshape((n_batch, L, d_V, 1)))
     t17 = (t9.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t12.reshape((L*n_batch, d_V)) @ t12.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t16.reshape((L*n_batch, d_V**2)) @ t16.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))

@@ -82,7 +82,7 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -91,20 +91,20 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     t10 = (2/(L*d_V*n_batch)) * X
     t11 = (t9.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t12 = ((t11.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t13 = ((X.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t10.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t14 = H[0:d_V**2, d_V**2:2*d_V**2]
     t15 = t14.view((d_V, d_V, d_V, d_V))
     t16 = A @ X
     M_1 = t16
     t17 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t18 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t10.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t15[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t20 = t19.view((d_V, d_V, d_V, d_V))
     t21 = M_1.transpose(-1, -2)
     t22 = (2/(L*d_V*n_batch)) * t21
-    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t22.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t24 = (t8 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t20[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t25 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
@@ -114,7 +114,7 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     t28 = t21 @ M_1
     t29 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t30 = (2/(L*d_V*n_batch)) * t29
-    t27 += (t28.sum((0,)).reshape((d_V**2, 1)) * t30.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t27.addcmul_(t30.reshape((1, 1, d_V)), t28.sum((0,)).reshape((d_V, d_V, 1)))
     return H
 
 
@@ -161,7 +161,7 @@ def mse_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -215,7 +215,7 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t5.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -241,7 +241,7 @@ def mse_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -267,7 +267,7 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t5.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -276,7 +276,7 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t9 = (2/(L*d_V*n_batch)) * X
     t10 = (t8.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t11 = ((t10.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t12 = ((X.reshape((n_batch, L, d_V, 1)) * t9.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t12 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t9.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -293,7 +293,7 @@ def mse_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -324,7 +324,7 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t5.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -332,7 +332,7 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     M_1 = t7
     t8 = (2/(L*d_V*n_batch)) * X
     t9 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t10 = ((M_1.reshape((n_batch, L, d_V, 1)) * t8.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t10 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t8.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t10.reshape((d_V**2, L*n_batch)) @ t9.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -349,7 +349,7 @@ def mse_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = A @ X
     M_1 = t5
     t6 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -422,12 +422,12 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t7 = W_V.transpose(-1, -2)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t10 = (2/(L*d_V*n_batch)) * t6
-    t11 = ((X.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t11 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t10.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t12 = (t7 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t0[...] = ((t11.reshape((d_V**2, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
@@ -449,7 +449,7 @@ def mse_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t6 = W_V.transpose(-1, -2)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t6.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -483,7 +483,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t8 = t7 @ M_1
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t1 += (t8.sum((0,)).reshape((d_V**2, 1)) * t10.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t1.addcmul_(t10.reshape((1, 1, d_V)), t8.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -533,31 +533,31 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t14.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
+    d2A = (t15.reshape((1, 1, L, L)) * t14.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t14.reshape((n_batch, L, L, 1))) - (t14.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t16 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/n_batch) * t2
     t18 = M_3.permute(2, 3, 0, 1)
-    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t20 = H[0:d_V**2, d_V**2:2*d_V**2]
     t21 = t20.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t15.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t22 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * X
     t24 = M_2.permute(3, 2, 0, 1)
-    t25 = ((G.reshape((n_batch, L, d_V, 1)) * t23.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t23.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t21[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t26 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t27 = t26.view((d_V, d_V, d_V, d_V))
     t28 = G.transpose(-1, -2)
     t29 = (1/n_batch) * t28
     t30 = M_2.permute(2, 3, 0, 1)
-    t31 = ((X.reshape((n_batch, L, d_V, 1)) * t29.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t31 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t29.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t27[...] = ((t31.reshape((d_V**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t32[...] = 0
@@ -628,7 +628,7 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t12.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))
+    d2A = (t13.reshape((1, 1, L, L)) * t12.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t12.reshape((n_batch, L, L, 1))) - (t12.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t14 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = t15 * t14
@@ -638,7 +638,7 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t20 = (n_batch**(-2)) * (t19 * t16.permute(0, 2, 3, 1)).sum()
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t13.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t22 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t22 * t15
     t24 = (t14.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -681,7 +681,7 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t13.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t13.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t13.reshape((n_batch, L, 1, L)))
+    d2A = (t14.reshape((1, 1, L, L)) * t13.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t13.reshape((n_batch, L, L, 1))) - (t13.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t15 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -716,7 +716,7 @@ def mse_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t12.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))
+    d2A = (t13.reshape((1, 1, L, L)) * t12.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t12.reshape((n_batch, L, L, 1))) - (t12.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t14 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -750,13 +750,13 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t13 = A * t12
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t13.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t13.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t13.reshape((n_batch, L, 1, L)))
+    d2A = (t14.reshape((1, 1, L, L)) * t13.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t13.reshape((n_batch, L, L, 1))) - (t13.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t15 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t15.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t16 = (1/n_batch) * t1
     t17 = M_3.permute(2, 3, 0, 1)
-    t18 = ((X.reshape((n_batch, L, d_V, 1)) * t16.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t16.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t17.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -785,7 +785,7 @@ def mse_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t12 = A * t11
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t12.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t12.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t12.reshape((n_batch, L, 1, L)))
+    d2A = (t13.reshape((1, 1, L, L)) * t12.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t12.reshape((n_batch, L, L, 1))) - (t12.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t14 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = t15 * t14
@@ -811,7 +811,7 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t5.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -824,7 +824,7 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     G = t10
     t11 = (1/n_batch) * X
     t12 = M_2.permute(3, 2, 0, 1)
-    t13 = ((G.reshape((n_batch, L, d_V, 1)) * t11.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t11.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -841,7 +841,7 @@ def mse_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = A @ X
     M_1 = t5
     t6 = M_1 @ W_V
@@ -902,13 +902,13 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t9 = G.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t12 = (1/n_batch) * t9
     t13 = M_2.permute(2, 3, 0, 1)
-    t14 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t12.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -933,7 +933,7 @@ def mse_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t8 = G.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (t8.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t11 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -980,7 +980,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -989,7 +989,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t10 = (2/(L*d_V*n_batch)) * X
     t11 = (t9.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t12 = ((t11.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t13 = ((X.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t10.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t14 = A @ X
     M_1 = t14
     t15 = M_1 @ W_V
@@ -1002,13 +1002,13 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t20 = t19 - (A * t19).sum(-1, keepdim=True)
     t21 = A * t20
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = (t6.reshape((1, 1, L, L)) * t21.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t21.reshape((n_batch, L, L, 1))) - (t21.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * t2
     t24 = M_3.permute(2, 3, 0, 1)
-    t25 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t23.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t26 = t13.reshape((d_V**2, L*n_batch))
     t27 = t25.reshape((d_V**2, L*n_batch))
     t28 = t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
@@ -1019,22 +1019,22 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t32 = H[0:d_V**2, d_V**2:2*d_V**2]
     t33 = t32.view((d_V, d_V, d_V, d_V))
     t34 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t35 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t35 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t10.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t36 = (1/n_batch) * X
     t37 = M_2.permute(3, 2, 0, 1)
-    t38 = ((G.reshape((n_batch, L, d_V, 1)) * t36.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t38 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t36.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t33[...] = ((t35.reshape((d_V**2, L*n_batch)) @ t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t33 += ((t37.reshape((d_V**2, L*n_batch)) @ t38.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t39 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t40 = t39.view((d_V, d_V, d_V, d_V))
     t41 = M_1.transpose(-1, -2)
     t42 = (2/(L*d_V*n_batch)) * t41
-    t43 = ((X.reshape((n_batch, L, d_V, 1)) * t42.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t43 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t42.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t44 = (t8 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t45 = G.transpose(-1, -2)
     t46 = (1/n_batch) * t45
     t47 = M_2.permute(2, 3, 0, 1)
-    t48 = ((X.reshape((n_batch, L, d_V, 1)) * t46.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t48 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t46.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t40[...] = ((t43.reshape((d_V**2, L*n_batch)) @ t44.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t40 += ((t48.reshape((d_V**2, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t49 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
@@ -1044,7 +1044,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t52 = t41 @ M_1
     t53 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t54 = (2/(L*d_V*n_batch)) * t53
-    t51 += (t52.sum((0,)).reshape((d_V**2, 1)) * t54.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t51.addcmul_(t54.reshape((1, 1, d_V)), t52.sum((0,)).reshape((d_V, d_V, 1)))
     return H
 
 
@@ -1108,7 +1108,7 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1132,7 +1132,7 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = (t4.reshape((1, 1, L, L)) * t23.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t23.reshape((n_batch, L, L, 1))) - (t23.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = t9 * t24
     t26 = (t25.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -1203,7 +1203,7 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t5.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1225,7 +1225,7 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = (t5.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1249,7 +1249,7 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1270,7 +1270,7 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t17 = t16 - (A * t16).sum(-1, keepdim=True)
     t18 = A * t17
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = (t4.reshape((1, 1, L, L)) * t18.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t18.reshape((n_batch, L, L, 1))) - (t18.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1292,7 +1292,7 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t5.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1301,7 +1301,7 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t9 = (2/(L*d_V*n_batch)) * X
     t10 = (t8.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t11 = ((t10.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t12 = ((X.reshape((n_batch, L, d_V, 1)) * t9.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t12 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t9.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
@@ -1314,13 +1314,13 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = (t5.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/n_batch) * t1
     t23 = M_3.permute(2, 3, 0, 1)
-    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t24 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t22.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t25 = t12.reshape((d_V**2, L*n_batch))
     t26 = t24.reshape((d_V**2, L*n_batch))
     t27 = t11.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
@@ -1343,7 +1343,7 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1367,7 +1367,7 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = (t4.reshape((1, 1, L, L)) * t23.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t23.reshape((n_batch, L, L, 1))) - (t23.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = t9 * t24
     t26 = (t25.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -1397,7 +1397,7 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t5.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1405,7 +1405,7 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     M_1 = t7
     t8 = (2/(L*d_V*n_batch)) * X
     t9 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t10 = ((M_1.reshape((n_batch, L, d_V, 1)) * t8.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t10 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t8.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t11 = M_1 @ W_V
     F = t11
     t12 = F - Y
@@ -1413,7 +1413,7 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     G = t13
     t14 = (1/n_batch) * X
     t15 = M_2.permute(3, 2, 0, 1)
-    t16 = ((G.reshape((n_batch, L, d_V, 1)) * t14.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t14.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t10.reshape((d_V**2, L*n_batch)) @ t9.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t0 += ((t15.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -1431,7 +1431,7 @@ def mse_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = A @ X
     M_1 = t5
     t6 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1521,12 +1521,12 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t7 = W_V.transpose(-1, -2)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t10 = (2/(L*d_V*n_batch)) * t6
-    t11 = ((X.reshape((n_batch, L, d_V, 1)) * t10.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t11 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t10.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t12 = (t7 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t13 = M_1 @ W_V
     F = t13
@@ -1536,7 +1536,7 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = (1/n_batch) * t16
     t18 = M_2.permute(2, 3, 0, 1)
-    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t11.reshape((d_V**2, L*n_batch)) @ t12.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t0 += ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -1558,7 +1558,7 @@ def mse_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t6 = W_V.transpose(-1, -2)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t6.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1610,7 +1610,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t8 = t7 @ M_1
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
-    t1 += (t8.sum((0,)).reshape((d_V**2, 1)) * t10.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t1.addcmul_(t10.reshape((1, 1, d_V)), t8.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -1645,7 +1645,7 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
     t7 = (t6.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1670,7 +1670,7 @@ def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t23 = t22 - (A * t22).sum(-1, keepdim=True)
     t24 = A * t23
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t24.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t24.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t24.reshape((n_batch, L, 1, L)))
+    d2A = (t4.reshape((1, 1, L, L)) * t24.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t24.reshape((n_batch, L, L, 1))) - (t24.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t25 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t26 = t9 * t25
     t27 = (t25.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -1702,7 +1702,7 @@ def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = A @ X
     M_1 = t5
     t6 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -1756,7 +1756,7 @@ def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t6 = W_V.transpose(-1, -2)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t6.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t10 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -1831,12 +1831,12 @@ def causal0__jacobian__W_QK(X, W_QK, W_V):
     t6 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t7 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t8 = ((t6.permute(0, 2, 1) @ t7.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t8.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+    t2[...] = (X.reshape((n_batch, L, 1, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, d_V)))
     t9 = -A
     t10 = (t9 @ t6)
     t11 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t12 = (X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t2 += (t10.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+    t12 = (t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) * X.reshape((n_batch, L, d_V, 1)))
+    t2 += (t10.reshape((n_batch, L, d_V, 1, 1)) * t12.reshape((n_batch, L, 1, d_V, d_V)))
     return out
 
 
@@ -1856,12 +1856,12 @@ def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
     t6 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t7 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t8 = ((t6.permute(0, 2, 1) @ t7.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t8.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+    t2[...] = (X.reshape((n_batch, L, 1, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, d_V)))
     t9 = -A
     t10 = (t9 @ t6)
     t11 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t12 = (X.reshape((n_batch, L, d_V, 1)) * t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t2 += (t10.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+    t12 = (t11.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) * X.reshape((n_batch, L, d_V, 1)))
+    t2 += (t10.reshape((n_batch, L, d_V, 1, 1)) * t12.reshape((n_batch, L, 1, d_V, d_V)))
     return (J,)
 
 
@@ -1970,7 +1970,7 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -1979,20 +1979,20 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     t12 = (2/(L*d_V*n_batch)) * X
     t13 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t14 = ((t13.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t15 = ((X.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t15 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t16 = H[0:d_V**2, d_V**2:2*d_V**2]
     t17 = t16.view((d_V, d_V, d_V, d_V))
     t18 = A @ X
     M_1 = t18
     t19 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t20 = ((M_1.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t17[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t21 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t22 = t21.view((d_V, d_V, d_V, d_V))
     t23 = M_1.transpose(-1, -2)
     t24 = (2/(L*d_V*n_batch)) * t23
-    t25 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t24.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t26 = (t10 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t22[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t27 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
@@ -2002,7 +2002,7 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     t30 = t23 @ M_1
     t31 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t32 = (2/(L*d_V*n_batch)) * t31
-    t29 += (t30.sum((0,)).reshape((d_V**2, 1)) * t32.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t29.addcmul_(t32.reshape((1, 1, d_V)), t30.sum((0,)).reshape((d_V, d_V, 1)))
     return H
 
 
@@ -2053,7 +2053,7 @@ def mse_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -2109,7 +2109,7 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2137,7 +2137,7 @@ def mse_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2165,7 +2165,7 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2174,7 +2174,7 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t11 = (2/(L*d_V*n_batch)) * X
     t12 = (t10.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t13 = ((t12.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t14 = ((X.reshape((n_batch, L, d_V, 1)) * t11.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t11.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -2193,7 +2193,7 @@ def mse_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -2226,7 +2226,7 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2234,7 +2234,7 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     M_1 = t9
     t10 = (2/(L*d_V*n_batch)) * X
     t11 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t12 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t12 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t10.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -2253,7 +2253,7 @@ def mse_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = A @ X
     M_1 = t7
     t8 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -2332,12 +2332,12 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t12 = (2/(L*d_V*n_batch)) * t8
-    t13 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t12.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t14 = (t9 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
@@ -2361,7 +2361,7 @@ def mse_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t8 = W_V.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V))
     t11 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2397,7 +2397,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t1 += (t10.sum((0,)).reshape((d_V**2, 1)) * t12.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t1.addcmul_(t12.reshape((1, 1, d_V)), t10.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -2451,31 +2451,31 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t16.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t16.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t16.reshape((n_batch, L, 1, L)))
+    d2A = (t17.reshape((1, 1, L, L)) * t16.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t16.reshape((n_batch, L, L, 1))) - (t16.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t18 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/n_batch) * t2
     t20 = M_3.permute(2, 3, 0, 1)
-    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t19.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t22 = H[0:d_V**2, d_V**2:2*d_V**2]
     t23 = t22.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t17.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/n_batch) * X
     t26 = M_2.permute(3, 2, 0, 1)
-    t27 = ((G.reshape((n_batch, L, d_V, 1)) * t25.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t25.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t23[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t29 = t28.view((d_V, d_V, d_V, d_V))
     t30 = G.transpose(-1, -2)
     t31 = (1/n_batch) * t30
     t32 = M_2.permute(2, 3, 0, 1)
-    t33 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t33 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t31.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t29[...] = ((t33.reshape((d_V**2, L*n_batch)) @ t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t34[...] = 0
@@ -2550,7 +2550,7 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t14.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
+    d2A = (t15.reshape((1, 1, L, L)) * t14.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t14.reshape((n_batch, L, L, 1))) - (t14.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = t17 * t16
@@ -2560,7 +2560,7 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t22 = (n_batch**(-2)) * (t21 * t18.permute(0, 2, 3, 1)).sum()
     t23 = torch.sqrt(torch.clamp(t22, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t15.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t25 = t24 * t17
     t26 = (t16.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -2605,7 +2605,7 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = (t16.reshape((1, 1, L, L)) * t15.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t15.reshape((n_batch, L, L, 1))) - (t15.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t17 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2642,7 +2642,7 @@ def mse_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t14.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
+    d2A = (t15.reshape((1, 1, L, L)) * t14.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t14.reshape((n_batch, L, L, 1))) - (t14.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t16 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2678,13 +2678,13 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t15.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t15.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t15.reshape((n_batch, L, 1, L)))
+    d2A = (t16.reshape((1, 1, L, L)) * t15.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t15.reshape((n_batch, L, L, 1))) - (t15.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t17 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t17.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t18 = (1/n_batch) * t1
     t19 = M_3.permute(2, 3, 0, 1)
-    t20 = ((X.reshape((n_batch, L, d_V, 1)) * t18.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t18.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -2715,7 +2715,7 @@ def mse_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t14.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t14.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t14.reshape((n_batch, L, 1, L)))
+    d2A = (t15.reshape((1, 1, L, L)) * t14.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t14.reshape((n_batch, L, L, 1))) - (t14.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t16 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = t17 * t16
@@ -2743,7 +2743,7 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2756,7 +2756,7 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     G = t12
     t13 = (1/n_batch) * X
     t14 = M_2.permute(3, 2, 0, 1)
-    t15 = ((G.reshape((n_batch, L, d_V, 1)) * t13.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t15 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t13.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t14.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -2775,7 +2775,7 @@ def mse_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = A @ X
     M_1 = t7
     t8 = M_1 @ W_V
@@ -2838,13 +2838,13 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t11 = G.transpose(-1, -2)
     t12 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t12.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t12.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t13 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t13.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t14 = (1/n_batch) * t11
     t15 = M_2.permute(2, 3, 0, 1)
-    t16 = ((X.reshape((n_batch, L, d_V, 1)) * t14.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t14.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t16.reshape((d_V**2, L*n_batch)) @ t15.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -2871,7 +2871,7 @@ def mse_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t10 = G.transpose(-1, -2)
     t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t11.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t12 = (t10.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t10.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t13 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t14 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -2920,7 +2920,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -2929,7 +2929,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t12 = (2/(L*d_V*n_batch)) * X
     t13 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t14 = ((t13.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t15 = ((X.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t15 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t16 = A @ X
     M_1 = t16
     t17 = M_1 @ W_V
@@ -2942,13 +2942,13 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t23.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t23.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t23.reshape((n_batch, L, 1, L)))
+    d2A = (t8.reshape((1, 1, L, L)) * t23.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t23.reshape((n_batch, L, L, 1))) - (t23.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t25 = (1/n_batch) * t2
     t26 = M_3.permute(2, 3, 0, 1)
-    t27 = ((X.reshape((n_batch, L, d_V, 1)) * t25.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t25.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t28 = t15.reshape((d_V**2, L*n_batch))
     t29 = t27.reshape((d_V**2, L*n_batch))
     t30 = t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
@@ -2959,22 +2959,22 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t34 = H[0:d_V**2, d_V**2:2*d_V**2]
     t35 = t34.view((d_V, d_V, d_V, d_V))
     t36 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t37 = ((M_1.reshape((n_batch, L, d_V, 1)) * t12.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t37 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t12.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t38 = (1/n_batch) * X
     t39 = M_2.permute(3, 2, 0, 1)
-    t40 = ((G.reshape((n_batch, L, d_V, 1)) * t38.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t40 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t38.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t35[...] = ((t37.reshape((d_V**2, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t35 += ((t39.reshape((d_V**2, L*n_batch)) @ t40.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t41 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t42 = t41.view((d_V, d_V, d_V, d_V))
     t43 = M_1.transpose(-1, -2)
     t44 = (2/(L*d_V*n_batch)) * t43
-    t45 = ((X.reshape((n_batch, L, d_V, 1)) * t44.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t45 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t44.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t46 = (t10 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t47 = G.transpose(-1, -2)
     t48 = (1/n_batch) * t47
     t49 = M_2.permute(2, 3, 0, 1)
-    t50 = ((X.reshape((n_batch, L, d_V, 1)) * t48.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t50 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t48.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t42[...] = ((t45.reshape((d_V**2, L*n_batch)) @ t46.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t42 += ((t50.reshape((d_V**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t51 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
@@ -2984,7 +2984,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t54 = t43 @ M_1
     t55 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t56 = (2/(L*d_V*n_batch)) * t55
-    t53 += (t54.sum((0,)).reshape((d_V**2, 1)) * t56.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t53.addcmul_(t56.reshape((1, 1, d_V)), t54.sum((0,)).reshape((d_V, d_V, 1)))
     return H
 
 
@@ -3052,7 +3052,7 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3076,7 +3076,7 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = (t6.reshape((1, 1, L, L)) * t25.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t25.reshape((n_batch, L, L, 1))) - (t25.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t27 = t11 * t26
     t28 = (t27.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -3149,7 +3149,7 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3171,7 +3171,7 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = (t7.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3197,7 +3197,7 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3218,7 +3218,7 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = (t6.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3242,7 +3242,7 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3251,7 +3251,7 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t11 = (2/(L*d_V*n_batch)) * X
     t12 = (t10.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
     t13 = ((t12.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t14 = ((X.reshape((n_batch, L, d_V, 1)) * t11.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t11.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t15 = A @ X
     M_1 = t15
     t16 = M_1 @ W_V
@@ -3264,13 +3264,13 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t22.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t22.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t22.reshape((n_batch, L, 1, L)))
+    d2A = (t7.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/n_batch) * t1
     t25 = M_3.permute(2, 3, 0, 1)
-    t26 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t26 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t24.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t27 = t14.reshape((d_V**2, L*n_batch))
     t28 = t26.reshape((d_V**2, L*n_batch))
     t29 = t13.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
@@ -3295,7 +3295,7 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3319,7 +3319,7 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t25.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t25.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t25.reshape((n_batch, L, 1, L)))
+    d2A = (t6.reshape((1, 1, L, L)) * t25.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t25.reshape((n_batch, L, L, 1))) - (t25.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t27 = t11 * t26
     t28 = (t27.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -3351,7 +3351,7 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3359,7 +3359,7 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     M_1 = t9
     t10 = (2/(L*d_V*n_batch)) * X
     t11 = ((W_V.permute(1, 0) @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t12 = ((M_1.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t12 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t10.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t13 = M_1 @ W_V
     F = t13
     t14 = F - Y
@@ -3367,7 +3367,7 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     G = t15
     t16 = (1/n_batch) * X
     t17 = M_2.permute(3, 2, 0, 1)
-    t18 = ((G.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t16.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t12.reshape((d_V**2, L*n_batch)) @ t11.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t0 += ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -3387,7 +3387,7 @@ def mse_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = A @ X
     M_1 = t7
     t8 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3483,12 +3483,12 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t10.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t12 = (2/(L*d_V*n_batch)) * t8
-    t13 = ((X.reshape((n_batch, L, d_V, 1)) * t12.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t13 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t12.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t14 = (t9 @ M_2.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_V, d_V, n_batch, L))
     t15 = M_1 @ W_V
     F = t15
@@ -3498,7 +3498,7 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t18 = G.transpose(-1, -2)
     t19 = (1/n_batch) * t18
     t20 = M_2.permute(2, 3, 0, 1)
-    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t19.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t13.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t0 += ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -3522,7 +3522,7 @@ def mse_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t8 = W_V.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V))
     t11 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3576,7 +3576,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t12 = (2/(L*d_V*n_batch)) * t11
-    t1 += (t10.sum((0,)).reshape((d_V**2, 1)) * t12.reshape((1, d_V))).reshape((d_V, d_V, d_V))
+    t1.addcmul_(t12.reshape((1, 1, d_V)), t10.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -3615,7 +3615,7 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
     t9 = (t8.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3640,7 +3640,7 @@ def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t25 = t24 - (A * t24).sum(-1, keepdim=True)
     t26 = A * t25
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t26.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t26.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t26.reshape((n_batch, L, 1, L)))
+    d2A = (t6.reshape((1, 1, L, L)) * t26.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t26.reshape((n_batch, L, L, 1))) - (t26.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t27 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t28 = t11 * t27
     t29 = (t27.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -3674,7 +3674,7 @@ def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = A @ X
     M_1 = t7
     t8 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
@@ -3730,7 +3730,7 @@ def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t8 = W_V.transpose(-1, -2)
     t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t9.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t10 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t8.permute(1, 0)).reshape((n_batch, L, d_V))
     t11 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t12 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -3809,12 +3809,12 @@ def causal1__jacobian__W_QK(X, W_QK, W_V):
     t8 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t10 = ((t8.permute(0, 2, 1) @ t9.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+    t2[...] = (X.reshape((n_batch, L, 1, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, d_V)))
     t11 = -A
     t12 = (t11 @ t8)
     t13 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t14 = (X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t2 += (t12.reshape((n_batch, L, d_V, 1)) * t14.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+    t14 = (t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) * X.reshape((n_batch, L, d_V, 1)))
+    t2 += (t12.reshape((n_batch, L, d_V, 1, 1)) * t14.reshape((n_batch, L, 1, d_V, d_V)))
     return out
 
 
@@ -3836,12 +3836,12 @@ def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
     t8 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0)).reshape((n_batch, L, d_V))
     t9 = (X.reshape((n_batch, L, d_V, 1)) * A.permute(0, 2, 1).reshape((n_batch, L, 1, L)))
     t10 = ((t8.permute(0, 2, 1) @ t9.permute(0, 1, 3, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, d_V, L, d_V))).permute(0, 2, 1, 3)
-    t2[...] = ((X.reshape((n_batch, L, d_V, 1)) * t10.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))).permute(0, 1, 3, 2, 4)
+    t2[...] = (X.reshape((n_batch, L, 1, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, d_V)))
     t11 = -A
     t12 = (t11 @ t8)
     t13 = (X.permute(0, 2, 1) @ A.permute(0, 2, 1))
-    t14 = (X.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))
-    t2 += (t12.reshape((n_batch, L, d_V, 1)) * t14.reshape((n_batch, L, 1, d_V**2))).reshape((n_batch, L, d_V, d_V, d_V))
+    t14 = (t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)) * X.reshape((n_batch, L, d_V, 1)))
+    t2 += (t12.reshape((n_batch, L, d_V, 1, 1)) * t14.reshape((n_batch, L, 1, d_V, d_V)))
     return (J,)
 
 
@@ -3954,7 +3954,7 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -3967,32 +3967,32 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
     t17 = (1/(L*n_batch)) * X
     t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t19 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA15 * t9.reshape((n_batch, L, d_V, 1)))
     t20 = (t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))
     t21 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t22 = ((t21 @ t20)).permute(3, 2, 0, 1)
-    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t24 = H[0:d_V**2, d_V**2:2*d_V**2]
     t25 = t24.view((d_V, d_V, d_V, d_V))
     t26 = ((t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t27 = ((M_1.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t25[...] = ((t27.reshape((d_V**2, L*n_batch)) @ t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t29 = t28.view((d_V, d_V, d_V, d_V))
     t30 = M_1.transpose(-1, -2)
     t31 = (1/(L*n_batch)) * t30
-    t32 = ((X.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t32 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t31.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t33 = ((t21 @ t19.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t29[...] = ((t32.reshape((d_V**2, L*n_batch)) @ t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t35 = t34.view((d_V, d_V, d_V, d_V))
-    t36 = ((dA15.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t9.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t37 = ((M_1.reshape((n_batch, L, d_V, 1)) * t31.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t36 = (dA15.permute(2, 3, 0, 1) * t9.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t37 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t31.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t35[...] = ((t37.reshape((d_V**2, L*n_batch)) @ t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -4049,7 +4049,7 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4059,9 +4059,9 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
     t13 = W_V.transpose(-1, -2)
-    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA12 * t6.reshape((n_batch, L, d_V, 1)))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -4116,7 +4116,7 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t5.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4129,12 +4129,12 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = (X * t16).permute(2, 0, 1)
     t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t19 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA14 * t8.reshape((n_batch, L, d_V, 1)))
     t20 = (t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))
     t21 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t22 = (t21.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t20.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
@@ -4154,7 +4154,7 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4167,7 +4167,7 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = ((A11.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
+    dA13 = (t12.reshape((1, 1, d_V, d_V)) * A11.reshape((n_batch, L, d_V, 1))) - (A11.reshape((n_batch, L, 1, d_V)) * A11.reshape((n_batch, L, d_V, 1)))
     t14 = W_V.transpose(-1, -2)
     t15 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
@@ -4192,7 +4192,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t5.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4205,15 +4205,15 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t18 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA14 * t8.reshape((n_batch, L, d_V, 1)))
     t19 = (t18.permute(0, 1, 3, 2) @ t17.permute(1, 2, 0, 3))
     t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t21 = ((t20 @ t19)).permute(3, 2, 0, 1)
-    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t16.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t22.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -4230,7 +4230,7 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4240,9 +4240,9 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
     t13 = W_V.transpose(-1, -2)
-    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA12 * t6.reshape((n_batch, L, d_V, 1)))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -4276,7 +4276,7 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t5.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4289,12 +4289,12 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * X
     t16 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t17 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (dA14 * t8.reshape((n_batch, L, d_V, 1)))
     t18 = ((t17.permute(0, 1, 3, 2) @ t16.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t19 = ((M_1.reshape((n_batch, L, d_V, 1)) * t15.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -4311,7 +4311,7 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4321,9 +4321,9 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
     t13 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA12 * t6.reshape((n_batch, L, d_V, 1)))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t13.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t16 = (t15 @ dA)
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -4358,7 +4358,7 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A11.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A11.reshape((n_batch, L, d_V, 1))) - (A11.reshape((n_batch, L, 1, d_V)) * A11.reshape((n_batch, L, d_V, 1)))
     t13 = (1/(L*n_batch)) * t6
     t14 = (M_1 * t13.permute(0, 2, 1)).permute(2, 0, 1)
     t15 = (oe.contract('abcc,abc->abc', dA, t8)).permute(2, 0, 1)
@@ -4386,7 +4386,7 @@ def ce_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
     t12 = (M_1.reshape((n_batch, L, 1, d_V)) @ t5.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t13 = oe.contract('abcc,abc->ab', dA, t7)
     return (1/(L*n_batch)) * (t13 * t12).sum()
@@ -4414,17 +4414,17 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A11.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A11.reshape((n_batch, L, d_V, 1))) - (A11.reshape((n_batch, L, 1, d_V)) * A11.reshape((n_batch, L, d_V, 1)))
     t13 = W_V.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA15 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA15 = (t14.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t16 = (dA15.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/(L*n_batch)) * t6
-    t18 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t19 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t19 = (dA * t8.reshape((n_batch, L, d_V, 1)))
     t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t21 = ((t20 @ t19.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t0[...] = ((t18.reshape((d_V**2, L*n_batch)) @ t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
@@ -4451,12 +4451,12 @@ def ce_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
-    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA14 = (t13.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t15 = (dA * t7.reshape((n_batch, L, d_V, 1)))
     t16 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -4492,10 +4492,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A11.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A11.reshape((n_batch, L, d_V, 1))) - (A11.reshape((n_batch, L, 1, d_V)) * A11.reshape((n_batch, L, d_V, 1)))
     t13 = (1/(L*n_batch)) * t6
-    t14 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t15 = ((M_1.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (dA.permute(2, 3, 0, 1) * t8.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t15 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t13.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -4520,8 +4520,8 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
-    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
+    t12 = (dA * t7.reshape((n_batch, L, d_V, 1)))
     t13 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t14 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (t12.reshape((L*n_batch, d_V**2)) @ t12.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -4563,31 +4563,31 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = (t20.reshape((1, 1, L, L)) * t19.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t19.reshape((n_batch, L, L, 1))) - (t19.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t22 = (1/n_batch) * t2
     t23 = M_3.permute(2, 3, 0, 1)
-    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t22.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t24 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t22.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t25 = H[0:d_V**2, d_V**2:2*d_V**2]
     t26 = t25.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t20.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t27 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t28 = (1/n_batch) * X
     t29 = M_2.permute(3, 2, 0, 1)
-    t30 = ((G.reshape((n_batch, L, d_V, 1)) * t28.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t30 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t28.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t26[...] = ((t29.reshape((d_V**2, L*n_batch)) @ t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t31 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t32 = t31.view((d_V, d_V, d_V, d_V))
     t33 = G.transpose(-1, -2)
     t34 = (1/n_batch) * t33
     t35 = M_2.permute(2, 3, 0, 1)
-    t36 = ((X.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t36 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t34.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t32[...] = ((t36.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t37 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t37[...] = 0
@@ -4668,7 +4668,7 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t18.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = t20 * t19
@@ -4678,7 +4678,7 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t25 = (n_batch**(-2)) * (t24 * t21.permute(0, 2, 3, 1)).sum()
     t26 = torch.sqrt(torch.clamp(t25, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t18.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t27 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t28 = t27 * t20
     t29 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -4726,7 +4726,7 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = (t19.reshape((1, 1, L, L)) * t18.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t18.reshape((n_batch, L, L, 1))) - (t18.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4766,7 +4766,7 @@ def ce_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t18.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t19.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4805,13 +4805,13 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t18 = A * t17
     t19 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t18.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t19.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t18.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t18.reshape((n_batch, L, 1, L)))
+    d2A = (t19.reshape((1, 1, L, L)) * t18.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t18.reshape((n_batch, L, L, 1))) - (t18.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t20 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t21 = (1/n_batch) * t1
     t22 = M_3.permute(2, 3, 0, 1)
-    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t21.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t21.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t23.reshape((d_V**2, L*n_batch)) @ t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -4845,7 +4845,7 @@ def ce_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     t18 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t17.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t18.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t17.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t17.reshape((n_batch, L, 1, L)))
+    d2A = (t18.reshape((1, 1, L, L)) * t17.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t17.reshape((n_batch, L, L, 1))) - (t17.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t21 = t20 * t19
@@ -4871,7 +4871,7 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t5.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -4889,7 +4889,7 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     G = t15
     t16 = (1/n_batch) * X
     t17 = M_2.permute(3, 2, 0, 1)
-    t18 = ((G.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t18 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t16.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -4906,7 +4906,7 @@ def ce_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -4977,13 +4977,13 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t15.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/n_batch) * t14
     t18 = M_2.permute(2, 3, 0, 1)
-    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -5013,7 +5013,7 @@ def ce_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t14.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t15 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5060,7 +5060,7 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5073,15 +5073,15 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
     t17 = (1/(L*n_batch)) * X
     t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t19 = (dA15.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA15 * t9.reshape((n_batch, L, d_V, 1)))
     t20 = (t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))
     t21 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t22 = ((t21 @ t20)).permute(3, 2, 0, 1)
-    t23 = ((X.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t23 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t11
     t24 = torch.exp(F - F.amax(-1, keepdim=True))
     A25 = t24 / t24.sum(-1, keepdim=True)
@@ -5094,13 +5094,13 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t31 = t30 - (A * t30).sum(-1, keepdim=True)
     t32 = A * t31
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t32.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t32.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t32.reshape((n_batch, L, 1, L)))
+    d2A = (t6.reshape((1, 1, L, L)) * t32.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t32.reshape((n_batch, L, L, 1))) - (t32.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t33 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t34 = (1/n_batch) * t2
     t35 = M_3.permute(2, 3, 0, 1)
-    t36 = ((X.reshape((n_batch, L, d_V, 1)) * t34.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t36 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t34.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t37 = t23.reshape((d_V**2, L*n_batch))
     t38 = t36.reshape((d_V**2, L*n_batch))
     t39 = t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
@@ -5111,10 +5111,10 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t43 = H[0:d_V**2, d_V**2:2*d_V**2]
     t44 = t43.view((d_V, d_V, d_V, d_V))
     t45 = ((t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t46 = ((M_1.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t46 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t47 = (1/n_batch) * X
     t48 = M_2.permute(3, 2, 0, 1)
-    t49 = ((G.reshape((n_batch, L, d_V, 1)) * t47.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t49 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t47.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t44[...] = ((t46.reshape((d_V**2, L*n_batch)) @ t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t44 += ((t48.reshape((d_V**2, L*n_batch)) @ t49.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t50 = H[d_V**2:2*d_V**2, 0:d_V**2]
@@ -5122,17 +5122,17 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t52 = G.transpose(-1, -2)
     t53 = (1/n_batch) * t52
     t54 = M_2.permute(2, 3, 0, 1)
-    t55 = ((X.reshape((n_batch, L, d_V, 1)) * t53.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t55 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t53.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t56 = M_1.transpose(-1, -2)
     t57 = (1/(L*n_batch)) * t56
-    t58 = ((X.reshape((n_batch, L, d_V, 1)) * t57.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t58 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t57.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t59 = ((t21 @ t19.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t51[...] = ((t55.reshape((d_V**2, L*n_batch)) @ t54.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t51 += ((t58.reshape((d_V**2, L*n_batch)) @ t59.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t60 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t61 = t60.view((d_V, d_V, d_V, d_V))
-    t62 = ((dA15.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t9.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t63 = ((M_1.reshape((n_batch, L, d_V, 1)) * t57.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t62 = (dA15.permute(2, 3, 0, 1) * t9.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t63 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t57.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t61[...] = ((t63.reshape((d_V**2, L*n_batch)) @ t62.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -5207,7 +5207,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5217,9 +5217,9 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
     t13 = W_V.transpose(-1, -2)
-    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA12 * t6.reshape((n_batch, L, d_V, 1)))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -5246,7 +5246,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = (t4.reshape((1, 1, L, L)) * t37.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t37.reshape((n_batch, L, L, 1))) - (t37.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t38 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t39 = t16 * t38
     t40 = (t38.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -5269,7 +5269,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t57 = (t15.permute(1, 0, 2) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
     t58 = (t57.permute(0, 2, 3, 1) @ t14)
     t59 = (t58.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t60 = (t59.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t16.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t60 = (t59.permute(0, 1, 3, 4, 2) * t16.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t61 = (t60.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t62 = (t61.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t63 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5287,7 +5287,7 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t75 = (t74.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t76 = (t17 @ t14.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t77 = (t76.permute(0, 2, 3, 1) @ dA)
-    t78 = (t75.reshape((n_batch, n_batch, L, L, L, 1)) * t16.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t78 = (t75 * t16.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1)))
     t79 = (t78.reshape((n_batch, n_batch, L**2, L)) @ t16.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t80 = (t79.permute(0, 3, 1, 2, 4).reshape((L*n_batch, L**2*n_batch)) @ t77.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V))).reshape((n_batch, L, d_V))
     t81 = (t73.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t73.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5317,7 +5317,7 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t5.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5330,12 +5330,12 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = (X * t16).permute(2, 0, 1)
     t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t19 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA14 * t8.reshape((n_batch, L, d_V, 1)))
     t20 = (t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))
     t21 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t22 = (t21.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t20.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
@@ -5351,7 +5351,7 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t31.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
+    d2A = (t5.reshape((1, 1, L, L)) * t31.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t31.reshape((n_batch, L, L, 1))) - (t31.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5375,7 +5375,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t5.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5388,7 +5388,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA13 = ((A11.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
+    dA13 = (t12.reshape((1, 1, d_V, d_V)) * A11.reshape((n_batch, L, d_V, 1))) - (A11.reshape((n_batch, L, 1, d_V)) * A11.reshape((n_batch, L, d_V, 1)))
     t14 = W_V.transpose(-1, -2)
     t15 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t16 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
@@ -5408,7 +5408,7 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t28 = t27 - (A * t27).sum(-1, keepdim=True)
     t29 = A * t28
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t29.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t29.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t29.reshape((n_batch, L, 1, L)))
+    d2A = (t4.reshape((1, 1, L, L)) * t29.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t29.reshape((n_batch, L, L, 1))) - (t29.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t30 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5430,7 +5430,7 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t5.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5443,15 +5443,15 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
     t16 = (1/(L*n_batch)) * X
     t17 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t18 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t18 = (dA14 * t8.reshape((n_batch, L, d_V, 1)))
     t19 = (t18.permute(0, 1, 3, 2) @ t17.permute(1, 2, 0, 3))
     t20 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t21 = ((t20 @ t19)).permute(3, 2, 0, 1)
-    t22 = ((X.reshape((n_batch, L, d_V, 1)) * t16.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t22 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t16.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t10
     t23 = torch.exp(F - F.amax(-1, keepdim=True))
     A24 = t23 / t23.sum(-1, keepdim=True)
@@ -5464,13 +5464,13 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t31.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
+    d2A = (t5.reshape((1, 1, L, L)) * t31.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t31.reshape((n_batch, L, L, 1))) - (t31.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t33 = (1/n_batch) * t1
     t34 = M_3.permute(2, 3, 0, 1)
-    t35 = ((X.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t35 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t33.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t36 = t22.reshape((d_V**2, L*n_batch))
     t37 = t35.reshape((d_V**2, L*n_batch))
     t38 = t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
@@ -5493,7 +5493,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5503,9 +5503,9 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
     t13 = W_V.transpose(-1, -2)
-    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA12 * t6.reshape((n_batch, L, d_V, 1)))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -5532,7 +5532,7 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t36 = t35 - (A * t35).sum(-1, keepdim=True)
     t37 = A * t36
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t37.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t37.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t37.reshape((n_batch, L, 1, L)))
+    d2A = (t4.reshape((1, 1, L, L)) * t37.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t37.reshape((n_batch, L, L, 1))) - (t37.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t38 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t39 = t16 * t38
     t40 = (t38.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -5562,7 +5562,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t5.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t5.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t6 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t6.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -5575,12 +5575,12 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * X
     t16 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t17 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t17 = (dA14 * t8.reshape((n_batch, L, d_V, 1)))
     t18 = ((t17.permute(0, 1, 3, 2) @ t16.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t19 = ((M_1.reshape((n_batch, L, d_V, 1)) * t15.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t10
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
@@ -5590,7 +5590,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     G = t24
     t25 = (1/n_batch) * X
     t26 = M_2.permute(3, 2, 0, 1)
-    t27 = ((G.reshape((n_batch, L, d_V, 1)) * t25.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t27 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t25.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t0 += ((t26.reshape((d_V**2, L*n_batch)) @ t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -5608,7 +5608,7 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5618,9 +5618,9 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
     t13 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA12 * t6.reshape((n_batch, L, d_V, 1)))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t13.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t16 = (t15 @ dA)
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5639,7 +5639,7 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     t28 = (t13.permute(1, 0, 2) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
     t29 = (t28.permute(0, 2, 3, 1) @ t14)
     t30 = (t29.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t31 = (t30.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t17.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t31 = (t30.permute(0, 1, 3, 4, 2) * t17.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t32 = (t31.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t33 = (t32.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t34 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5675,7 +5675,7 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A11.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A11.reshape((n_batch, L, d_V, 1))) - (A11.reshape((n_batch, L, 1, d_V)) * A11.reshape((n_batch, L, d_V, 1)))
     t13 = (1/(L*n_batch)) * t6
     t14 = (M_1 * t13.permute(0, 2, 1)).permute(2, 0, 1)
     t15 = (oe.contract('abcc,abc->abc', dA, t8)).permute(2, 0, 1)
@@ -5703,7 +5703,7 @@ def ce_causal0__trace__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
     t12 = (M_1.reshape((n_batch, L, 1, d_V)) @ t5.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t13 = oe.contract('abcc,abc->ab', dA, t7)
     return (1/(L*n_batch)) * (t13 * t12).sum()
@@ -5736,23 +5736,23 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t14 = G.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t15.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t16 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t17 = (1/n_batch) * t14
     t18 = M_2.permute(2, 3, 0, 1)
-    t19 = ((X.reshape((n_batch, L, d_V, 1)) * t17.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t19 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t20 = M_1.transpose(-1, -2)
     t21 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
     t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA24 = ((A22.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t23.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A22.reshape((n_batch, L, d_V, 1)) * A22.reshape((n_batch, L, 1, d_V)))
+    dA24 = (t23.reshape((1, 1, d_V, d_V)) * A22.reshape((n_batch, L, d_V, 1))) - (A22.reshape((n_batch, L, 1, d_V)) * A22.reshape((n_batch, L, d_V, 1)))
     t25 = W_V.transpose(-1, -2)
     t26 = (1/(L*n_batch)) * t20
-    t27 = ((X.reshape((n_batch, L, d_V, 1)) * t26.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t28 = (dA24.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t27 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t26.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t28 = (dA24 * t2.reshape((n_batch, L, d_V, 1)))
     t29 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t30 = ((t29 @ t28.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t18.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
@@ -5785,7 +5785,7 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t14.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t14.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t15 = (t13.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5798,15 +5798,15 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     A24 = t23 / t23.sum(-1, keepdim=True)
     t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA26 = ((A24.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t25.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A24.reshape((n_batch, L, d_V, 1)) * A24.reshape((n_batch, L, 1, d_V)))
+    dA26 = (t25.reshape((1, 1, d_V, d_V)) * A24.reshape((n_batch, L, d_V, 1))) - (A24.reshape((n_batch, L, 1, d_V)) * A24.reshape((n_batch, L, d_V, 1)))
     t27 = W_V.transpose(-1, -2)
-    t28 = (dA26.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t28 = (dA26 * t1.reshape((n_batch, L, d_V, 1)))
     t29 = (t22.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t30 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V))
     t31 = (t29.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t32 = (t30 @ t28.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t33 = (t32.permute(0, 2, 3, 1) @ dA)
-    t34 = (t31.reshape((n_batch, n_batch, L, L, L, 1)) * t17.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t34 = (t31 * t17.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1)))
     t35 = (t34.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t36 = (t35.permute(0, 3, 1, 2, 4).reshape((L*n_batch, L**2*n_batch)) @ t33.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V))).reshape((n_batch, L, d_V))
     t37 = (t22.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5840,10 +5840,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A11.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t12.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A11.reshape((n_batch, L, d_V, 1)) * A11.reshape((n_batch, L, 1, d_V)))
+    dA = (t12.reshape((1, 1, d_V, d_V)) * A11.reshape((n_batch, L, d_V, 1))) - (A11.reshape((n_batch, L, 1, d_V)) * A11.reshape((n_batch, L, d_V, 1)))
     t13 = (1/(L*n_batch)) * t6
-    t14 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t8.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t15 = ((M_1.reshape((n_batch, L, d_V, 1)) * t13.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t14 = (dA.permute(2, 3, 0, 1) * t8.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t15 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t13.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t15.reshape((d_V**2, L*n_batch)) @ t14.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -5868,8 +5868,8 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
-    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
+    t12 = (dA * t7.reshape((n_batch, L, d_V, 1)))
     t13 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t14 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (t12.reshape((L*n_batch, d_V**2)) @ t12.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -5891,7 +5891,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5901,9 +5901,9 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
     t13 = W_V.transpose(-1, -2)
-    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA12 * t6.reshape((n_batch, L, d_V, 1)))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t16 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -5931,7 +5931,7 @@ def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t37 = t36 - (A * t36).sum(-1, keepdim=True)
     t38 = A * t37
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t38.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t38.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t38.reshape((n_batch, L, 1, L)))
+    d2A = (t4.reshape((1, 1, L, L)) * t38.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t38.reshape((n_batch, L, L, 1))) - (t38.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t39 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t40 = t16 * t39
     t41 = (t39.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -5963,7 +5963,7 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t4.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t4.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = A @ X
@@ -5973,9 +5973,9 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA12 = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA12 = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
     t13 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t14 = (dA12.reshape((n_batch, L, d_V, d_V, 1)) * t6.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t14 = (dA12 * t6.reshape((n_batch, L, d_V, 1)))
     t15 = (t14.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t13.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t16 = (t15 @ dA)
     t17 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6002,7 +6002,7 @@ def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     t36 = (t13.permute(1, 0, 2) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
     t37 = (t36.permute(0, 2, 3, 1) @ t14)
     t38 = (t37.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t39 = (t38.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t17.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t39 = (t38.permute(0, 1, 3, 4, 2) * t17.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t40 = (t39.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t41 = (t40.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t42 = (2/(L*n_batch**2)) * (t41 * t35.permute(0, 2, 3, 1)).sum()
@@ -6033,12 +6033,12 @@ def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
+    dA = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
     t12 = W_V.transpose(-1, -2)
     t13 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA14 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t13.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
-    t15 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA14 = (t13.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t15 = (dA * t7.reshape((n_batch, L, d_V, 1)))
     t16 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t12.permute(1, 0)).reshape((n_batch, L, d_V))
     t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6067,7 +6067,7 @@ def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t39 = (t17.permute(0, 2, 1) @ dA14.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
     t40 = (t39.permute(0, 2, 3, 1) @ t15.permute(0, 1, 3, 2))
     t41 = (t40.reshape((L**2*n_batch, d_V)) @ t30.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t42 = (t41.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t18.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t42 = (t41.permute(0, 1, 3, 4, 2) * t18.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t43 = (t42.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t44 = (t43.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA14.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t45 = (2/(L*n_batch**2)) * (t44 * t38.permute(0, 2, 3, 1)).sum()
@@ -6098,8 +6098,8 @@ def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A10.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t11.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A10.reshape((n_batch, L, d_V, 1)) * A10.reshape((n_batch, L, 1, d_V)))
-    t12 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t7.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t11.reshape((1, 1, d_V, d_V)) * A10.reshape((n_batch, L, d_V, 1))) - (A10.reshape((n_batch, L, 1, d_V)) * A10.reshape((n_batch, L, d_V, 1)))
+    t12 = (dA * t7.reshape((n_batch, L, d_V, 1)))
     t13 = (t5.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t5.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t14 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t15 = (t12.reshape((L*n_batch, d_V**2)) @ t12.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6187,7 +6187,7 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6200,32 +6200,32 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*n_batch)) * X
     t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t21 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))
     t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t24 = ((t23 @ t22)).permute(3, 2, 0, 1)
-    t25 = ((X.reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t19.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t26 = H[0:d_V**2, d_V**2:2*d_V**2]
     t27 = t26.view((d_V, d_V, d_V, d_V))
     t28 = ((t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t29 = ((M_1.reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t19.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t27[...] = ((t29.reshape((d_V**2, L*n_batch)) @ t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t30 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t31 = t30.view((d_V, d_V, d_V, d_V))
     t32 = M_1.transpose(-1, -2)
     t33 = (1/(L*n_batch)) * t32
-    t34 = ((X.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t34 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t33.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t35 = ((t23 @ t21.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t31[...] = ((t34.reshape((d_V**2, L*n_batch)) @ t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t37 = t36.view((d_V, d_V, d_V, d_V))
-    t38 = ((dA17.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t39 = ((M_1.reshape((n_batch, L, d_V, 1)) * t33.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t38 = (dA17.permute(2, 3, 0, 1) * t11.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t39 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t33.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t37[...] = ((t39.reshape((d_V**2, L*n_batch)) @ t38.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -6286,7 +6286,7 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -6296,9 +6296,9 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
-    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t16 = (dA14 * t8.reshape((n_batch, L, d_V, 1)))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -6355,7 +6355,7 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6368,12 +6368,12 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = (X * t18).permute(2, 0, 1)
     t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t21 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))
     t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t24 = (t23.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t22.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
@@ -6395,7 +6395,7 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6408,7 +6408,7 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
     t17 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t18 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
@@ -6435,7 +6435,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6448,15 +6448,15 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t20 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t21 = (t20.permute(0, 1, 3, 2) @ t19.permute(1, 2, 0, 3))
     t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t23 = ((t22 @ t21)).permute(3, 2, 0, 1)
-    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t24 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t18.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t24.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -6475,7 +6475,7 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -6485,9 +6485,9 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
-    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t16 = (dA14 * t8.reshape((n_batch, L, d_V, 1)))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -6523,7 +6523,7 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -6536,12 +6536,12 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = (1/(L*n_batch)) * X
     t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t20 = ((t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t21 = ((M_1.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -6560,7 +6560,7 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -6570,9 +6570,9 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t16 = (dA14 * t8.reshape((n_batch, L, d_V, 1)))
     t17 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t15.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t18 = (t17 @ dA)
     t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6609,7 +6609,7 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (M_1 * t15.permute(0, 2, 1)).permute(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
@@ -6639,7 +6639,7 @@ def ce_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t14 = (M_1.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -6669,17 +6669,17 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA17 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA17 = (t16.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t18 = (dA17.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/(L*n_batch)) * t8
-    t20 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t21 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t19.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t21 = (dA * t10.reshape((n_batch, L, d_V, 1)))
     t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t23 = ((t22 @ t21.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t0[...] = ((t20.reshape((d_V**2, L*n_batch)) @ t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
@@ -6708,12 +6708,12 @@ def ce_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t14 = W_V.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA16 = (t15.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t17 = (dA * t9.reshape((n_batch, L, d_V, 1)))
     t18 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6751,10 +6751,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t10.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t17 = ((M_1.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (dA.permute(2, 3, 0, 1) * t10.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t17 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -6781,8 +6781,8 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
+    t14 = (dA * t9.reshape((n_batch, L, d_V, 1)))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -6826,31 +6826,31 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     t22 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t21.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t21.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t21.reshape((n_batch, L, 1, L)))
+    d2A = (t22.reshape((1, 1, L, L)) * t21.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t21.reshape((n_batch, L, L, 1))) - (t21.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t24 = (1/n_batch) * t2
     t25 = M_3.permute(2, 3, 0, 1)
-    t26 = ((X.reshape((n_batch, L, d_V, 1)) * t24.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t26 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t24.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t1[...] = ((t26.reshape((d_V**2, L*n_batch)) @ t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t27 = H[0:d_V**2, d_V**2:2*d_V**2]
     t28 = t27.view((d_V, d_V, d_V, d_V))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t22.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t22.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t29 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t30 = (1/n_batch) * X
     t31 = M_2.permute(3, 2, 0, 1)
-    t32 = ((G.reshape((n_batch, L, d_V, 1)) * t30.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t32 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t30.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t28[...] = ((t31.reshape((d_V**2, L*n_batch)) @ t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t33 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t34 = t33.view((d_V, d_V, d_V, d_V))
     t35 = G.transpose(-1, -2)
     t36 = (1/n_batch) * t35
     t37 = M_2.permute(2, 3, 0, 1)
-    t38 = ((X.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t38 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t36.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t34[...] = ((t38.reshape((d_V**2, L*n_batch)) @ t37.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t39 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t39[...] = 0
@@ -6935,7 +6935,7 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = (t20.reshape((1, 1, L, L)) * t19.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t19.reshape((n_batch, L, L, 1))) - (t19.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t22 * t21
@@ -6945,7 +6945,7 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t27 = (n_batch**(-2)) * (t26 * t23.permute(0, 2, 3, 1)).sum()
     t28 = torch.sqrt(torch.clamp(t27, min=0.0))
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t20.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t29 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t30 = t29 * t22
     t31 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -6995,7 +6995,7 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = (t21.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7037,7 +7037,7 @@ def ce_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = (t20.reshape((1, 1, L, L)) * t19.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t19.reshape((n_batch, L, L, 1))) - (t19.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7078,13 +7078,13 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t20.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t21.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t20.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t20.reshape((n_batch, L, 1, L)))
+    d2A = (t21.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t23 = (1/n_batch) * t1
     t24 = M_3.permute(2, 3, 0, 1)
-    t25 = ((X.reshape((n_batch, L, d_V, 1)) * t23.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t23.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t25.reshape((d_V**2, L*n_batch)) @ t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -7120,7 +7120,7 @@ def ce_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     t20 = torch.eye(L, dtype=X.dtype, device=X.device)
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t19.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t20.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t19.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t19.reshape((n_batch, L, 1, L)))
+    d2A = (t20.reshape((1, 1, L, L)) * t19.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t19.reshape((n_batch, L, L, 1))) - (t19.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t21 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t22 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t23 = t22 * t21
@@ -7148,7 +7148,7 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7166,7 +7166,7 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     G = t17
     t18 = (1/n_batch) * X
     t19 = M_2.permute(3, 2, 0, 1)
-    t20 = ((G.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t20 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t18.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t19.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -7185,7 +7185,7 @@ def ce_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -7258,13 +7258,13 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t17.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t18 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/n_batch) * t16
     t20 = M_2.permute(2, 3, 0, 1)
-    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t19.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
 
@@ -7296,7 +7296,7 @@ def ce_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t15 = G.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t16.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t17 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7345,7 +7345,7 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7358,15 +7358,15 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA17 = ((A15.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t16.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A15.reshape((n_batch, L, d_V, 1)) * A15.reshape((n_batch, L, 1, d_V)))
+    dA17 = (t16.reshape((1, 1, d_V, d_V)) * A15.reshape((n_batch, L, d_V, 1))) - (A15.reshape((n_batch, L, 1, d_V)) * A15.reshape((n_batch, L, d_V, 1)))
     t18 = W_V.transpose(-1, -2)
     t19 = (1/(L*n_batch)) * X
     t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t21 = (dA17.reshape((n_batch, L, d_V, d_V, 1)) * t11.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (dA17 * t11.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))
     t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t24 = ((t23 @ t22)).permute(3, 2, 0, 1)
-    t25 = ((X.reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t25 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t19.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t13
     t26 = torch.exp(F - F.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
@@ -7379,13 +7379,13 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t33 = t32 - (A * t32).sum(-1, keepdim=True)
     t34 = A * t33
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t34.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t8.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t34.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t34.reshape((n_batch, L, 1, L)))
+    d2A = (t8.reshape((1, 1, L, L)) * t34.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t34.reshape((n_batch, L, L, 1))) - (t34.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t35 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t36 = (1/n_batch) * t2
     t37 = M_3.permute(2, 3, 0, 1)
-    t38 = ((X.reshape((n_batch, L, d_V, 1)) * t36.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t38 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t36.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t39 = t25.reshape((d_V**2, L*n_batch))
     t40 = t38.reshape((d_V**2, L*n_batch))
     t41 = t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
@@ -7396,10 +7396,10 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t45 = H[0:d_V**2, d_V**2:2*d_V**2]
     t46 = t45.view((d_V, d_V, d_V, d_V))
     t47 = ((t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t48 = ((M_1.reshape((n_batch, L, d_V, 1)) * t19.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t48 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t19.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t49 = (1/n_batch) * X
     t50 = M_2.permute(3, 2, 0, 1)
-    t51 = ((G.reshape((n_batch, L, d_V, 1)) * t49.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t51 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t49.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t46[...] = ((t48.reshape((d_V**2, L*n_batch)) @ t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t46 += ((t50.reshape((d_V**2, L*n_batch)) @ t51.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t52 = H[d_V**2:2*d_V**2, 0:d_V**2]
@@ -7407,17 +7407,17 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t54 = G.transpose(-1, -2)
     t55 = (1/n_batch) * t54
     t56 = M_2.permute(2, 3, 0, 1)
-    t57 = ((X.reshape((n_batch, L, d_V, 1)) * t55.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t57 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t55.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t58 = M_1.transpose(-1, -2)
     t59 = (1/(L*n_batch)) * t58
-    t60 = ((X.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t60 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t59.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t61 = ((t23 @ t21.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t53[...] = ((t57.reshape((d_V**2, L*n_batch)) @ t56.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     t53 += ((t60.reshape((d_V**2, L*n_batch)) @ t61.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t62 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
     t63 = t62.view((d_V, d_V, d_V, d_V))
-    t64 = ((dA17.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t11.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t65 = ((M_1.reshape((n_batch, L, d_V, 1)) * t59.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t64 = (dA17.permute(2, 3, 0, 1) * t11.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t65 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t59.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t63[...] = ((t65.reshape((d_V**2, L*n_batch)) @ t64.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return H
 
@@ -7496,7 +7496,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -7506,9 +7506,9 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
-    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t16 = (dA14 * t8.reshape((n_batch, L, d_V, 1)))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -7535,7 +7535,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t39.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
+    d2A = (t6.reshape((1, 1, L, L)) * t39.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t39.reshape((n_batch, L, L, 1))) - (t39.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t40 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t41 = t18 * t40
     t42 = (t40.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -7558,7 +7558,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t59 = (t17.permute(1, 0, 2) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
     t60 = (t59.permute(0, 2, 3, 1) @ t16)
     t61 = (t60.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t62 = (t61.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t18.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t62 = (t61.permute(0, 1, 3, 4, 2) * t18.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t63 = (t62.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t64 = (t63.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t65 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7576,7 +7576,7 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t77 = (t76.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t78 = (t19 @ t16.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t79 = (t78.permute(0, 2, 3, 1) @ dA)
-    t80 = (t77.reshape((n_batch, n_batch, L, L, L, 1)) * t18.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t80 = (t77 * t18.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1)))
     t81 = (t80.reshape((n_batch, n_batch, L**2, L)) @ t18.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t82 = (t81.permute(0, 3, 1, 2, 4).reshape((L*n_batch, L**2*n_batch)) @ t79.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V))).reshape((n_batch, L, d_V))
     t83 = (t75.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t75.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7608,7 +7608,7 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7621,12 +7621,12 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = (X * t18).permute(2, 0, 1)
     t20 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t21 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t21 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t22 = (t21.permute(0, 1, 3, 2) @ t20.permute(1, 2, 0, 3))
     t23 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t24 = (t23.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, 1, d_V)) @ t22.permute(3, 0, 1, 2).reshape((d_V, n_batch, L, d_V, 1))).reshape((d_V, n_batch, L))
@@ -7642,7 +7642,7 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdim=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t33.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
+    d2A = (t7.reshape((1, 1, L, L)) * t33.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t33.reshape((n_batch, L, L, 1))) - (t33.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t34 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7668,7 +7668,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t7.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7681,7 +7681,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA15 = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA15 = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t16 = W_V.transpose(-1, -2)
     t17 = (X.reshape((n_batch, L, 1, d_V)) @ X.reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t18 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
@@ -7701,7 +7701,7 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t30 = t29 - (A * t29).sum(-1, keepdim=True)
     t31 = A * t30
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t31.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t31.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t31.reshape((n_batch, L, 1, L)))
+    d2A = (t6.reshape((1, 1, L, L)) * t31.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t31.reshape((n_batch, L, L, 1))) - (t31.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7725,7 +7725,7 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7738,15 +7738,15 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = W_V.transpose(-1, -2)
     t18 = (1/(L*n_batch)) * X
     t19 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t20 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t20 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t21 = (t20.permute(0, 1, 3, 2) @ t19.permute(1, 2, 0, 3))
     t22 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t23 = ((t22 @ t21)).permute(3, 2, 0, 1)
-    t24 = ((X.reshape((n_batch, L, d_V, 1)) * t18.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t24 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t18.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t12
     t25 = torch.exp(F - F.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
@@ -7759,13 +7759,13 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t32 = t31 - (A * t31).sum(-1, keepdim=True)
     t33 = A * t32
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t33.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t33.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t33.reshape((n_batch, L, 1, L)))
+    d2A = (t7.reshape((1, 1, L, L)) * t33.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t33.reshape((n_batch, L, L, 1))) - (t33.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t34 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = (t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t35 = (1/n_batch) * t1
     t36 = M_3.permute(2, 3, 0, 1)
-    t37 = ((X.reshape((n_batch, L, d_V, 1)) * t35.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t37 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t35.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t38 = t24.reshape((d_V**2, L*n_batch))
     t39 = t37.reshape((d_V**2, L*n_batch))
     t40 = t23.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))
@@ -7790,7 +7790,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -7800,9 +7800,9 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
-    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t16 = (dA14 * t8.reshape((n_batch, L, d_V, 1)))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -7829,7 +7829,7 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t38 = t37 - (A * t37).sum(-1, keepdim=True)
     t39 = A * t38
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t39.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t39.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t39.reshape((n_batch, L, 1, L)))
+    d2A = (t6.reshape((1, 1, L, L)) * t39.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t39.reshape((n_batch, L, L, 1))) - (t39.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t40 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t41 = t18 * t40
     t42 = (t40.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -7861,7 +7861,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t7.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t7.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t8 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t8.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
@@ -7874,12 +7874,12 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA16 = ((A14.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t15.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A14.reshape((n_batch, L, d_V, 1)) * A14.reshape((n_batch, L, 1, d_V)))
+    dA16 = (t15.reshape((1, 1, d_V, d_V)) * A14.reshape((n_batch, L, d_V, 1))) - (A14.reshape((n_batch, L, 1, d_V)) * A14.reshape((n_batch, L, d_V, 1)))
     t17 = (1/(L*n_batch)) * X
     t18 = (W_V.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t19 = (dA16.reshape((n_batch, L, d_V, d_V, 1)) * t10.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t19 = (dA16 * t10.reshape((n_batch, L, d_V, 1)))
     t20 = ((t19.permute(0, 1, 3, 2) @ t18.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t21 = ((M_1.reshape((n_batch, L, d_V, 1)) * t17.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t17.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     F = t12
     t22 = torch.exp(F - F.amax(-1, keepdim=True))
     A23 = t22 / t22.sum(-1, keepdim=True)
@@ -7889,7 +7889,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     G = t26
     t27 = (1/n_batch) * X
     t28 = M_2.permute(3, 2, 0, 1)
-    t29 = ((G.reshape((n_batch, L, d_V, 1)) * t27.reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t29 = (G.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t27.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     t0 += ((t28.reshape((d_V**2, L*n_batch)) @ t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
     return out
@@ -7909,7 +7909,7 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -7919,9 +7919,9 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t16 = (dA14 * t8.reshape((n_batch, L, d_V, 1)))
     t17 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t15.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t18 = (t17 @ dA)
     t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7940,7 +7940,7 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     t30 = (t15.permute(1, 0, 2) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
     t31 = (t30.permute(0, 2, 3, 1) @ t16)
     t32 = (t31.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t33 = (t32.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t19.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t33 = (t32.permute(0, 1, 3, 4, 2) * t19.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t34 = (t33.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t35 = (t34.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t36 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -7978,7 +7978,7 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
     t16 = (M_1 * t15.permute(0, 2, 1)).permute(2, 0, 1)
     t17 = (oe.contract('abcc,abc->abc', dA, t10)).permute(2, 0, 1)
@@ -8008,7 +8008,7 @@ def ce_causal1__trace__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t14 = (M_1.reshape((n_batch, L, 1, d_V)) @ t7.permute(0, 2, 1).reshape((n_batch, L, d_V, 1))).reshape((n_batch, L))
     t15 = oe.contract('abcc,abc->ab', dA, t9)
     return (1/(L*n_batch)) * (t15 * t14).sum()
@@ -8043,23 +8043,23 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t16 = G.transpose(-1, -2)
     t17 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t17.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t17.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t18 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t3.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
     t19 = (1/n_batch) * t16
     t20 = M_2.permute(2, 3, 0, 1)
-    t21 = ((X.reshape((n_batch, L, d_V, 1)) * t19.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t21 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t19.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t22 = M_1.transpose(-1, -2)
     t23 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A24 = t23 / t23.sum(-1, keepdim=True)
     t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA26 = ((A24.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t25.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A24.reshape((n_batch, L, d_V, 1)) * A24.reshape((n_batch, L, 1, d_V)))
+    dA26 = (t25.reshape((1, 1, d_V, d_V)) * A24.reshape((n_batch, L, d_V, 1))) - (A24.reshape((n_batch, L, 1, d_V)) * A24.reshape((n_batch, L, d_V, 1)))
     t27 = W_V.transpose(-1, -2)
     t28 = (1/(L*n_batch)) * t22
-    t29 = ((X.reshape((n_batch, L, d_V, 1)) * t28.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
-    t30 = (dA26.reshape((n_batch, L, d_V, d_V, 1)) * t2.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t29 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t28.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t30 = (dA26 * t2.reshape((n_batch, L, d_V, 1)))
     t31 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
     t32 = ((t31 @ t30.permute(0, 1, 3, 2))).permute(3, 2, 0, 1)
     t0[...] = ((t21.reshape((d_V**2, L*n_batch)) @ t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(2, 0, 1, 3)
@@ -8094,7 +8094,7 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t15 = G.transpose(-1, -2)
     t16 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t16.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t16.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t17 = (t15.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t18 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8107,15 +8107,15 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     A26 = t25 / t25.sum(-1, keepdim=True)
     t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA28 = ((A26.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t27.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A26.reshape((n_batch, L, d_V, 1)) * A26.reshape((n_batch, L, 1, d_V)))
+    dA28 = (t27.reshape((1, 1, d_V, d_V)) * A26.reshape((n_batch, L, d_V, 1))) - (A26.reshape((n_batch, L, 1, d_V)) * A26.reshape((n_batch, L, d_V, 1)))
     t29 = W_V.transpose(-1, -2)
-    t30 = (dA28.reshape((n_batch, L, d_V, d_V, 1)) * t1.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t30 = (dA28 * t1.reshape((n_batch, L, d_V, 1)))
     t31 = (t24.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t2.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t32 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_V))
     t33 = (t31.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
     t34 = (t32 @ t30.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
     t35 = (t34.permute(0, 2, 3, 1) @ dA)
-    t36 = (t33.reshape((n_batch, n_batch, L, L, L, 1)) * t19.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1, 1))).reshape((n_batch, n_batch, L, L, L))
+    t36 = (t33 * t19.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1)))
     t37 = (t36.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t38 = (t37.permute(0, 3, 1, 2, 4).reshape((L*n_batch, L**2*n_batch)) @ t35.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V))).reshape((n_batch, L, d_V))
     t39 = (t24.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t24.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8151,10 +8151,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A13.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t14.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A13.reshape((n_batch, L, d_V, 1)) * A13.reshape((n_batch, L, 1, d_V)))
+    dA = (t14.reshape((1, 1, d_V, d_V)) * A13.reshape((n_batch, L, d_V, 1))) - (A13.reshape((n_batch, L, 1, d_V)) * A13.reshape((n_batch, L, d_V, 1)))
     t15 = (1/(L*n_batch)) * t8
-    t16 = ((dA.permute(2, 0, 1, 3).reshape((d_V, n_batch, L, d_V, 1)) * t10.permute(2, 0, 1).reshape((d_V, n_batch, L, 1, 1))).reshape((d_V, n_batch, L, d_V))).permute(0, 3, 1, 2)
-    t17 = ((M_1.reshape((n_batch, L, d_V, 1)) * t15.permute(0, 2, 1).reshape((n_batch, L, 1, d_V)))).permute(3, 2, 0, 1)
+    t16 = (dA.permute(2, 3, 0, 1) * t10.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t17 = (M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t15.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t0[...] = ((t17.reshape((d_V**2, L*n_batch)) @ t16.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
     return out
 
@@ -8181,8 +8181,8 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
+    t14 = (dA * t9.reshape((n_batch, L, d_V, 1)))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8206,7 +8206,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -8216,9 +8216,9 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t15 = W_V.transpose(-1, -2)
-    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t16 = (dA14 * t8.reshape((n_batch, L, d_V, 1)))
     t17 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t18 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V))
@@ -8246,7 +8246,7 @@ def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
     t39 = t38 - (A * t38).sum(-1, keepdim=True)
     t40 = A * t39
     # d2A: compact tensor ('L', 'L', 'L')
-    d2A = ((t40.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (t40.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L))) - (A.reshape((n_batch, L, L, 1)) * t40.reshape((n_batch, L, 1, L)))
+    d2A = (t6.reshape((1, 1, L, L)) * t40.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t40.reshape((n_batch, L, L, 1))) - (t40.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t41 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t42 = t18 * t41
     t43 = (t41.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
@@ -8280,7 +8280,7 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t6.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
+    dA = (t6.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
     t7 = Y.sum(-1, keepdim=True)
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = A @ X
@@ -8290,9 +8290,9 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA14 = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA14 = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t15 = (W_V.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t16 = (dA14.reshape((n_batch, L, d_V, d_V, 1)) * t8.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    t16 = (dA14 * t8.reshape((n_batch, L, d_V, 1)))
     t17 = (t16.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t15.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
     t18 = (t17 @ dA)
     t19 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8319,7 +8319,7 @@ def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
     t38 = (t15.permute(1, 0, 2) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
     t39 = (t38.permute(0, 2, 3, 1) @ t16)
     t40 = (t39.reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t41 = (t40.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t19.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t41 = (t40.permute(0, 1, 3, 4, 2) * t19.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t42 = (t41.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t43 = (t42.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t44 = (2/(L*n_batch**2)) * (t43 * t37.permute(0, 2, 3, 1)).sum()
@@ -8352,12 +8352,12 @@ def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
     t14 = W_V.transpose(-1, -2)
     t15 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA16 = ((A.permute(2, 0, 1).reshape((L, L*n_batch, 1)) * t15.reshape((L, 1, L))).reshape((L, n_batch, L, L))).permute(1, 2, 0, 3) - (A.reshape((n_batch, L, L, 1)) * A.reshape((n_batch, L, 1, L)))
-    t17 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA16 = (t15.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t17 = (dA * t9.reshape((n_batch, L, d_V, 1)))
     t18 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t19 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V))
     t20 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
@@ -8386,7 +8386,7 @@ def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
     t41 = (t19.permute(0, 2, 1) @ dA16.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, d_V, L, L))
     t42 = (t41.permute(0, 2, 3, 1) @ t17.permute(0, 1, 3, 2))
     t43 = (t42.reshape((L**2*n_batch, d_V)) @ t32.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t44 = (t43.permute(0, 1, 3, 4, 2).reshape((n_batch, L, n_batch, L, L, 1)) * t20.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1, 1))).reshape((n_batch, L, n_batch, L, L))
+    t44 = (t43.permute(0, 1, 3, 4, 2) * t20.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
     t45 = (t44.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
     t46 = (t45.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA16.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
     t47 = (2/(L*n_batch**2)) * (t46 * t40.permute(0, 2, 3, 1)).sum()
@@ -8419,8 +8419,8 @@ def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = ((A12.permute(2, 0, 1).reshape((d_V, L*n_batch, 1)) * t13.reshape((d_V, 1, d_V))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3) - (A12.reshape((n_batch, L, d_V, 1)) * A12.reshape((n_batch, L, 1, d_V)))
-    t14 = (dA.reshape((n_batch, L, d_V, d_V, 1)) * t9.reshape((n_batch, L, d_V, 1, 1))).reshape((n_batch, L, d_V, d_V))
+    dA = (t13.reshape((1, 1, d_V, d_V)) * A12.reshape((n_batch, L, d_V, 1))) - (A12.reshape((n_batch, L, 1, d_V)) * A12.reshape((n_batch, L, d_V, 1)))
+    t14 = (dA * t9.reshape((n_batch, L, d_V, 1)))
     t15 = (t7.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t7.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t16 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
     t17 = (t14.reshape((L*n_batch, d_V**2)) @ t14.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))

@@ -58,6 +58,7 @@ class Routine:
         self.uses = {}                        # factor tuple -> chains holding it (plan)
         self.products = {}                    # factor tuple -> (name, transposed)
         self.transposed = {}                  # name of a transposed view -> name of its base
+        self.bcast = {}                       # code of a broadcast product -> its operands
         self.written = 0                      # entries written by dense_into (its passes)
         self.env, self.batch_size = representative_sizes(symbols, sizes)
         self.env_key = E.size_env(self.env)
@@ -364,11 +365,13 @@ class Routine:
     def _snapshot(self):
         return (self.written, len(self.lines), dict(self.rhs), set(self.taken), self.count,
                 dict(self.is_batched), dict(self.memo), dict(self.inter), dict(self.products),
-                dict(self.transposed))
+                dict(self.transposed), dict(self.bcast))
 
     def _restore(self, snap):
         """Forget every statement and name made since ``_snapshot``."""
-        self.written, n, rhs, taken, count, is_batched, memo, inter, products, transposed = snap
+        self.written, n, rhs, taken, count, is_batched, memo, inter, products, transposed, \
+            bcast = snap
+        self.bcast = dict(bcast)
         del self.lines[n:]
         self.rhs, self.taken, self.count = dict(rhs), set(taken), count
         self.is_batched, self.memo, self.inter = dict(is_batched), dict(memo), dict(inter)
@@ -440,11 +443,28 @@ class Routine:
                 return self._arrange_out(f"{x} * {self._permuted(y, ly, lx)}", lx, out)
             if not out:                                   # a full inner product
                 return f"({x} * {self._permuted(y, ly, lx)}).sum()"
+        if not con:         # a broadcast product: both operands aligned to out, no permute
+            return self._broadcast(self._aligned(x, lx, out), self._aligned(y, ly, out))
         (x, lx), (y, ly), pre, m, n = _oriented((x, lx), (y, ly), out)
         xm = self._grouped(x, lx, pre, [m, con])
         ym = self._grouped(y, ly, pre, [con, n])
-        code = f"({xm} @ {ym})" if con else f"({xm} * {ym})"     # no sum: a broadcast product
-        return self._finish(code, pre, m, n, out)
+        return self._finish(f"({xm} @ {ym})", pre, m, n, out)
+
+    def _aligned(self, x, lx, out):
+        """``x`` (labels ``lx`` ⊆ ``out``) permuted to ``out``'s order with a unit axis for
+        each label it lacks, so that it broadcasts against the result."""
+        own = [a for a in out if a in lx]
+        x = self._permuted(x, lx, own)
+        if len(own) == len(out):
+            return x
+        return self.fmt("reshape", x, self.shape([self._dim(a) if a in lx else 1 for a in out]))
+
+    def _broadcast(self, xa, ya):
+        """The code of xa * ya (aligned operands), remembered so that a dense write can
+        multiply straight into its target (``mul_into``)."""
+        code = f"({xa} * {ya})"
+        self.bcast[code] = (xa, ya)
+        return code
 
     def _finish(self, code, pre, m, n, out):
         """A (P…, M, N) product result reshaped to its labels and permuted to ``out``."""
@@ -607,7 +627,11 @@ class Routine:
                 rhs = self._stacked([code for _, code in members])
             else:
                 rhs = self._shared([code for _, code in members], how)
-            self.line(f"{view}[...] = {rhs}" if first else f"{view} += {rhs}")
+            pair = self.bcast.get(rhs)
+            if pair is not None and "mul_into" in self.t:     # one pass, no temporary
+                self.line(self.fmt("mul_into" if first else "addmul_into", *pair, view))
+            else:
+                self.line(f"{view}[...] = {rhs}" if first else f"{view} += {rhs}")
             self.written += size
             first = False
 
@@ -676,6 +700,11 @@ class Routine:
             else:
                 total = self.emit(" + ".join(r[0] for r in raw), False)
             f, labs = finals[0], raw[0][1]
+            if not f.summed:                       # Σ_t A ∘ B_t = A ∘ Σ_t B_t, aligned
+                (x, lx), (y, ly), _, _, _ = f.oriented()
+                a = self._aligned(*((x, lx) if own else (y, ly)), f.out)
+                b = self._aligned(total, labs, f.out)
+                return self._broadcast(*((a, b) if own else (b, a)))
             groups = [f.summed, n] if own else [m, f.summed]
             rest = self._grouped(total, labs, pre, groups)
         else:

@@ -19,6 +19,8 @@ NUMPY = {
     "tril_ones": "np.tril(np.ones(({0}, {0}), dtype={like}.dtype))",
     "where": "np.where({0}, {1}, {2})",
     "view": "np.reshape({0}, {1}, copy=False)",
+    "mul_into": "np.multiply({0}, {1}, out={2})",
+    "addmul_into": "{2} += {0} * {1}",
     "matmul_into": "np.matmul({0}, {1}, out={2})",
     "reshape": "np.reshape({0}, {1})",
     "permute": "{0}.transpose({1})",

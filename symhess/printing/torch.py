@@ -18,6 +18,8 @@ TORCH = {
     "tril_ones": "torch.tril(torch.ones(({0}, {0}), dtype={like}.dtype, device={like}.device))",
     "where": "torch.where({0}, {1}, {2})",
     "view": "{0}.view({1})",
+    "mul_into": "torch.mul({0}, {1}, out={2})",
+    "addmul_into": "{2}.addcmul_({0}, {1})",
     "matmul_into": "torch.matmul({0}, {1}, out={2})",
     "reshape": "{0}.reshape({1})",
     "permute": "{0}.permute({1})",
