@@ -618,7 +618,8 @@ def _module_source(layer_name, backend, description, variants, functions):
     from . import __version__
     return _env().get_template("kernels.py.j2").render(
         version=__version__, backend=backend, layer=layer_name, description=description,
-        variants=variants, functions=functions, imports=TARGETS[backend]["imports"])
+        variants=variants, functions=functions, imports=TARGETS[backend]["imports"],
+        preamble=TARGETS[backend]["preamble"])
 
 
 def render_routine(layer_name, backend, loss, options, key):

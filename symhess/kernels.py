@@ -7,6 +7,7 @@ combinations that were not generated are rendered in memory on first use.
 """
 from __future__ import annotations
 
+import re
 import threading
 from functools import lru_cache
 
@@ -52,8 +53,8 @@ def lazy_module(src, filename, module_name):
     if table < 0:
         raise RuntimeError(f"{filename} has no VARIANTS table: not a module written by "
                            "`symhess generate` (run it to regenerate generated/)")
-    start = src.find("\ndef ", 0, table)
-    start = table if start < 0 else start
+    first = re.compile(r"\ndef [^_]").search(src, 0, table)   # module helpers (_empty) stay eager
+    start = table if first is None else first.start()
     ns = {"__name__": module_name, "__file__": filename}
     exec(compile(src[:start], filename, "exec"), ns)
     functions, line = {}, src.count("\n", 0, start) + 2

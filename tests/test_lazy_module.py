@@ -96,3 +96,22 @@ def test_first_calls_from_several_threads_compile_once():
     assert fn.compiled
     for r in results[1:]:
         np.testing.assert_array_equal(r, results[0])
+
+
+def test_torch_module_helpers_stay_eager_and_outputs_are_ordinary_tensors():
+    """The torch modules define ``_empty`` before the routines (CPU outputs from NumPy's
+    allocator, which asks for huge pages): it is a plain function of the namespace, not a
+    lazy routine, and what the kernels return are writable tensors of the inputs' dtype."""
+    import torch
+    path = codegen.ROOT / "generated" / "torch" / "ffn.py"
+    lazy = kernels.lazy_module(path.read_text(), str(path), "lazy_torch")
+    assert callable(lazy["_empty"]) and not isinstance(lazy["_empty"], kernels.LazyFunction)
+    d = sh.derive(sh.layer("ffn"), "mse")
+    values = random_values(d, seed=2)
+    k = sh.kernel("ffn", "torch", "mse")
+    want = sh.kernel("ffn", "numpy", "mse").hessian(values, "full")
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-4)):
+        h = k.hessian({n: torch.tensor(v, dtype=dtype) for n, v in values.items()}, "full")
+        assert h.dtype == dtype and h.device.type == "cpu"
+        assert np.allclose(h.numpy(), want, rtol=tol, atol=tol * np.abs(want).max())
+        h.mul_(2)                                     # writable like any other tensor

@@ -12,8 +12,21 @@ which validates the inputs and adds the batch axis.
 """
 import math
 
+import numpy as np
 import opt_einsum as oe
 import torch
+
+
+_NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32}
+
+
+def _empty(shape, like):
+    """An uninitialised tensor of ``like``'s dtype and device.  On the CPU it comes from
+    NumPy's allocator, which asks the OS for transparent huge pages for large arrays:
+    writing a fresh 63 MB Hessian then faults in 7 ms instead of 25 (BENCHMARKS.md)."""
+    if like.device.type == "cpu" and like.dtype in _NUMPY_DTYPES:
+        return torch.from_numpy(np.empty(shape, dtype=_NUMPY_DTYPES[like.dtype]))
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
 
@@ -64,7 +77,7 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = t0.view((d_V, d_ff, d_V, d_ff))
     t2 = X.transpose(-1, -2)
@@ -174,7 +187,7 @@ def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_V, d_ff))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_1
@@ -213,7 +226,7 @@ def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_V, d_ff))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_1
@@ -257,7 +270,7 @@ def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_ff, d_V))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_1
@@ -297,7 +310,7 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -332,7 +345,7 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_V, d_ff))
     t1 = W_1.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -378,7 +391,7 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_ff, d_V, d_ff, d_V))
     t1 = t0.diagonal(0, 1, 3)
@@ -417,7 +430,7 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t0[...] = 0
     t1 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
@@ -518,7 +531,7 @@ def mse_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff,), X)
     out[...] = 0
     return out
 
@@ -539,7 +552,7 @@ def mse_bias0_residual0__block__W_1__W_1__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     return out
 
@@ -560,7 +573,7 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_V, d_ff, d_ff, d_V))
     t1 = t0.diagonal(0, 1, 2)
@@ -610,7 +623,7 @@ def mse_bias0_residual0__diag__W_2__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff,), X)
     out[...] = 0
     return out
 
@@ -631,7 +644,7 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_ff, d_V, d_V, d_ff))
     t1 = t0.diagonal(0, 0, 3)
@@ -683,7 +696,7 @@ def mse_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     return out
 
@@ -705,9 +718,9 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = torch.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
         t0 = X.transpose(-1, -2)
-        R = torch.empty((n_batch, L, d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        R = _empty((n_batch, L, d_ff, 2*d_V*d_ff), X)
         t1 = R.view((n_batch, L*d_ff, 2*d_V*d_ff))
         t2 = t1[..., 0:d_V*d_ff]
         t3 = t2.view((n_batch, L, d_ff, d_V, d_ff))
@@ -762,7 +775,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t43 = (2/(L*d_V*n_batch)) * t42
         t40.addcmul_(t43.reshape((1, 1, d_V)), t41.sum((0,)).reshape((d_ff, d_ff, 1)))
         return H
-    H = torch.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = t0.view((d_V, d_ff, d_V, d_ff))
     t2 = X.transpose(-1, -2)
@@ -922,7 +935,7 @@ def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_V, d_ff))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_1
@@ -961,7 +974,7 @@ def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_V, d_ff))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_1
@@ -1005,7 +1018,7 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_ff, d_V))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_1
@@ -1067,7 +1080,7 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -1102,7 +1115,7 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_V, d_ff))
     t1 = W_1.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -1174,7 +1187,7 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_ff, d_V, d_ff, d_V))
     t1 = t0.diagonal(0, 1, 3)
@@ -1343,7 +1356,7 @@ def bias0_residual0__jacobian__W_1(X, W_1, W_2):
     t0 = W_2.transpose(-1, -2)
     t1 = X @ W_1
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
-    out = torch.empty((n_batch, L*d_V, d_V*d_ff,), dtype=X.dtype, device=X.device)
+    out = _empty((n_batch, L*d_V, d_V*d_ff,), X)
     t3 = out.view((n_batch, L, d_V, d_V, d_ff,))
     t4 = t0
     t5 = (X.reshape((n_batch, L, d_V, 1)) * t2.reshape((n_batch, L, 1, d_ff)))
@@ -1447,7 +1460,7 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = t0.view((d_V, d_ff, d_V, d_ff))
     t2 = X.transpose(-1, -2)
@@ -1588,7 +1601,7 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_V, d_ff))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_1
@@ -1648,7 +1661,7 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_V, d_ff))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_1
@@ -1714,7 +1727,7 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_ff, d_V))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_1
@@ -1775,7 +1788,7 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -1827,7 +1840,7 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_V, d_ff))
     t1 = W_1.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -1896,7 +1909,7 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -1953,7 +1966,7 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t0[...] = 0
     t1 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
@@ -2069,7 +2082,7 @@ def ce_bias0_residual0__diag__W_1__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff,), X)
     out[...] = 0
     return out
 
@@ -2090,7 +2103,7 @@ def ce_bias0_residual0__block__W_1__W_1__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     return out
 
@@ -2111,7 +2124,7 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_V, d_ff, d_ff, d_V))
     t1 = t0.diagonal(0, 1, 2)
@@ -2171,7 +2184,7 @@ def ce_bias0_residual0__diag__W_2__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff,), X)
     out[...] = 0
     return out
 
@@ -2192,7 +2205,7 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     t0 = out.view((d_ff, d_V, d_V, d_ff))
     t1 = t0.diagonal(0, 0, 3)
@@ -2254,7 +2267,7 @@ def ce_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     out[...] = 0
     return out
 
@@ -2276,9 +2289,9 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = torch.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
         t0 = X.transpose(-1, -2)
-        R = torch.empty((n_batch, L, d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+        R = _empty((n_batch, L, d_ff, 2*d_V*d_ff), X)
         t1 = R.view((n_batch, L*d_ff, 2*d_V*d_ff))
         t2 = t1[..., 0:d_V*d_ff]
         t3 = t2.view((n_batch, L, d_ff, d_V, d_ff))
@@ -2343,7 +2356,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t51 = (t8.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t37.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
         t49[...] = ((t51.reshape((d_ff**2, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
         return H
-    H = torch.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = t0.view((d_V, d_ff, d_V, d_ff))
     t2 = X.transpose(-1, -2)
@@ -2540,7 +2553,7 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_V, d_ff))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_1
@@ -2600,7 +2613,7 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_V, d_ff))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_1
@@ -2666,7 +2679,7 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_V, d_ff, d_ff, d_V))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_1
@@ -2754,7 +2767,7 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff,), X)
     t0 = out.view((d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -2806,7 +2819,7 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_V, d_ff))
     t1 = W_1.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -2904,7 +2917,7 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
+    out = _empty((d_V*d_ff, d_V*d_ff), X)
     t0 = out.view((d_ff, d_V, d_ff, d_V))
     t1 = W_1.transpose(-1, -2)
     t2 = X.transpose(-1, -2)

@@ -14,8 +14,21 @@ which validates the inputs and adds the batch axis.
 """
 import math
 
+import numpy as np
 import opt_einsum as oe
 import torch
+
+
+_NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32}
+
+
+def _empty(shape, like):
+    """An uninitialised tensor of ``like``'s dtype and device.  On the CPU it comes from
+    NumPy's allocator, which asks the OS for transparent huge pages for large arrays:
+    writing a fresh 63 MB Hessian then faults in 7 ms instead of 25 (BENCHMARKS.md)."""
+    if like.device.type == "cpu" and like.dtype in _NUMPY_DTYPES:
+        return torch.from_numpy(np.empty(shape, dtype=_NUMPY_DTYPES[like.dtype]))
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
 
@@ -83,7 +96,7 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -304,7 +317,7 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
@@ -350,7 +363,7 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
@@ -400,7 +413,7 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_Q
@@ -450,7 +463,7 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -500,7 +513,7 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_V.transpose(-1, -2)
@@ -546,7 +559,7 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_V.transpose(-1, -2)
@@ -596,7 +609,7 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_V.transpose(-1, -2)
@@ -646,7 +659,7 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_V
@@ -700,7 +713,7 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -745,7 +758,7 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -801,7 +814,7 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -857,7 +870,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = t0.diagonal(0, 1, 3)
@@ -906,7 +919,7 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
     t1 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -1089,7 +1102,7 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
 
@@ -1110,7 +1123,7 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
 
@@ -1131,7 +1144,7 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = t0.diagonal(0, 1, 3)
@@ -1192,7 +1205,7 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -1250,7 +1263,7 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
 
@@ -1271,7 +1284,7 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = t0.diagonal(0, 1, 3)
@@ -1334,7 +1347,7 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
 
@@ -1355,7 +1368,7 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
@@ -1417,7 +1430,7 @@ def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     out[...] = 0
     return out
 
@@ -1438,7 +1451,7 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_K
@@ -1498,7 +1511,7 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
@@ -1560,7 +1573,7 @@ def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
 
@@ -1582,7 +1595,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 2:    # row slabs (their operands grow with the batch)
-        H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
         t0 = H[0:d_K*d_V, 0:d_K*d_V]
         t1 = t0.view((d_V, d_K, d_V, d_K))
         t2 = X.transpose(-1, -2)
@@ -1671,7 +1684,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t74 = ((t39.permute(0, 2, 1) @ t72.permute(0, 2, 1))).permute(2, 1, 0)
         t68[...] = ((t70.reshape((d_V**2, n_batch)) @ t71.permute(2, 0, 1).reshape((n_batch, d_K*d_V))).reshape((d_V, d_V, d_K, d_V))).permute(0, 2, 1, 3)
         t68 += ((t74.reshape((d_K*d_V, n_batch)) @ t73.permute(2, 0, 1).reshape((n_batch, d_V**2))).reshape((d_K, d_V, d_V, d_V))).permute(2, 0, 1, 3)
-        R = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        R = _empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), X)
         t75 = R.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2))
         t76 = t75[..., 0:d_K*d_V]
         t77 = t76.view((n_batch, L, d_V, d_V, d_K))
@@ -1708,7 +1721,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t101 = (2/(L*d_V*n_batch)) * t100
         t97.addcmul_(t101.reshape((1, 1, d_V)), t99.sum((0,)).reshape((d_V, d_V, 1)))
         return H
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -2026,7 +2039,7 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
@@ -2072,7 +2085,7 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
@@ -2122,7 +2135,7 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_Q
@@ -2201,7 +2214,7 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -2272,7 +2285,7 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_V.transpose(-1, -2)
@@ -2318,7 +2331,7 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_V
@@ -2397,7 +2410,7 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_V.transpose(-1, -2)
@@ -2447,7 +2460,7 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
@@ -2524,7 +2537,7 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -2569,7 +2582,7 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -2651,7 +2664,7 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -2731,7 +2744,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = t0.diagonal(0, 1, 3)
@@ -3118,7 +3131,7 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((n_batch, L*d_V, d_K*d_V,), X)
     t0 = out.view((n_batch, L, d_V, d_V, d_K,))
     t1 = W_V.transpose(-1, -2)
     t2 = X.transpose(-1, -2)
@@ -3154,7 +3167,7 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X @ W_Q
-    out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((n_batch, L*d_V, d_K*d_V,), X)
     t1 = out.view((n_batch, L, d_V, d_V, d_K,))
     t2 = W_V.transpose(-1, -2)
     t3 = X.transpose(-1, -2)
@@ -3294,7 +3307,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -3522,7 +3535,7 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -3572,7 +3585,7 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -3629,7 +3642,7 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -3686,7 +3699,7 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -3743,7 +3756,7 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -3795,7 +3808,7 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -3854,7 +3867,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -3913,7 +3926,7 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -3976,7 +3989,7 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -4029,7 +4042,7 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -4094,7 +4107,7 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -4159,7 +4172,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = t0.diagonal(0, 1, 3)
@@ -4216,7 +4229,7 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
     t1 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -4423,7 +4436,7 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
 
@@ -4444,7 +4457,7 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
 
@@ -4465,7 +4478,7 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = t0.diagonal(0, 1, 3)
@@ -4532,7 +4545,7 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -4597,7 +4610,7 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
 
@@ -4618,7 +4631,7 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = t0.diagonal(0, 1, 3)
@@ -4689,7 +4702,7 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
 
@@ -4710,7 +4723,7 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -4781,7 +4794,7 @@ def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     out[...] = 0
     return out
 
@@ -4802,7 +4815,7 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -4873,7 +4886,7 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -4944,7 +4957,7 @@ def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
 
@@ -4966,9 +4979,9 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
         t0 = X.transpose(-1, -2)
-        R = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        R = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
         t1 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
         t2 = t1[..., 0:d_K*d_V]
         t3 = t2.view((n_batch, L, d_K, d_V, d_K))
@@ -5027,7 +5040,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t47 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
         torch.matmul(t45, t46, out=t47)
         del R
-        R48 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        R48 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
         t49 = R48.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
         t50 = t49[..., 0:d_K*d_V]
         t51 = t50.view((n_batch, L, d_K, d_V, d_K))
@@ -5064,7 +5077,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t77 = H[d_K*d_V:2*d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
         torch.matmul(t45, t76, out=t77)
         del R48
-        R78 = torch.empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        R78 = _empty((n_batch, L, d_V, 2*d_K*d_V + d_V**2), X)
         t79 = R78.view((n_batch, L*d_V, 2*d_K*d_V + d_V**2))
         t80 = t79[..., 0:d_K*d_V]
         t81 = t80.view((n_batch, L, d_V, d_V, d_K))
@@ -5101,7 +5114,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t105 = (2/(L*d_V*n_batch)) * t104
         t101.addcmul_(t105.reshape((1, 1, d_V)), t103.sum((0,)).reshape((d_V, d_V, 1)))
         return H
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -5463,7 +5476,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -5513,7 +5526,7 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -5570,7 +5583,7 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -5664,7 +5677,7 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -5748,7 +5761,7 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -5800,7 +5813,7 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -5903,7 +5916,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -5962,7 +5975,7 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -6055,7 +6068,7 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -6108,7 +6121,7 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -6205,7 +6218,7 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -6302,7 +6315,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = t0.diagonal(0, 1, 3)
@@ -6797,7 +6810,7 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
-    out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((n_batch, L*d_V, d_K*d_V,), X)
     t3 = out.view((n_batch, L, d_V, d_V, d_K,))
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t4 = X @ W_K
@@ -6834,7 +6847,7 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
     t2 = t0 @ t1
-    out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((n_batch, L*d_V, d_K*d_V,), X)
     t3 = out.view((n_batch, L, d_V, d_V, d_K,))
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t4 = X @ W_Q
@@ -6976,7 +6989,7 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -7215,7 +7228,7 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -7281,7 +7294,7 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -7352,7 +7365,7 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -7427,7 +7440,7 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -7496,7 +7509,7 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_V
@@ -7568,7 +7581,7 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_V
@@ -7649,7 +7662,7 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_V
@@ -7726,7 +7739,7 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_V
@@ -7801,7 +7814,7 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -7863,7 +7876,7 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -7940,7 +7953,7 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -8017,7 +8030,7 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -8084,7 +8097,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
     t1 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -8282,7 +8295,7 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
 
@@ -8303,7 +8316,7 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
 
@@ -8324,7 +8337,7 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = t0.diagonal(0, 1, 3)
@@ -8395,7 +8408,7 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = Y.sum(-1, keepdim=True)
@@ -8463,7 +8476,7 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
 
@@ -8484,7 +8497,7 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = t0.diagonal(0, 1, 3)
@@ -8557,7 +8570,7 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
 
@@ -8578,7 +8591,7 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
@@ -8650,7 +8663,7 @@ def ce_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     out[...] = 0
     return out
 
@@ -8671,7 +8684,7 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_K
@@ -8741,7 +8754,7 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
@@ -8813,7 +8826,7 @@ def ce_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
 
@@ -8835,9 +8848,9 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
         t0 = X.transpose(-1, -2)
-        R = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        R = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
         t1 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
         t2 = t1[..., 0:d_K*d_V]
         t3 = t2.view((n_batch, L, d_K, d_V, d_K))
@@ -8970,7 +8983,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t108 = (t41.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t106.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         t104[...] = ((t108.reshape((d_V**2, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
         return H
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -9336,7 +9349,7 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -9402,7 +9415,7 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -9473,7 +9486,7 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -9577,7 +9590,7 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -9673,7 +9686,7 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_V
@@ -9745,7 +9758,7 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_V
@@ -9858,7 +9871,7 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_V
@@ -9935,7 +9948,7 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
@@ -10042,7 +10055,7 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -10104,7 +10117,7 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = X @ W_K
@@ -10208,7 +10221,7 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = Y.sum(-1, keepdim=True)
@@ -10314,7 +10327,7 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -10929,7 +10942,7 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -11199,7 +11212,7 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -11277,7 +11290,7 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -11362,7 +11375,7 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -11447,7 +11460,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -11523,7 +11536,7 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -11607,7 +11620,7 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -11700,7 +11713,7 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -11791,7 +11804,7 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -11875,7 +11888,7 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -11943,7 +11956,7 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -12029,7 +12042,7 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -12115,7 +12128,7 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -12188,7 +12201,7 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
     t1 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -12410,7 +12423,7 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
 
@@ -12431,7 +12444,7 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
 
@@ -12452,7 +12465,7 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = t0.diagonal(0, 1, 3)
@@ -12529,7 +12542,7 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -12604,7 +12617,7 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     out[...] = 0
     return out
 
@@ -12625,7 +12638,7 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = t0.diagonal(0, 1, 3)
@@ -12706,7 +12719,7 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     out[...] = 0
     return out
 
@@ -12727,7 +12740,7 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -12808,7 +12821,7 @@ def ce_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     out[...] = 0
     return out
 
@@ -12829,7 +12842,7 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = Y.sum(-1, keepdim=True)
@@ -12910,7 +12923,7 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = Y.sum(-1, keepdim=True)
@@ -12991,7 +13004,7 @@ def ce_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
 
@@ -13013,9 +13026,9 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
         t0 = X.transpose(-1, -2)
-        R = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        R = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
         t1 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
         t2 = t1[..., 0:d_K*d_V]
         t3 = t2.view((n_batch, L, d_K, d_V, d_K))
@@ -13087,7 +13100,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t57 = H[0:d_K*d_V].view((d_V, d_K*(2*d_K*d_V + d_V**2)))
         torch.matmul(t55, t56, out=t57)
         del R
-        R58 = torch.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+        R58 = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
         t59 = R58.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
         t60 = t59[..., 0:d_K*d_V]
         t61 = t60.view((n_batch, L, d_K, d_V, d_K))
@@ -13165,7 +13178,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t122 = (t43.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t120.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         t118[...] = ((t122.reshape((d_V**2, L*n_batch)) @ t121.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
         return H
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -13574,7 +13587,7 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -13652,7 +13665,7 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -13737,7 +13750,7 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -13854,7 +13867,7 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
@@ -13964,7 +13977,7 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V,), X)
     t0 = out.view((d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -14048,7 +14061,7 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -14178,7 +14191,7 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_K*d_V), X)
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -14269,7 +14282,7 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_K*d_V, d_V**2), X)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_Q.transpose(-1, -2)
@@ -14391,7 +14404,7 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -14459,7 +14472,7 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -14577,7 +14590,7 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_K*d_V), X)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
@@ -14695,7 +14708,7 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))

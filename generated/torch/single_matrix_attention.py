@@ -14,8 +14,21 @@ which validates the inputs and adds the batch axis.
 """
 import math
 
+import numpy as np
 import opt_einsum as oe
 import torch
+
+
+_NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32}
+
+
+def _empty(shape, like):
+    """An uninitialised tensor of ``like``'s dtype and device.  On the CPU it comes from
+    NumPy's allocator, which asks the OS for transparent huge pages for large arrays:
+    writing a fresh 63 MB Hessian then faults in 7 ms instead of 25 (BENCHMARKS.md)."""
+    if like.device.type == "cpu" and like.dtype in _NUMPY_DTYPES:
+        return torch.from_numpy(np.empty(shape, dtype=_NUMPY_DTYPES[like.dtype]))
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
 
 
 
@@ -72,7 +85,7 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V**2, 2*d_V**2), X)
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -206,7 +219,7 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -258,7 +271,7 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -315,7 +328,7 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -370,7 +383,7 @@ def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -409,7 +422,7 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -468,7 +481,7 @@ def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = t0.diagonal(0, 1, 3)
@@ -511,7 +524,7 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V**2, 2*d_V**2), X)
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -660,7 +673,7 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -729,7 +742,7 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -802,7 +815,7 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -866,7 +879,7 @@ def mse_causal0__diag__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     out[...] = 0
     return out
 
@@ -885,7 +898,7 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -951,7 +964,7 @@ def mse_causal0__block__W_V__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
 
@@ -970,7 +983,7 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V**2, 2*d_V**2), X)
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -1194,7 +1207,7 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -1283,7 +1296,7 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -1388,7 +1401,7 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -1469,7 +1482,7 @@ def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -1508,7 +1521,7 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -1595,7 +1608,7 @@ def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = t0.diagonal(0, 1, 3)
@@ -1822,7 +1835,7 @@ def causal0__jacobian__W_QK(X, W_QK, W_V):
     n_batch = X.shape[0]
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
-    out = torch.empty((n_batch, L*d_V, d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((n_batch, L*d_V, d_V**2,), X)
     t2 = out.view((n_batch, L, d_V, d_V, d_V,))
     t3 = W_QK @ t1
     t4 = X @ t3
@@ -1847,7 +1860,7 @@ def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
     n_batch = X.shape[0]
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
-    J = torch.empty((n_batch, L, d_V, d_V, d_V,), dtype=X.dtype, device=X.device)
+    J = _empty((n_batch, L, d_V, d_V, d_V,), X)
     t2 = J.view((n_batch, L, d_V, d_V, d_V,))
     t3 = W_QK @ t1
     t4 = X @ t3
@@ -1958,7 +1971,7 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V**2, 2*d_V**2), X)
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -2098,7 +2111,7 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -2154,7 +2167,7 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -2215,7 +2228,7 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -2274,7 +2287,7 @@ def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -2317,7 +2330,7 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -2380,7 +2393,7 @@ def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = t0.diagonal(0, 1, 3)
@@ -2427,7 +2440,7 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V**2, 2*d_V**2), X)
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -2582,7 +2595,7 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -2655,7 +2668,7 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -2732,7 +2745,7 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -2800,7 +2813,7 @@ def mse_causal1__diag__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     out[...] = 0
     return out
 
@@ -2819,7 +2832,7 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -2889,7 +2902,7 @@ def mse_causal1__block__W_V__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
 
@@ -2908,7 +2921,7 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V**2, 2*d_V**2), X)
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -3138,7 +3151,7 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -3231,7 +3244,7 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -3340,7 +3353,7 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -3425,7 +3438,7 @@ def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -3468,7 +3481,7 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -3559,7 +3572,7 @@ def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = t0.diagonal(0, 1, 3)
@@ -3798,7 +3811,7 @@ def causal1__jacobian__W_QK(X, W_QK, W_V):
     n_batch = X.shape[0]
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
-    out = torch.empty((n_batch, L*d_V, d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((n_batch, L*d_V, d_V**2,), X)
     t2 = out.view((n_batch, L, d_V, d_V, d_V,))
     t3 = W_QK @ t1
     t4 = X @ t3
@@ -3825,7 +3838,7 @@ def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
     n_batch = X.shape[0]
     t0 = W_V.transpose(-1, -2)
     t1 = X.transpose(-1, -2)
-    J = torch.empty((n_batch, L, d_V, d_V, d_V,), dtype=X.dtype, device=X.device)
+    J = _empty((n_batch, L, d_V, d_V, d_V,), X)
     t2 = J.view((n_batch, L, d_V, d_V, d_V,))
     t3 = W_QK @ t1
     t4 = X @ t3
@@ -3944,7 +3957,7 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V**2, 2*d_V**2), X)
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -4107,7 +4120,7 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -4183,7 +4196,7 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -4267,7 +4280,7 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -4341,7 +4354,7 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -4397,7 +4410,7 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -4475,7 +4488,7 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -4536,7 +4549,7 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V**2, 2*d_V**2), X)
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -4700,7 +4713,7 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -4779,7 +4792,7 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -4862,7 +4875,7 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -4936,7 +4949,7 @@ def ce_causal0__diag__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     out[...] = 0
     return out
 
@@ -4955,7 +4968,7 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -5031,7 +5044,7 @@ def ce_causal0__block__W_V__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
 
@@ -5050,7 +5063,7 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V**2, 2*d_V**2), X)
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -5308,7 +5321,7 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -5421,7 +5434,7 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -5553,7 +5566,7 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -5658,7 +5671,7 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -5714,7 +5727,7 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -5823,7 +5836,7 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -6175,7 +6188,7 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V**2, 2*d_V**2), X)
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -6344,7 +6357,7 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -6424,7 +6437,7 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -6512,7 +6525,7 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -6590,7 +6603,7 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -6650,7 +6663,7 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -6732,7 +6745,7 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -6797,7 +6810,7 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V**2, 2*d_V**2), X)
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -6967,7 +6980,7 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -7050,7 +7063,7 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -7137,7 +7150,7 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -7215,7 +7228,7 @@ def ce_causal1__diag__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     out[...] = 0
     return out
 
@@ -7234,7 +7247,7 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -7314,7 +7327,7 @@ def ce_causal1__block__W_V__W_V__functional(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     out[...] = 0
     return out
 
@@ -7333,7 +7346,7 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = torch.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype, device=X.device)
+    H = _empty((2*d_V**2, 2*d_V**2), X)
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -7597,7 +7610,7 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -7714,7 +7727,7 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -7850,7 +7863,7 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -7959,7 +7972,7 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2,), X)
     t0 = out.view((d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
@@ -8019,7 +8032,7 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = Y.sum(-1, keepdim=True)
     t2 = t1.expand(*t1.shape[:-1], d_V)
@@ -8132,7 +8145,7 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out = _empty((d_V**2, d_V**2), X)
     t0 = out.view((d_V, d_V, d_V, d_V))
     t1 = X.transpose(-1, -2)
     t2 = W_QK @ t1
