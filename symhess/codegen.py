@@ -348,17 +348,16 @@ class Variant:
         f, t0, r0 = first
         lead_code, lead_labs = rt.operand(f, t0, ("batch", f.side))
         batched = rt.is_batched[lead_code]
+        seqs = [N_BATCH] if batched else []      # R holds each sequence's terms
         total = offs[-1]
         R = rt.fresh("R")
-        shape = ([N_BATCH] if batched else []) + [s_size, n_rest, total]
-        rt.line(f"{R} = {rt.fmt('empty', rt.shape(shape))}")
+        rt.line(f"{R} = {rt.fmt('empty', rt.shape(seqs + [s_size, n_rest, total]))}")
         before = rt.written
-        flat = rt.emit(rt.fmt("view", R, rt.shape(([N_BATCH] if batched else []) + [s_size * n_rest, total])), False)
+        flat = rt.emit(rt.fmt("view", R, rt.shape(seqs + [s_size * n_rest, total])), False)
         for j, (terms, r, c) in enumerate(per_q):
             cols = f"{rt.size(offs[j])}:{rt.size(offs[j + 1])}"
             target = rt.emit(f"{flat}[..., {cols}]", False)
-            rr = [S] + r[1:]
-            rt.dense_into(target, slab_terms[j], rr, c, fresh=True, keep_batch=batched)
+            rt.dense_into(target, slab_terms[j], [S] + r[1:], c, fresh=True, keep_batch=batched)
         grown = (rt.written - before) // rt.batch_size if batched else 0
         # the leaf as (i, [batch,] s), scaled by the batch mean
         i0 = lw.resolve(t0, r0[:1])[0]
@@ -367,11 +366,13 @@ class Variant:
             [k for k, a in enumerate(labs) if a != i0 and not isinstance(a, tuple)]
         a = rt.emit(rt.fmt("permute", lead_code, ", ".join(map(str, order))), False)
         m = self.d.param(p).shape[0]
-        a = rt.emit(rt.fmt("reshape", a, rt.shape([m, (N_BATCH if batched else 1) * s_size])), False)
+        inner = (N_BATCH if batched else 1) * s_size
+        a = rt.emit(rt.fmt("reshape", a, rt.shape([m, inner])), False)
         if batched:
             a = rt.emit(f"(1/n_batch) * {a}", False)
-        b = rt.emit(rt.fmt("view", R, rt.shape([(N_BATCH if batched else 1) * s_size, n_rest * total])), False)
-        dest = rt.emit(rt.fmt("view", f"H[{rt.size(offs[i])}:{rt.size(offs[i + 1])}]", rt.shape([m, n_rest * total])), False)
+        b = rt.emit(rt.fmt("view", R, rt.shape([inner, n_rest * total])), False)
+        rows = f"H[{rt.size(offs[i])}:{rt.size(offs[i + 1])}]"
+        dest = rt.emit(rt.fmt("view", rows, rt.shape([m, n_rest * total])), False)
         rt.line(rt.fmt("matmul_into", a, b, dest))
         rt.written += _prod_rep(rt, (offs[i + 1] - offs[i]) * total)
         rt.line(f"del {R}")
