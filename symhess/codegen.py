@@ -244,9 +244,10 @@ class Variant:
         its per-sequence slab operands would write more than the block-by-block version."""
         names = self.d.layer.param_names
         doc = f"The full {part} Hessian, parameters in declared order {', '.join(names)}."
-        rt, written, _ = self._hessian_into(part, slabs=False)
+        rows = []                                 # entries each row writes block by block
+        rt, written, _ = self._hessian_into(part, rows)
         fn = self.function(f"hessian__{part}", rt, "H", doc)
-        srt, s_written, per_seq = self._hessian_into(part, slabs=True)
+        srt, s_written, per_seq = self._hessian_into(part, rows, slabs=True)
         if not per_seq:
             return fn
         limit = int((written - s_written + per_seq) // per_seq)
@@ -256,10 +257,11 @@ class Variant:
         body += ["    " + ln for ln in srt.pruned("H")] + ["    return H"]
         return Function(fn.name, fn.args, self.header(rt) + body + rt.pruned("H"), "H", doc)
 
-    def _hessian_into(self, part, slabs):
+    def _hessian_into(self, part, rows, slabs=False):
         """(routine, entries written, entries of slab operands per sequence) of the full
-        Hessian; ``slabs``: rows by ``_slab`` where that writes fewer entries (sizes for
-        one sequence)."""
+        Hessian.  Block by block, the entries each row writes are appended to ``rows``;
+        ``slabs``: a row by ``_slab`` where that writes fewer entries than ``rows`` says
+        (at the sizes for one sequence: block writes do not grow with the batch)."""
         rt = self.routine()
         if slabs:
             rt.batch_size = 1
@@ -275,17 +277,17 @@ class Variant:
 
         mirrored, per_seq = [], 0
         for i in range(len(names)):
-            if slabs:            # printed both ways; the one writing fewer entries stays
+            if slabs:
                 snap = rt._snapshot()
-                self._row(rt, i, names, part, block, offs)
-                direct = rt.written - snap[0]
-                rt._restore(snap)
                 grown = self._slab(rt, i, names, offs, part, block)
-                if grown is not None and rt.written - snap[0] < direct:
+                if grown is not None and rt.written - snap[0] < rows[i]:
                     per_seq += grown
                     continue
                 rt._restore(snap)
+            before = rt.written
             mirrored += self._row(rt, i, names, part, block, offs)
+            if not slabs:
+                rows.append(rt.written - before)
         for i, j in mirrored:
             rt.line(f"{block(i, j)}[...] = {rt.fmt('T', block(j, i))}")
         return rt, rt.written, per_seq
