@@ -309,10 +309,11 @@ class Routine:
             labs.append(labels)
         return (term, ops, labs) if inline else (ops, labs)
 
-    def _inlined(self, f, term):
+    def _inlined(self, f, term, dry=False):
         """(coef, codes, labels) of a one-term intermediate's defining network used at the
         factor ``f``: its compact axes become the caller's atoms, its inner indices fresh
-        labels, its batch index the caller's copy; None where that does not apply."""
+        labels, its batch index the caller's copy; None where that does not apply.
+        ``dry``: the labels only, nothing printed."""
         ref = f.ref
         if not (isinstance(ref, tuple) and ref[0] == "inter"):
             return None
@@ -327,7 +328,12 @@ class Routine:
         present = set()
         ops, labs = [], []
         for g in inner.factors:
-            code, glabs = self.operand(g, inner, ("batch", f.side))
+            if dry:
+                code = None
+                glabs = ([("batch", f.side)] if self._reads_data(g.ref) else []) + \
+                    list(self.lw.resolve(inner, g.labels))
+            else:
+                code, glabs = self.operand(g, inner, ("batch", f.side))
             new = []
             for a in glabs:
                 if isinstance(a, tuple):
@@ -341,26 +347,51 @@ class Routine:
             labs.append(new)
         if not set(outs) <= present:
             return None                      # a broadcast axis: keep the computed tensor
-        return sp.sympify(inner.coef), ops, labs
+        return labs if dry else (sp.sympify(inner.coef), ops, labs)
 
     def _cheaper_operands(self, term, outputs):
         """The term's operands as they are or with one-term intermediates inlined, whichever
-        contracts in fewer flops at the representative sizes (only the chosen one's
-        statements stay in the routine)."""
-        snap = self._snapshot()
-        flat = self._operands(term, inline=True)
-        self._restore(snap)
+        contracts in fewer flops at the representative sizes.  Both are compared by their
+        labels alone (``_labels``); only the chosen one is printed."""
+        plain = self._labels(term, inline=False)
+        flat = self._labels(term, inline=True)
+        if len(flat) != len(plain):
+            costs = []
+            for ls in (plain, flat):
+                shapes = tuple(tuple(self._label_size(a) for a in x) for x in ls)
+                costs.append(_path(_spec(ls, list(dict.fromkeys(outputs))), shapes, True)[1])
+            if costs[1] < costs[0]:
+                return self._operands(term, inline=True)
         ops, labs = self._operands(term)
-        if len(flat[1]) == len(ops):
-            return term, ops, labs
-        costs = []
-        for ls in (labs, flat[2]):
-            shapes = tuple(tuple(self._label_size(a) for a in x) for x in ls)
-            costs.append(_path(_spec(ls, list(dict.fromkeys(outputs))), shapes, True)[1])
-        if costs[1] >= costs[0]:
-            return term, ops, labs
-        self._restore(snap)
-        return self._operands(term, inline=True)
+        return term, ops, labs
+
+    def _labels(self, term, inline):
+        """The operand labels ``_operands`` gives (batch label included), printing nothing."""
+        labs = []
+        for f in term.factors:
+            sub = self._inlined(f, term, dry=True) if inline else None
+            if sub is not None:
+                labs += sub
+                continue
+            atoms = list(self.lw.resolve(term, f.labels))
+            labs.append(([("batch", f.side)] if self._reads_data(f.ref) else []) + atoms)
+        return labs
+
+    def _reads_data(self, ref):
+        """Whether an operand (a leaf expression or an intermediate key) carries the batch
+        axis, as its printed array would."""
+        if isinstance(ref, tuple):
+            if ref[0] != "inter":
+                return False
+            if ref[1] in self.inter:
+                return self.is_batched[self.inter[ref[1]][0]]
+            inter = self.lw.intermediates[ref[1]]
+            return any(self._reads_data(g.ref) for t in inter.terms for g in t.factors)
+        if ref in self.memo:
+            return self.is_batched[self.memo[ref]]
+        if isinstance(ref, E.Var):
+            return ref.name in self.batched_vars
+        return any(self._reads_data(a) for a in ref.args)
 
     def _snapshot(self):
         return (self.written, len(self.lines), dict(self.rhs), set(self.taken), self.count,
