@@ -316,26 +316,25 @@ class Variant:
         when no leaf is shared by the row's terms."""
         p = names[i]
         lw = self.low.lw
-        per_q, keys = [], {}
+        per_q, leads, keys = [], [], {}
         for q in names:
             terms, r, c = self.low.terms(p, q, part)
             per_q.append((terms, r, c))
-            for t in terms:
-                k = _lead_key(lw, t, r, c)
+            leads.append([_lead_key(lw, t, r, c) for t in terms])
+            for k in leads[-1]:
                 if k is not None:
                     keys[k[0]] = keys.get(k[0], 0) + 1
         if not keys:
             return None
         key = max(keys, key=lambda k: (keys[k], str(k)))
-        ref, pos, s_size = key
+        s_size = key[2]
         S = lw.labels.new(s_size)
         n_rest = sp.simplify(self.numel(p) / self.d.param(p).shape[0])
         first = None
         slab_terms, direct = [], []
-        for (terms, r, c) in per_q:
+        for (terms, r, c), row_leads in zip(per_q, leads):
             mine, other = [], []
-            for t in terms:
-                k = _lead_key(lw, t, r, c)
+            for t, k in zip(terms, row_leads):
                 if k is not None and k[0] == key:
                     f, s = k[1], k[2]
                     if first is None:

@@ -329,9 +329,7 @@ class Routine:
         ops, labs = [], []
         for g in inner.factors:
             if dry:
-                code = None
-                glabs = ([("batch", f.side)] if self._reads_data(g.ref) else []) + \
-                    list(self.lw.resolve(inner, g.labels))
+                code, glabs = None, self._operand_labels(g, inner, ("batch", f.side))
             else:
                 code, glabs = self.operand(g, inner, ("batch", f.side))
             new = []
@@ -373,9 +371,14 @@ class Routine:
             if sub is not None:
                 labs += sub
                 continue
-            atoms = list(self.lw.resolve(term, f.labels))
-            labs.append(([("batch", f.side)] if self._reads_data(f.ref) else []) + atoms)
+            labs.append(self._operand_labels(f, term, ("batch", f.side)))
         return labs
+
+    def _operand_labels(self, factor, term, side_labels):
+        """The labels ``operand`` gives a factor (its atoms, after the batch label when it
+        reads data), without printing it."""
+        atoms = list(self.lw.resolve(term, factor.labels))
+        return ([side_labels] if self._reads_data(factor.ref) else []) + atoms
 
     def _reads_data(self, ref):
         """Whether an operand (a leaf expression or an intermediate key) carries the batch
@@ -623,13 +626,13 @@ class Routine:
         the contracted index, Σ_t L_t R_t = [L_1 … L_T][R_1; …; R_T], so the block is
         written once per group instead of once per term.
         """
-        size = self.batch_size if keep_batch else 1
-        if terms:
-            size *= _prod(self._rep(self.lw.labels.size[a])
-                          for a in self.lw.resolve(terms[0], r) + self.lw.resolve(terms[0], c))
         if not terms:
             self.line(f"{target}[...] = 0")
             return
+        lead = [BATCH] if keep_batch else []
+        size = (self.batch_size if keep_batch else 1) * _prod(
+            self._rep(self.lw.labels.size[a])
+            for a in self.lw.resolve(terms[0], r) + self.lw.resolve(terms[0], c))
         # a term that writes every entry goes first, so the block needs no zeroing pass
         terms = sorted(terms, key=lambda t: _repeats(self, t, r, c))
         needs_zero = fresh and _repeats(self, terms[0], r, c)
@@ -640,13 +643,12 @@ class Routine:
         for term in terms:
             atoms = self.lw.resolve(term, r) + self.lw.resolve(term, c)
             sizes = [self.lw.labels.size[a] for a in atoms]
-            lead = [BATCH] if keep_batch else []
             view = self.emit(self.fmt("view", target, self.shape([N_BATCH] * len(lead) + sizes)),
                              False)
             order = list(dict.fromkeys(atoms))
-            if len(order) < len(atoms):
+            if len(order) < len(atoms):        # the batch label never repeats: it stays first
                 view, order = _diag_view(self, view, lead + atoms)
-                order = order[len(lead):] if lead and order[0] == BATCH else order
+                order = order[len(lead):]
             coef, code, _ = self.network(term, order, fold_coef=True, keep_batch=keep_batch)
             printed.append((view, coef, code))
         first = fresh and not needs_zero
