@@ -11,6 +11,8 @@ the accuracy check, by reverse-over-reverse (LayerNorm's known forward-over-reve
 Every time is the best of several calls in this run; the kernel is rendered before timing.
 ``--device cuda``: the kernel and both autograd references run on CUDA tensors (synchronized
 inside each timed region); ``np.ones`` stays on the CPU and ``torch.ones`` on the device is added.
+On CUDA the kernel is also timed replayed from CUDA graphs (``Kernel.with_cuda_graphs()``),
+against ``torch.func.hessian`` eager and, where it can be captured, replayed from a graph too.
 ``--quick``: L=4, d=8, d_K=6, d_ff=16 (a smoke run).
 ``--retain-freed-memory``: ``symhess.memory.retain_freed_memory()`` first, so both sides reuse
 mapped pages for their 63 MB results and temporaries instead of faulting fresh ones in on
@@ -27,7 +29,8 @@ import torch
 
 import symhess as sh
 
-from .timing import add_device_option, best, check_device, device_label, synchronize
+from .timing import (add_device_option, best, check_device, device_label, graph_comparison,
+                     synchronize)
 
 
 def layer_norm(u):
@@ -99,6 +102,12 @@ def main(argv=None):
         t_dev_ones = best(lambda: torch.ones((n, n), dtype=torch.float64, device=dev), 5, dev)
         print(f"  torch.ones of the output       {t_dev_ones * 1e3:9.2f} ms   → kernel / write "
               f"{t_kernel / t_dev_ones:.2f} (same device)")
+    if dev.type != "cpu":
+        kg = k.with_cuda_graphs()
+        err_g = float((kg.hessian(tv, "full") - ref).norm() / ref.norm())
+        graph_comparison(lambda: kg.hessian(tv, "full"),
+                         lambda: torch.func.hessian(loss, argnums=argn)(*params), t_ad, dev)
+        print(f"  rel. error of the kernel replayed from CUDA graphs: {err_g:.1e}")
     print(f"  rel. error vs reverse-over-reverse autograd: {err:.1e}")
 
 

@@ -19,7 +19,7 @@ import torch
 import symhess as sh
 from symhess import codegen
 
-from .timing import add_device_option, best, check_device, device_label, timed
+from .timing import add_device_option, best, check_device, device_label, graph_comparison, timed
 
 
 def values(L, d_V, d_K, seed=0):
@@ -72,6 +72,9 @@ def dense_hessian(L=16, d=32, repeat=5, device="cpu"):
         print(f"  kernel vs autograd on the same device ({dev}): autograd/kernel = "
               f"{t_auto/t_torch:.1f}x (target >= 7); torch kernel/torch.ones = "
               f"{t_torch/t_dev_ones:.2f}; rel. err torch kernel {err_dev:.1e}, numpy kernel {err:.1e}")
+        kg = kt.with_cuda_graphs()
+        graph_comparison(lambda: kg.hessian(tv, "full"), lambda: torch.func.hessian(f)(flat),
+                         t_auto, device)
         return t_torch, t_dev_ones, t_auto
     print(f"dense full Hessian MSE f64 L={L} d_V=d_K={d} ({n}x{n}): kernel numpy {t_np*1e3:.1f} ms, "
           f"torch {t_torch*1e3:.1f} ms, "
@@ -104,6 +107,9 @@ def hvp(L=128, d_V=256, d_K=64, repeat=10, device="cpu"):
     on = "" if device.type == "cpu" else f" (kernel vs autograd on the same device, {device_label(device)})"
     print(f"hvp torch f64 L={L} d_V={d_V} d_K={d_K}: kernel {t_kernel*1e3:.2f} ms, "
           f"jvp(grad) {t_auto*1e3:.2f} ms -> {t_auto/t_kernel:.2f}x (target >= 2), rel. err {err:.1e}{on}")
+    if device.type != "cpu":
+        kg = k.with_cuda_graphs()
+        graph_comparison(lambda: kg.hvp(tv, vec, "full"), auto, t_auto, device)
     return t_kernel, t_auto
 
 

@@ -170,7 +170,39 @@ class Kernel:
         self._dims_seen = {}      # (name, shape) tuples → bound dimensions (shapes that passed)
 
     def __repr__(self):
-        return f"<symhess kernel {self.layer.name} ({self.backend}, {self.loss_name})>"
+        graphs = ", CUDA graphs" if self._graphed else ""
+        return f"<symhess kernel {self.layer.name} ({self.backend}, {self.loss_name}{graphs})>"
+
+    @property
+    def _graphed(self) -> bool:
+        from .graphs import GraphedTable
+        return isinstance(self._fns, GraphedTable)
+
+    def with_cuda_graphs(self) -> "Kernel":
+        """The same kernels, replayed from CUDA graphs on CUDA inputs (torch backend).
+
+        Each routine is captured on its first CUDA call with a new input signature (names,
+        shapes, dtype, device) and replayed afterwards, which removes the launch overhead of
+        its many small statements; inputs are validated on every call as before, and every
+        call returns fresh tensors. CPU inputs run eagerly. ``symhess.graphs`` has the
+        details; ``clear_cuda_graphs()`` frees the captured graphs' memory.
+        """
+        if self.backend != "torch":
+            raise ValueError(f"CUDA graphs need the torch backend; this kernel's backend is "
+                             f"{self.backend!r}")
+        if self._graphed:
+            return self
+        from .graphs import GraphedTable
+        other = Kernel.__new__(Kernel)
+        other.__dict__.update(self.__dict__)
+        other._fns = GraphedTable(self._fns)
+        other._dims_seen = {}
+        return other
+
+    def clear_cuda_graphs(self):
+        """Free the graphs captured by ``with_cuda_graphs()`` (they are captured again on use)."""
+        if self._graphed:
+            self._fns.clear_graphs()
 
     # -- validation ------------------------------------------------------------------
     def _array(self, name, x):

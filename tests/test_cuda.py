@@ -214,6 +214,63 @@ def test_post_ln_block_hessian_block_on_device():
     agree(got, ref.reshape(got.shape), tol=1e-9)
 
 
+# ----------------------------------------------------------------------------- CUDA graphs
+needs_cuda = pytest.mark.skipif(DEVICE is None or torch.device(DEVICE).type != "cuda",
+                                reason="CUDA graphs need a CUDA device")
+
+
+@needs_cuda
+def test_cuda_graph_replay_matches_eager_kernels():
+    """``with_cuda_graphs()``: every routine kind replayed from its graph gives the eager
+    kernel's numbers, for new values on every call (the inputs are copied into the graph)
+    and fresh outputs (a later call does not overwrite an earlier result)."""
+    d = sh.derive(sh.layer("post_ln_block"), "mse")
+    sizes = {"L": 4, "d_V": 8, "d_K": 6, "d_ff": 16}
+    k = sh.kernel("post_ln_block", "torch", "mse")
+    g = k.with_cuda_graphs()
+    assert "CUDA graphs" in repr(g) and g.with_cuda_graphs() is g
+    n = sum(int(np.prod(random_values(d, seed=0, sizes=sizes)[p].shape)) for p in k.params)
+    first = None
+    for seed in (1, 2):
+        dev = to(random_values(d, seed=seed, sizes=sizes))
+        vec = torch.tensor(np.random.default_rng(seed).standard_normal(n), device=DEVICE)
+        H = g.hessian(dev, "full")
+        scale = float(k.hessian(dev, "full").norm())
+        agree(H, k.hessian(dev, "full"), tol=1e-12, scale=scale)
+        agree(g.gradient(dev), k.gradient(dev), tol=1e-12)
+        agree(g.hvp(dev, vec, "outer"), k.hvp(dev, vec, "outer"), tol=1e-12, scale=scale)
+        agree(g.hessian_block(dev, "W_1", "W_Q", "functional"),
+              k.hessian_block(dev, "W_1", "W_Q", "functional"), tol=1e-12, scale=scale)
+        dev_x = {n_: v for n_, v in dev.items() if n_ != "Y"}
+        agree(g.jacobian(dev_x, "W_2", compact=True), k.jacobian(dev_x, "W_2", compact=True),
+              tol=1e-12)
+        if first is None:
+            first, first_copy = H, H.clone()
+    assert torch.equal(first, first_copy)            # the second replay left it alone
+    assert g._fns[("hessian", "full")].captured == 1   # same shapes: one graph, replayed
+    # a new input signature (a batch of two sequences) is captured anew
+    vals = random_values(d, seed=3, sizes=sizes)
+    batch = dict(vals, X=np.stack([vals["X"], vals["X"][::-1]]), Y=np.stack([vals["Y"]] * 2))
+    agree(g.hessian(to(batch), "full"), k.hessian(to(batch), "full"), tol=1e-12,
+          scale=float(k.hessian(to(batch), "full").norm()))
+    assert g._fns[("hessian", "full")].captured == 2
+    g.clear_cuda_graphs()
+    assert g._fns[("hessian", "full")].captured == 0
+
+
+@needs_cuda
+def test_cuda_graph_replay_float32_and_cpu_inputs():
+    _, values, _ = attention_case("ce", True)
+    k = sh.kernel("attention", "torch", "ce", causal=True)
+    g = k.with_cuda_graphs()
+    v32 = to(values, dtype=torch.float32)
+    agree(g.hessian(v32, "full"), k.hessian(v32, "full"), tol=1e-6, dtype=torch.float32,
+          scale=float(k.hessian(v32, "full").norm()))
+    cpu = tensors(values)                  # CPU inputs run eagerly, nothing is captured
+    assert torch.equal(g.hessian(cpu, "outer"), k.hessian(cpu, "outer"))
+    assert g._fns[("hessian", "outer")].captured == 0
+
+
 # ----------------------------------------------------------------------------- bad input
 def test_mismatched_devices_are_named():
     _, values, _ = attention_case("mse", False)

@@ -1,0 +1,136 @@
+"""CUDA-graph replay of generated torch routines: ``kernel(...).with_cuda_graphs()``.
+
+A generated routine is a long run of small tensor statements (hundreds for a full
+Transformer block). On a GPU each statement is one or a few kernel launches of a few
+microseconds of work, so an eager call is bound by launch overhead. With CUDA graphs a
+routine is captured once per input signature (names, shapes, dtype, device) and then
+replayed: the inputs are copied into the graph's static buffers, the recorded kernels run
+back to back, and the outputs are cloned out of the graph's memory, so every call returns
+fresh tensors as the eager routine does.
+
+Calls whose tensors are not all on one CUDA device run eagerly (on the CPU a graph has
+nothing to offer). A routine that cannot be captured (an operation that synchronises with
+the host) also runs eagerly, after one warning that names it.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+
+class _Capture:
+    """One captured graph: its static inputs and outputs."""
+
+    __slots__ = ("graph", "inputs", "outputs")
+
+    def __init__(self, graph, inputs, outputs):
+        self.graph, self.inputs, self.outputs = graph, inputs, outputs
+
+
+def _clone(out):
+    """Fresh tensors with the structure of a routine's output (tuples, lists, dicts)."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_clone(o) for o in out)
+    if isinstance(out, dict):
+        return {k: _clone(v) for k, v in out.items()}
+    return out
+
+
+def _cuda_device(kwargs):
+    """The one CUDA device all tensor arguments are on, else None (run eagerly)."""
+    devices = {v.device for v in kwargs.values() if isinstance(v, torch.Tensor)}
+    if len(devices) != 1:
+        return None
+    (dev,) = devices
+    if dev.type != "cuda" or not all(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return None
+    return dev
+
+
+class GraphedFunction:
+    """A generated routine replayed from CUDA graphs, one graph per input signature.
+
+    ``warmup`` eager calls on a side stream precede each capture (cuBLAS sets up its
+    workspaces there, as CUDA-graph capture requires). Not thread-safe: the static
+    buffers of a graph are shared by its calls.
+    """
+
+    def __init__(self, fn, name=None, warmup=2):
+        self.fn, self.warmup = fn, warmup
+        self.__name__ = name or getattr(fn, "__name__", "routine")
+        self._graphs = {}
+        self._eager = False
+        self._lock = threading.Lock()
+
+    @property
+    def captured(self) -> int:
+        """How many graphs (input signatures) this routine holds."""
+        return len(self._graphs)
+
+    def clear(self):
+        """Drop every captured graph and its memory."""
+        self._graphs.clear()
+
+    def __call__(self, **kwargs):
+        dev = None if self._eager else _cuda_device(kwargs)
+        if dev is None:
+            return self.fn(**kwargs)
+        sig = tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in sorted(kwargs.items()))
+        with self._lock:
+            cap = self._graphs.get(sig)
+            if cap is None:
+                cap = self._capture(dev, kwargs)
+                if cap is None:
+                    return self.fn(**kwargs)
+                self._graphs[sig] = cap
+            for k, buf in cap.inputs.items():
+                buf.copy_(kwargs[k])
+            cap.graph.replay()
+            return _clone(cap.outputs)
+
+    def _capture(self, dev, kwargs):
+        with torch.cuda.device(dev):
+            static = {k: v.detach().clone() for k, v in kwargs.items()}
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    self.fn(**static)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    out = self.fn(**static)
+            except Exception as e:          # an operation that cannot be captured
+                torch.cuda.synchronize(dev)
+                self._eager = True
+                warnings.warn(f"symhess: routine {self.__name__} cannot be captured in a CUDA "
+                              f"graph ({type(e).__name__}: {e}); it runs eagerly",
+                              RuntimeWarning, stacklevel=3)
+                return None
+        return _Capture(graph, static, out)
+
+
+class GraphedTable(dict):
+    """A kernel's routine table whose callables replay CUDA graphs (other entries, such
+    as Jacobian layouts, pass through)."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+
+    def __missing__(self, key):
+        entry = self.table[key]
+        if callable(entry):
+            entry = GraphedFunction(entry, name=getattr(entry, "__name__", repr(key)))
+        self[key] = entry
+        return entry
+
+    def clear_graphs(self):
+        for entry in self.values():
+            if isinstance(entry, GraphedFunction):
+                entry.clear()
