@@ -220,9 +220,10 @@ class Variant:
         lines.append(f"n_batch = {self.batched[0]}.shape[0]")
         return lines
 
-    def function(self, kind, rt, ret, doc, extra=()):
+    def function(self, kind, rt, ret, doc, extra=(), out=False):
+        """``out``: the function takes ``out=None``, an array to write the result into."""
         name = f"{self.tag}__{kind}"
-        args = list(self.vars) + [v.name for v in extra]
+        args = list(self.vars) + [v.name for v in extra] + (["out=None"] if out else [])
         return Function(name, args, self.header(rt) + rt.pruned(ret), ret, doc)
 
     def numel(self, p):
@@ -246,7 +247,7 @@ class Variant:
         doc = f"The full {part} Hessian, parameters in declared order {', '.join(names)}."
         rows = []                                 # entries each row writes block by block
         rt, written, _ = self._hessian_into(part, rows)
-        fn = self.function(f"hessian__{part}", rt, "H", doc)
+        fn = self.function(f"hessian__{part}", rt, "H", doc, out=True)
         srt, s_written, per_seq = self._hessian_into(part, rows, slabs=True)
         if not per_seq:
             return fn
@@ -269,7 +270,8 @@ class Variant:
         offs = [sp.Integer(0)]
         for p in names:
             offs.append(offs[-1] + self.numel(p))
-        rt.line(f"H = {rt.fmt('empty', rt.shape((offs[-1], offs[-1])))}")
+        # every entry is written (no zeroing), so a caller's array of any content can serve
+        rt.line(f"H = {rt.fmt('empty', rt.shape((offs[-1], offs[-1])))} if out is None else out")
 
         def block(i, j):
             return rt.emit(f"H[{rt.size(offs[i])}:{rt.size(offs[i + 1])}, "

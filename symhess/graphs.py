@@ -6,7 +6,7 @@ microseconds of work, so an eager call is bound by launch overhead. With CUDA gr
 routine is captured once per input signature (names, shapes, dtype, device) and then
 replayed: the inputs are copied into the graph's static buffers, the recorded kernels run
 back to back, and the outputs are cloned out of the graph's memory, so every call returns
-fresh tensors as the eager routine does.
+fresh tensors as the eager routine does (or copied into the caller's ``out`` array).
 
 Calls whose tensors are not all on one CUDA device run eagerly (on the CPU a graph has
 nothing to offer). A routine that cannot be captured (an operation that synchronises with
@@ -75,21 +75,23 @@ class GraphedFunction:
         """Drop every captured graph and its memory."""
         self._graphs.clear()
 
-    def __call__(self, **kwargs):
+    def __call__(self, out=None, **kwargs):
         dev = None if self._eager else _cuda_device(kwargs)
         if dev is None:
-            return self.fn(**kwargs)
+            return self.fn(**kwargs) if out is None else self.fn(**kwargs, out=out)
         sig = tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in sorted(kwargs.items()))
         with self._lock:
             cap = self._graphs.get(sig)
             if cap is None:
                 cap = self._capture(dev, kwargs)
                 if cap is None:
-                    return self.fn(**kwargs)
+                    return self.fn(**kwargs) if out is None else self.fn(**kwargs, out=out)
                 self._graphs[sig] = cap
             for k, buf in cap.inputs.items():
                 buf.copy_(kwargs[k])
             cap.graph.replay()
+            if out is not None:          # a caller's array (Kernel.hessian(..., out=)): filled
+                return out.copy_(cap.outputs)
             return _clone(cap.outputs)
 
     def _capture(self, dev, kwargs):

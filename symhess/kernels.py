@@ -305,10 +305,45 @@ class Kernel:
         check_part(part)
         return self._call(("block", self._param(p), self._param(q), part), values)[0]
 
-    def hessian(self, values, part="full"):
-        """The full Hessian, parameters in declared order."""
+    def hessian(self, values, part="full", out=None):
+        """The full Hessian, parameters in declared order.
+
+        ``out``: an array to write it into and return (C-contiguous, the values' dtype and
+        device, shape (n, n) for n parameters in all), e.g. one reused across the calls of a
+        loop; every entry is overwritten. A fresh array each call pays for its pages (a 63 MB
+        Hessian: ≈ 8 ms of ≈ 42, BENCHMARKS.md)."""
         check_part(part)
-        return self._call(("hessian", part), values)[0]
+        arrays = self._prepare(values)
+        if out is not None:
+            self._check_out(out, arrays)
+            return self._fns[("hessian", part)](**arrays, out=out)
+        return self._fns[("hessian", part)](**arrays)
+
+    def _check_out(self, out, arrays):
+        """``out`` fits the full Hessian of ``arrays``, or an InputError that says why not."""
+        n = sum(int(np.prod(arrays[p].shape)) for p in self.params)
+        like = arrays[self.params[0]]
+        if self.backend == "torch":
+            import torch
+            if not isinstance(out, torch.Tensor):
+                raise InputError(f"out must be a torch tensor, got {type(out).__name__}")
+            if out.device != like.device:
+                raise InputError(f"out is on {out.device} but the values are on {like.device}")
+            contiguous, writeable = out.is_contiguous(), not out.requires_grad
+        else:
+            if not isinstance(out, np.ndarray):
+                raise InputError(f"out must be a NumPy array, got {type(out).__name__}")
+            contiguous, writeable = out.flags.c_contiguous, out.flags.writeable
+        if tuple(out.shape) != (n, n):
+            raise InputError(f"out must have shape ({n}, {n}) (numel of "
+                             f"{' + '.join(self.params)} each way), got {tuple(out.shape)}")
+        if out.dtype != like.dtype:
+            raise InputError(f"out has dtype {out.dtype} but the values have dtype {like.dtype}")
+        if not contiguous:
+            raise InputError("out must be C-contiguous (row-major, no gaps)")
+        if not writeable:
+            raise InputError("out must be writeable (a NumPy array with the writeable flag, "
+                             "a torch tensor that does not require grad)")
 
     def hvp(self, values, v, part="full"):
         """H_part v for a flat vector v (parameters in declared order), no block built."""

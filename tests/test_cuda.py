@@ -244,6 +244,8 @@ def test_cuda_graph_replay_matches_eager_kernels():
         dev_x = {n_: v for n_, v in dev.items() if n_ != "Y"}
         agree(g.jacobian(dev_x, "W_2", compact=True), k.jacobian(dev_x, "W_2", compact=True),
               tol=1e-12)
+        buf = torch.full_like(H, float("nan"))
+        assert g.hessian(dev, "full", out=buf) is buf and torch.equal(buf, H)
         if first is None:
             first, first_copy = H, H.clone()
     assert torch.equal(first, first_copy)            # the second replay left it alone

@@ -27,6 +27,8 @@ def test_cpu_inputs_run_eagerly_with_the_same_numbers_and_checks():
     n = sum(tv[p].numel() for p in k.params)
     v = torch.linspace(-1, 1, n, dtype=torch.float64)
     assert torch.equal(g.hvp(tv, v), k.hvp(tv, v))
+    buf = torch.full((n, n), float("nan"), dtype=torch.float64)
+    assert g.hessian(tv, "outer", out=buf) is buf and torch.equal(buf, k.hessian(tv, "outer"))
     J = g.jacobian({n_: t for n_, t in tv.items() if n_ != "Y"}, "W_1", compact=True)
     assert np.allclose(J.dense(), k.jacobian({n_: t for n_, t in tv.items() if n_ != "Y"}, "W_1"))
     fn = g._fns[("hessian", "full")]

@@ -82,13 +82,13 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
     return ((t18[0] if n_batch == 1 else t18.mean(0)), (t22[0] if n_batch == 1 else t22.mean(0)), (t25[0] if n_batch == 1 else t25.mean(0)),)
 
 
-def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
+def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(W_K, -1, -2)
@@ -1105,13 +1105,13 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t11
 
 
-def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
+def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(W_K, -1, -2)
@@ -2260,13 +2260,13 @@ def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
+def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(W_K, -1, -2)
@@ -4715,13 +4715,13 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
     return ((t20[0] if n_batch == 1 else t20.mean(0)), (t24[0] if n_batch == 1 else t24.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)),)
 
 
-def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
+def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(W_K, -1, -2)
@@ -5792,13 +5792,13 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t13
 
 
-def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
+def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(W_K, -1, -2)
@@ -6993,13 +6993,13 @@ def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
+def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(W_K, -1, -2)
@@ -9534,13 +9534,13 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     return ((t23[0] if n_batch == 1 else t23.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)),)
 
 
-def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
+def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(W_K, -1, -2)
@@ -10856,13 +10856,13 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t21
 
 
-def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
+def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(W_K, -1, -2)
@@ -12126,13 +12126,13 @@ def ce_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
+def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(W_K, -1, -2)
@@ -14879,13 +14879,13 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     return ((t25[0] if n_batch == 1 else t25.mean(0)), (t29[0] if n_batch == 1 else t29.mean(0)), (t32[0] if n_batch == 1 else t32.mean(0)),)
 
 
-def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
+def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(W_K, -1, -2)
@@ -16255,13 +16255,13 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t23
 
 
-def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
+def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(W_K, -1, -2)
@@ -17571,13 +17571,13 @@ def ce_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
+def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(W_K, -1, -2)

@@ -59,13 +59,13 @@ def mse_bias0_residual0__gradient(X, W_1, W_2, Y):
     return ((t10[0] if n_batch == 1 else t10.mean(0)), (t13[0] if n_batch == 1 else t13.mean(0)),)
 
 
-def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
+def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y, out=None):
     """The full outer Hessian, parameters in declared order W_1, W_2."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype)
+    H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = np.reshape(t0, (d_V, d_ff, d_V, d_ff), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -412,13 +412,13 @@ def mse_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     return t8
 
 
-def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
+def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y, out=None):
     """The full functional Hessian, parameters in declared order W_1, W_2."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype)
+    H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t0[...] = 0
     t1 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
@@ -699,14 +699,14 @@ def mse_bias0_residual0__frobenius__W_2__W_2__functional(X, W_1, W_2, Y):
     return zero
 
 
-def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
+def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     """The full full Hessian, parameters in declared order W_1, W_2."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype)
+        H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
         t0 = np.swapaxes(X, -1, -2)
         R = np.empty((n_batch, L, d_ff, 2*d_V*d_ff), dtype=X.dtype)
         t1 = np.reshape(R, (n_batch, L*d_ff, 2*d_V*d_ff), copy=False)
@@ -763,7 +763,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t43 = (2/(L*d_V*n_batch)) * t42
         t40 += np.reshape(t43, (1, d_V, 1)) * np.reshape(t41.sum((0,)), (d_ff, 1, d_ff))
         return H
-    H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype)
+    H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = np.reshape(t0, (d_V, d_ff, d_V, d_ff), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -1442,13 +1442,13 @@ def ce_bias0_residual0__gradient(X, W_1, W_2, Y):
     return ((t14[0] if n_batch == 1 else t14.mean(0)), (t17[0] if n_batch == 1 else t17.mean(0)),)
 
 
-def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
+def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y, out=None):
     """The full outer Hessian, parameters in declared order W_1, W_2."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype)
+    H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = np.reshape(t0, (d_V, d_ff, d_V, d_ff), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -1948,13 +1948,13 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     return t17
 
 
-def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
+def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y, out=None):
     """The full functional Hessian, parameters in declared order W_1, W_2."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype)
+    H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t0[...] = 0
     t1 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
@@ -2270,14 +2270,14 @@ def ce_bias0_residual0__frobenius__W_2__W_2__functional(X, W_1, W_2, Y):
     return zero
 
 
-def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
+def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     """The full full Hessian, parameters in declared order W_1, W_2."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype)
+        H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
         t0 = np.swapaxes(X, -1, -2)
         R = np.empty((n_batch, L, d_ff, 2*d_V*d_ff), dtype=X.dtype)
         t1 = np.reshape(R, (n_batch, L*d_ff, 2*d_V*d_ff), copy=False)
@@ -2344,7 +2344,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t51 = (np.reshape(t8.transpose(2, 0, 1), (1, d_ff, n_batch, L)) * np.reshape(t37.transpose(1, 0, 2), (d_ff, 1, n_batch, L)))
         t49[...] = (np.reshape((np.reshape(t51, (d_ff**2, L*n_batch)) @ np.reshape(t50.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_ff, d_ff, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
-    H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype)
+    H = np.empty((2*d_V*d_ff, 2*d_V*d_ff), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = np.reshape(t0, (d_V, d_ff, d_V, d_ff), copy=False)
     t2 = np.swapaxes(X, -1, -2)

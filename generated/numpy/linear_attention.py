@@ -78,13 +78,13 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
     return ((t15[0] if n_batch == 1 else t15.mean(0)), (t19[0] if n_batch == 1 else t19.mean(0)), (t22[0] if n_batch == 1 else t22.mean(0)),)
 
 
-def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
+def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -901,13 +901,13 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t11
 
 
-def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
+def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
     t1 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -1576,14 +1576,14 @@ def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
+def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 2:    # row slabs (their operands grow with the batch)
-        H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
         t0 = H[0:d_K*d_V, 0:d_K*d_V]
         t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
         t2 = np.swapaxes(X, -1, -2)
@@ -1709,7 +1709,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t101 = (2/(L*d_V*n_batch)) * t100
         t97 += np.reshape(t101, (1, d_V, 1)) * np.reshape(t99.sum((0,)), (d_V, 1, d_V))
         return H
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -3289,13 +3289,13 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
     return ((t17[0] if n_batch == 1 else t17.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)),)
 
 
-def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
+def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -4211,13 +4211,13 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t14
 
 
-def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
+def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
     t1 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -4960,14 +4960,14 @@ def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
+def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
         t0 = np.swapaxes(X, -1, -2)
         R = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
         t1 = np.reshape(R, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
@@ -5102,7 +5102,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t105 = (2/(L*d_V*n_batch)) * t104
         t101 += np.reshape(t105, (1, d_V, 1)) * np.reshape(t103.sum((0,)), (d_V, 1, d_V))
         return H
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -6971,13 +6971,13 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     return ((t19[0] if n_batch == 1 else t19.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)), (t26[0] if n_batch == 1 else t26.mean(0)),)
 
 
-def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
+def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -8079,13 +8079,13 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t20
 
 
-def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
+def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
     t1 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -8829,14 +8829,14 @@ def ce_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
+def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
         t0 = np.swapaxes(X, -1, -2)
         R = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
         t1 = np.reshape(R, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
@@ -8971,7 +8971,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t108 = (np.reshape(t41.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t106.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
         t104[...] = (np.reshape((np.reshape(t108, (d_V**2, L*n_batch)) @ np.reshape(t107.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -10924,13 +10924,13 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     return ((t21[0] if n_batch == 1 else t21.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)), (t31[0] if n_batch == 1 else t31.mean(0)),)
 
 
-def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
+def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -12183,13 +12183,13 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t22
 
 
-def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
+def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
     t1 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -13007,14 +13007,14 @@ def ce_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
+def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+        H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
         t0 = np.swapaxes(X, -1, -2)
         R = np.empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), dtype=X.dtype)
         t1 = np.reshape(R, (n_batch, L*d_K, 2*d_K*d_V + d_V**2), copy=False)
@@ -13166,7 +13166,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t122 = (np.reshape(t43.transpose(2, 0, 1), (1, d_V, n_batch, L)) * np.reshape(t120.transpose(1, 0, 2), (d_V, 1, n_batch, L)))
         t118[...] = (np.reshape((np.reshape(t122, (d_V**2, L*n_batch)) @ np.reshape(t121.transpose(2, 3, 0, 1), (L*n_batch, d_V**2))), (d_V, d_V, d_V, d_V))).transpose(0, 2, 1, 3)
         return H
-    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = np.reshape(t0, (d_V, d_K, d_V, d_K), copy=False)
     t2 = np.swapaxes(X, -1, -2)

@@ -68,12 +68,12 @@ def mse_causal0__gradient(X, W_QK, W_V, Y):
     return ((t13[0] if n_batch == 1 else t13.mean(0)), (t16[0] if n_batch == 1 else t16.mean(0)),)
 
 
-def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
+def mse_causal0__hessian__outer(X, W_QK, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -507,12 +507,12 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     return t8
 
 
-def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
+def mse_causal0__hessian__functional(X, W_QK, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -966,12 +966,12 @@ def mse_causal0__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     return zero
 
 
-def mse_causal0__hessian__full(X, W_QK, W_V, Y):
+def mse_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -1954,12 +1954,12 @@ def mse_causal1__gradient(X, W_QK, W_V, Y):
     return ((t15[0] if n_batch == 1 else t15.mean(0)), (t18[0] if n_batch == 1 else t18.mean(0)),)
 
 
-def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
+def mse_causal1__hessian__outer(X, W_QK, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -2423,12 +2423,12 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     return t10
 
 
-def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
+def mse_causal1__hessian__functional(X, W_QK, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -2904,12 +2904,12 @@ def mse_causal1__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     return zero
 
 
-def mse_causal1__hessian__full(X, W_QK, W_V, Y):
+def mse_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -3940,12 +3940,12 @@ def ce_causal0__gradient(X, W_QK, W_V, Y):
     return ((t18[0] if n_batch == 1 else t18.mean(0)), (t21[0] if n_batch == 1 else t21.mean(0)),)
 
 
-def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
+def ce_causal0__hessian__outer(X, W_QK, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -4532,12 +4532,12 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     return t18
 
 
-def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
+def ce_causal0__hessian__functional(X, W_QK, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -5046,12 +5046,12 @@ def ce_causal0__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     return zero
 
 
-def ce_causal0__hessian__full(X, W_QK, W_V, Y):
+def ce_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -6171,12 +6171,12 @@ def ce_causal1__gradient(X, W_QK, W_V, Y):
     return ((t20[0] if n_batch == 1 else t20.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)),)
 
 
-def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
+def ce_causal1__hessian__outer(X, W_QK, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -6793,12 +6793,12 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     return t20
 
 
-def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
+def ce_causal1__hessian__functional(X, W_QK, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
     t2 = np.swapaxes(X, -1, -2)
@@ -7329,12 +7329,12 @@ def ce_causal1__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     return zero
 
 
-def ce_causal1__hessian__full(X, W_QK, W_V, Y):
+def ce_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype)
+    H = np.empty((2*d_V**2, 2*d_V**2), dtype=X.dtype) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = np.reshape(t0, (d_V, d_V, d_V, d_V), copy=False)
     t2 = np.swapaxes(X, -1, -2)

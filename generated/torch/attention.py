@@ -94,13 +94,13 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
     return ((t18[0] if n_batch == 1 else t18.mean(0)), (t22[0] if n_batch == 1 else t22.mean(0)), (t25[0] if n_batch == 1 else t25.mean(0)),)
 
 
-def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
+def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -1117,13 +1117,13 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t11
 
 
-def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
+def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -2272,13 +2272,13 @@ def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
+def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -4727,13 +4727,13 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
     return ((t20[0] if n_batch == 1 else t20.mean(0)), (t24[0] if n_batch == 1 else t24.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)),)
 
 
-def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
+def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -5804,13 +5804,13 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t13
 
 
-def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
+def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -7005,13 +7005,13 @@ def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
+def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -9546,13 +9546,13 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     return ((t23[0] if n_batch == 1 else t23.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)),)
 
 
-def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
+def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -10868,13 +10868,13 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t21
 
 
-def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
+def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -12138,13 +12138,13 @@ def ce_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
+def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -14891,13 +14891,13 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     return ((t25[0] if n_batch == 1 else t25.mean(0)), (t29[0] if n_batch == 1 else t29.mean(0)), (t32[0] if n_batch == 1 else t32.mean(0)),)
 
 
-def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
+def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -16267,13 +16267,13 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t23
 
 
-def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
+def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -17583,13 +17583,13 @@ def ce_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
+def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)

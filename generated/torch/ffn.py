@@ -71,13 +71,13 @@ def mse_bias0_residual0__gradient(X, W_1, W_2, Y):
     return ((t10[0] if n_batch == 1 else t10.mean(0)), (t13[0] if n_batch == 1 else t13.mean(0)),)
 
 
-def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
+def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y, out=None):
     """The full outer Hessian, parameters in declared order W_1, W_2."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
+    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = t0.view((d_V, d_ff, d_V, d_ff))
     t2 = X.transpose(-1, -2)
@@ -424,13 +424,13 @@ def mse_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     return t8
 
 
-def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
+def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y, out=None):
     """The full functional Hessian, parameters in declared order W_1, W_2."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
+    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t0[...] = 0
     t1 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
@@ -711,14 +711,14 @@ def mse_bias0_residual0__frobenius__W_2__W_2__functional(X, W_1, W_2, Y):
     return zero
 
 
-def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
+def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     """The full full Hessian, parameters in declared order W_1, W_2."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
+        H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
         t0 = X.transpose(-1, -2)
         R = _empty((n_batch, L, d_ff, 2*d_V*d_ff), X)
         t1 = R.view((n_batch, L*d_ff, 2*d_V*d_ff))
@@ -775,7 +775,7 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t43 = (2/(L*d_V*n_batch)) * t42
         t40.addcmul_(t43.reshape((1, 1, d_V)), t41.sum((0,)).reshape((d_ff, d_ff, 1)))
         return H
-    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
+    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = t0.view((d_V, d_ff, d_V, d_ff))
     t2 = X.transpose(-1, -2)
@@ -1454,13 +1454,13 @@ def ce_bias0_residual0__gradient(X, W_1, W_2, Y):
     return ((t14[0] if n_batch == 1 else t14.mean(0)), (t17[0] if n_batch == 1 else t17.mean(0)),)
 
 
-def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
+def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y, out=None):
     """The full outer Hessian, parameters in declared order W_1, W_2."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
+    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = t0.view((d_V, d_ff, d_V, d_ff))
     t2 = X.transpose(-1, -2)
@@ -1960,13 +1960,13 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     return t17
 
 
-def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
+def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y, out=None):
     """The full functional Hessian, parameters in declared order W_1, W_2."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
+    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t0[...] = 0
     t1 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
@@ -2282,14 +2282,14 @@ def ce_bias0_residual0__frobenius__W_2__W_2__functional(X, W_1, W_2, Y):
     return zero
 
 
-def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
+def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y, out=None):
     """The full full Hessian, parameters in declared order W_1, W_2."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
+        H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
         t0 = X.transpose(-1, -2)
         R = _empty((n_batch, L, d_ff, 2*d_V*d_ff), X)
         t1 = R.view((n_batch, L*d_ff, 2*d_V*d_ff))
@@ -2356,7 +2356,7 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
         t51 = (t8.permute(2, 0, 1).reshape((1, d_ff, n_batch, L)) * t37.permute(1, 0, 2).reshape((d_ff, 1, n_batch, L)))
         t49[...] = ((t51.reshape((d_ff**2, L*n_batch)) @ t50.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_ff, d_ff, d_V, d_V))).permute(0, 2, 1, 3)
         return H
-    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X)
+    H = _empty((2*d_V*d_ff, 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_V*d_ff, 0:d_V*d_ff]
     t1 = t0.view((d_V, d_ff, d_V, d_ff))
     t2 = X.transpose(-1, -2)

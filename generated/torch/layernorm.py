@@ -96,12 +96,12 @@ def mse__gradient(X, Y):
     return ((t24[0] if n_batch == 1 else t24.mean(0)),)
 
 
-def mse__hessian__outer(X, Y):
+def mse__hessian__outer(X, Y, out=None):
     """The full outer Hessian, parameters in declared order X."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = Y.shape[0]
-    H = _empty((L*d_V, L*d_V), Y)
+    H = _empty((L*d_V, L*d_V), Y) if out is None else out
     t0 = H[0:L*d_V, 0:L*d_V]
     t0[...] = 0
     t1 = t0.view((L, d_V, L, d_V))
@@ -382,12 +382,12 @@ def mse__frobenius__X__X__outer(X, Y):
     return t23
 
 
-def mse__hessian__functional(X, Y):
+def mse__hessian__functional(X, Y, out=None):
     """The full functional Hessian, parameters in declared order X."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = Y.shape[0]
-    H = _empty((L*d_V, L*d_V), Y)
+    H = _empty((L*d_V, L*d_V), Y) if out is None else out
     t0 = H[0:L*d_V, 0:L*d_V]
     t0[...] = 0
     t1 = t0.view((L, d_V, L, d_V))
@@ -744,12 +744,12 @@ def mse__frobenius__X__X__functional(X, Y):
     return t30
 
 
-def mse__hessian__full(X, Y):
+def mse__hessian__full(X, Y, out=None):
     """The full full Hessian, parameters in declared order X."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = Y.shape[0]
-    H = _empty((L*d_V, L*d_V), Y)
+    H = _empty((L*d_V, L*d_V), Y) if out is None else out
     t0 = H[0:L*d_V, 0:L*d_V]
     t0[...] = 0
     t1 = t0.view((L, d_V, L, d_V))
@@ -1381,12 +1381,12 @@ def ce__gradient(X, Y):
     return ((t28[0] if n_batch == 1 else t28.mean(0)),)
 
 
-def ce__hessian__outer(X, Y):
+def ce__hessian__outer(X, Y, out=None):
     """The full outer Hessian, parameters in declared order X."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = Y.shape[0]
-    H = _empty((L*d_V, L*d_V), Y)
+    H = _empty((L*d_V, L*d_V), Y) if out is None else out
     t0 = H[0:L*d_V, 0:L*d_V]
     t0[...] = 0
     t1 = t0.view((L, d_V, L, d_V))
@@ -1746,12 +1746,12 @@ def ce__frobenius__X__X__outer(X, Y):
     return t31
 
 
-def ce__hessian__functional(X, Y):
+def ce__hessian__functional(X, Y, out=None):
     """The full functional Hessian, parameters in declared order X."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = Y.shape[0]
-    H = _empty((L*d_V, L*d_V), Y)
+    H = _empty((L*d_V, L*d_V), Y) if out is None else out
     t0 = H[0:L*d_V, 0:L*d_V]
     t0[...] = 0
     t1 = t0.view((L, d_V, L, d_V))
@@ -2143,12 +2143,12 @@ def ce__frobenius__X__X__functional(X, Y):
     return t34
 
 
-def ce__hessian__full(X, Y):
+def ce__hessian__full(X, Y, out=None):
     """The full full Hessian, parameters in declared order X."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = Y.shape[0]
-    H = _empty((L*d_V, L*d_V), Y)
+    H = _empty((L*d_V, L*d_V), Y) if out is None else out
     t0 = H[0:L*d_V, 0:L*d_V]
     t0[...] = 0
     t1 = t0.view((L, d_V, L, d_V))

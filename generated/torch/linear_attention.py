@@ -90,13 +90,13 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
     return ((t15[0] if n_batch == 1 else t15.mean(0)), (t19[0] if n_batch == 1 else t19.mean(0)), (t22[0] if n_batch == 1 else t22.mean(0)),)
 
 
-def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
+def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -913,13 +913,13 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t11
 
 
-def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
+def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
     t1 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -1588,14 +1588,14 @@ def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
+def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 2:    # row slabs (their operands grow with the batch)
-        H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+        H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
         t0 = H[0:d_K*d_V, 0:d_K*d_V]
         t1 = t0.view((d_V, d_K, d_V, d_K))
         t2 = X.transpose(-1, -2)
@@ -1721,7 +1721,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t101 = (2/(L*d_V*n_batch)) * t100
         t97.addcmul_(t101.reshape((1, 1, d_V)), t99.sum((0,)).reshape((d_V, d_V, 1)))
         return H
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -3301,13 +3301,13 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
     return ((t17[0] if n_batch == 1 else t17.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)),)
 
 
-def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
+def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -4223,13 +4223,13 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t14
 
 
-def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
+def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
     t1 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -4972,14 +4972,14 @@ def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
+def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+        H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
         t0 = X.transpose(-1, -2)
         R = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
         t1 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
@@ -5114,7 +5114,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t105 = (2/(L*d_V*n_batch)) * t104
         t101.addcmul_(t105.reshape((1, 1, d_V)), t103.sum((0,)).reshape((d_V, d_V, 1)))
         return H
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -6983,13 +6983,13 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     return ((t19[0] if n_batch == 1 else t19.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)), (t26[0] if n_batch == 1 else t26.mean(0)),)
 
 
-def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
+def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -8091,13 +8091,13 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t20
 
 
-def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
+def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
     t1 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -8841,14 +8841,14 @@ def ce_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
+def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+        H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
         t0 = X.transpose(-1, -2)
         R = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
         t1 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
@@ -8983,7 +8983,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
         t108 = (t41.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t106.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         t104[...] = ((t108.reshape((d_V**2, L*n_batch)) @ t107.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
         return H
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -10936,13 +10936,13 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     return ((t21[0] if n_batch == 1 else t21.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)), (t31[0] if n_batch == 1 else t31.mean(0)),)
 
 
-def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
+def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)
@@ -12195,13 +12195,13 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     return t22
 
 
-def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
+def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t0[...] = 0
     t1 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
@@ -13019,14 +13019,14 @@ def ce_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
     return zero
 
 
-def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
+def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+        H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
         t0 = X.transpose(-1, -2)
         R = _empty((n_batch, L, d_K, 2*d_K*d_V + d_V**2), X)
         t1 = R.view((n_batch, L*d_K, 2*d_K*d_V + d_V**2))
@@ -13178,7 +13178,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
         t122 = (t43.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t120.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         t118[...] = ((t122.reshape((d_V**2, L*n_batch)) @ t121.permute(2, 3, 0, 1).reshape((L*n_batch, d_V**2))).reshape((d_V, d_V, d_V, d_V))).permute(0, 2, 1, 3)
         return H
-    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X)
+    H = _empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.transpose(-1, -2)

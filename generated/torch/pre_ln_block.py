@@ -195,7 +195,7 @@ def mse_bias0_causal0__gradient(X, W_Q, W_K, W_V, W_1, W_2, Y):
     return ((t66[0] if n_batch == 1 else t66.mean(0)), (t69[0] if n_batch == 1 else t69.mean(0)), (t81[0] if n_batch == 1 else t81.mean(0)), (t83[0] if n_batch == 1 else t83.mean(0)), (t86[0] if n_batch == 1 else t86.mean(0)),)
 
 
-def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
+def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V, W_1, W_2."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
@@ -203,7 +203,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
         t0 = X.sum(-1, keepdim=True)
         t1 = t0.expand(*t0.shape[:-1], d_V)
         t2 = (1/d_V) * t1
@@ -596,7 +596,7 @@ def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
         t345 = (2/(L*d_V*n_batch)) * t88
         t343.addcmul_(t345.reshape((1, 1, d_V)), t344.sum((0,)).reshape((d_ff, d_ff, 1)))
         return H
-    H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+    H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.sum(-1, keepdim=True)
@@ -7322,14 +7322,14 @@ def mse_bias0_causal0__frobenius__W_2__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y)
     return t39
 
 
-def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
+def mse_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V, W_1, W_2."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+    H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.sum(-1, keepdim=True)
@@ -13759,7 +13759,7 @@ def mse_bias0_causal0__frobenius__W_2__W_2__functional(X, W_Q, W_K, W_V, W_1, W_
     return zero
 
 
-def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
+def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V, W_1, W_2."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
@@ -13767,7 +13767,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
         t0 = X.sum(-1, keepdim=True)
         t1 = t0.expand(*t0.shape[:-1], d_V)
         t2 = (1/d_V) * t1
@@ -14428,7 +14428,7 @@ def mse_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
         t630 = (2/(L*d_V*n_batch)) * t140
         t628.addcmul_(t630.reshape((1, 1, d_V)), t629.sum((0,)).reshape((d_ff, d_ff, 1)))
         return H
-    H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+    H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.sum(-1, keepdim=True)
@@ -29247,7 +29247,7 @@ def ce_bias0_causal0__gradient(X, W_Q, W_K, W_V, W_1, W_2, Y):
     return ((t71[0] if n_batch == 1 else t71.mean(0)), (t74[0] if n_batch == 1 else t74.mean(0)), (t86[0] if n_batch == 1 else t86.mean(0)), (t88[0] if n_batch == 1 else t88.mean(0)), (t91[0] if n_batch == 1 else t91.mean(0)),)
 
 
-def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
+def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V, W_1, W_2."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
@@ -29255,7 +29255,7 @@ def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 1:    # row slabs (their operands grow with the batch)
-        H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
         t0 = H[0:d_K*d_V, 0:d_K*d_V]
         t1 = t0.view((d_V, d_K, d_V, d_K))
         t2 = X.sum(-1, keepdim=True)
@@ -29541,7 +29541,7 @@ def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
         t230 = H[2*d_K*d_V + d_V**2:2*d_K*d_V + d_V**2 + d_V*d_ff, 2*d_K*d_V:2*d_K*d_V + d_V**2]
         t230[...] = t167.transpose(-1, -2)
         return H
-    H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+    H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.sum(-1, keepdim=True)
@@ -36089,14 +36089,14 @@ def ce_bias0_causal0__frobenius__W_2__W_2__outer(X, W_Q, W_K, W_V, W_1, W_2, Y):
     return t50
 
 
-def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y):
+def ce_bias0_causal0__hessian__functional(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V, W_1, W_2."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+    H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.sum(-1, keepdim=True)
@@ -42801,7 +42801,7 @@ def ce_bias0_causal0__frobenius__W_2__W_2__functional(X, W_Q, W_K, W_V, W_1, W_2
     return zero
 
 
-def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
+def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V, W_1, W_2."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
@@ -42809,7 +42809,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
     if n_batch <= 2:    # row slabs (their operands grow with the batch)
-        H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+        H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
         t0 = X.sum(-1, keepdim=True)
         t1 = t0.expand(*t0.shape[:-1], d_V)
         t2 = (1/d_V) * t1
@@ -43391,7 +43391,7 @@ def ce_bias0_causal0__hessian__full(X, W_Q, W_K, W_V, W_1, W_2, Y):
         t536 = (N_2.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t527.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
         t534 += (t536.reshape((d_V**2, L*n_batch)) @ t535.permute(1, 2, 0).reshape((L*n_batch, d_ff))).reshape((d_V, d_V, d_ff))
         return H
-    H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X)
+    H = _empty((2*d_K*d_V + d_V**2 + 2*d_V*d_ff, 2*d_K*d_V + d_V**2 + 2*d_V*d_ff), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = X.sum(-1, keepdim=True)

@@ -80,12 +80,12 @@ def mse_causal0__gradient(X, W_QK, W_V, Y):
     return ((t13[0] if n_batch == 1 else t13.mean(0)), (t16[0] if n_batch == 1 else t16.mean(0)),)
 
 
-def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
+def mse_causal0__hessian__outer(X, W_QK, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V**2, 2*d_V**2), X)
+    H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -519,12 +519,12 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     return t8
 
 
-def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
+def mse_causal0__hessian__functional(X, W_QK, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V**2, 2*d_V**2), X)
+    H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -978,12 +978,12 @@ def mse_causal0__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     return zero
 
 
-def mse_causal0__hessian__full(X, W_QK, W_V, Y):
+def mse_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V**2, 2*d_V**2), X)
+    H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -1966,12 +1966,12 @@ def mse_causal1__gradient(X, W_QK, W_V, Y):
     return ((t15[0] if n_batch == 1 else t15.mean(0)), (t18[0] if n_batch == 1 else t18.mean(0)),)
 
 
-def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
+def mse_causal1__hessian__outer(X, W_QK, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V**2, 2*d_V**2), X)
+    H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -2435,12 +2435,12 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     return t10
 
 
-def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
+def mse_causal1__hessian__functional(X, W_QK, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V**2, 2*d_V**2), X)
+    H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -2916,12 +2916,12 @@ def mse_causal1__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     return zero
 
 
-def mse_causal1__hessian__full(X, W_QK, W_V, Y):
+def mse_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V**2, 2*d_V**2), X)
+    H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -3952,12 +3952,12 @@ def ce_causal0__gradient(X, W_QK, W_V, Y):
     return ((t18[0] if n_batch == 1 else t18.mean(0)), (t21[0] if n_batch == 1 else t21.mean(0)),)
 
 
-def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
+def ce_causal0__hessian__outer(X, W_QK, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V**2, 2*d_V**2), X)
+    H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -4544,12 +4544,12 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     return t18
 
 
-def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
+def ce_causal0__hessian__functional(X, W_QK, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V**2, 2*d_V**2), X)
+    H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -5058,12 +5058,12 @@ def ce_causal0__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     return zero
 
 
-def ce_causal0__hessian__full(X, W_QK, W_V, Y):
+def ce_causal0__hessian__full(X, W_QK, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V**2, 2*d_V**2), X)
+    H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -6183,12 +6183,12 @@ def ce_causal1__gradient(X, W_QK, W_V, Y):
     return ((t20[0] if n_batch == 1 else t20.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)),)
 
 
-def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
+def ce_causal1__hessian__outer(X, W_QK, W_V, Y, out=None):
     """The full outer Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V**2, 2*d_V**2), X)
+    H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -6805,12 +6805,12 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     return t20
 
 
-def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
+def ce_causal1__hessian__functional(X, W_QK, W_V, Y, out=None):
     """The full functional Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V**2, 2*d_V**2), X)
+    H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)
@@ -7341,12 +7341,12 @@ def ce_causal1__frobenius__W_V__W_V__functional(X, W_QK, W_V, Y):
     return zero
 
 
-def ce_causal1__hessian__full(X, W_QK, W_V, Y):
+def ce_causal1__hessian__full(X, W_QK, W_V, Y, out=None):
     """The full full Hessian, parameters in declared order W_QK, W_V."""
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_V**2, 2*d_V**2), X)
+    H = _empty((2*d_V**2, 2*d_V**2), X) if out is None else out
     t0 = H[0:d_V**2, 0:d_V**2]
     t1 = t0.view((d_V, d_V, d_V, d_V))
     t2 = X.transpose(-1, -2)

@@ -103,14 +103,14 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, W_O, Y):
     return ((t19[0] if n_batch == 1 else t19.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)), (t28[0] if n_batch == 1 else t28.mean(0)), (t31[0] if n_batch == 1 else t31.mean(0)),)
 
 
-def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
+def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X)
+    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -1851,14 +1851,14 @@ def mse_causal0__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     return t14
 
 
-def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
+def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X)
+    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -3696,14 +3696,14 @@ def mse_causal0__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     return zero
 
 
-def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
+def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X)
+    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -7641,14 +7641,14 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, W_O, Y):
     return ((t21[0] if n_batch == 1 else t21.mean(0)), (t25[0] if n_batch == 1 else t25.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)), (t33[0] if n_batch == 1 else t33.mean(0)),)
 
 
-def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
+def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X)
+    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -9475,14 +9475,14 @@ def mse_causal1__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     return t16
 
 
-def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
+def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X)
+    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -11390,14 +11390,14 @@ def mse_causal1__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     return zero
 
 
-def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
+def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X)
+    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -15471,14 +15471,14 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, W_O, Y):
     return ((t24[0] if n_batch == 1 else t24.mean(0)), (t28[0] if n_batch == 1 else t28.mean(0)), (t33[0] if n_batch == 1 else t33.mean(0)), (t36[0] if n_batch == 1 else t36.mean(0)),)
 
 
-def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
+def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X)
+    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -17670,14 +17670,14 @@ def ce_causal0__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     return t24
 
 
-def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
+def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X)
+    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -19690,14 +19690,14 @@ def ce_causal0__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     return zero
 
 
-def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
+def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X)
+    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -24127,14 +24127,14 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, W_O, Y):
     return ((t26[0] if n_batch == 1 else t26.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)), (t38[0] if n_batch == 1 else t38.mean(0)),)
 
 
-def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
+def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X)
+    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -26412,14 +26412,14 @@ def ce_causal1__frobenius__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     return t26
 
 
-def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
+def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full functional Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X)
+    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)
@@ -28502,14 +28502,14 @@ def ce_causal1__frobenius__W_O__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     return zero
 
 
-def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
+def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     """The full full Hessian, parameters in declared order W_Q, W_K, W_V, W_O."""
     L = X.shape[-2]
     d_H = W_V.shape[-1]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
-    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X)
+    H = _empty((2*d_H*d_V + 2*d_K*d_V, 2*d_H*d_V + 2*d_K*d_V), X) if out is None else out
     t0 = H[0:d_K*d_V, 0:d_K*d_V]
     t1 = t0.view((d_V, d_K, d_V, d_K))
     t2 = W_K.transpose(-1, -2)

@@ -1,0 +1,70 @@
+"""``Kernel.hessian(values, part, out=...)``: the Hessian written into a caller's array.
+
+The generated routines start from uninitialised memory and must write every entry; a
+fresh allocation often holds zeros, which would hide a skipped block, so here ``out`` starts
+full of NaN. Both versions of a routine that has a row-slab branch run (one sequence, and a
+batch past every committed slab limit)."""
+import numpy as np
+import pytest
+import torch
+
+import symhess as sh
+from symhess import codegen
+from symhess.evaluate import InputError
+from symhess.verify import random_values
+
+SIZES = {"L": 3, "d_V": 4, "d_K": 2, "d_ff": 5, "d_H": 2, "h": 2, "d_model": 4, "d": 4}
+
+
+def values_for(name, batch):
+    d = sh.derive(sh.layer(name), "mse")
+    seqs = [random_values(d, seed=s, sizes=SIZES) for s in range(batch)]
+    data = set(sh.kernel(name, "numpy", "mse")._data)
+    return {n: (np.stack([s[n] for s in seqs]) if n in data and batch > 1 else seqs[0][n])
+            for n in seqs[0]}
+
+
+COMMITTED = [n for n in codegen.LAYERS if n not in codegen.ON_DEMAND]
+
+
+@pytest.mark.parametrize("name", COMMITTED)
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_out_receives_every_entry(name, backend):
+    k = sh.kernel(name, backend, "mse")
+    for batch in (1, 5):
+        vals = values_for(name, batch)
+        if backend == "torch":
+            vals = {n: torch.tensor(v) for n, v in vals.items()}
+        for part in ("full", "outer", "functional"):
+            want = k.hessian(vals, part)
+            out = (torch.full_like(want, float("nan")) if backend == "torch"
+                   else np.full_like(want, np.nan))
+            got = k.hessian(vals, part, out=out)
+            assert got is out, (batch, part)
+            assert bool((got == want).all()), (batch, part)
+
+
+def test_bad_out_is_named():
+    vals = values_for("attention", 1)
+    k = sh.kernel("attention", "numpy", "mse")
+    n = k.hessian(vals).shape[0]
+    with pytest.raises(InputError, match=rf"out must have shape \({n}, {n}\).*got \(3, 3\)"):
+        k.hessian(vals, out=np.empty((3, 3)))
+    with pytest.raises(InputError, match="out has dtype float32 but the values have dtype float64"):
+        k.hessian(vals, out=np.empty((n, n), dtype=np.float32))
+    with pytest.raises(InputError, match="C-contiguous"):
+        k.hessian(vals, out=np.empty((n, n)).T)
+    ro = np.empty((n, n))
+    ro.flags.writeable = False
+    with pytest.raises(InputError, match="writeable"):
+        k.hessian(vals, out=ro)
+    with pytest.raises(InputError, match="out must be a NumPy array, got Tensor"):
+        k.hessian(vals, out=torch.empty(n, n, dtype=torch.float64))
+    kt = sh.kernel("attention", "torch", "mse")
+    tv = {a: torch.tensor(b) for a, b in vals.items()}
+    with pytest.raises(InputError, match="out must be a torch tensor, got ndarray"):
+        kt.hessian(tv, out=np.empty((n, n)))
+    with pytest.raises(InputError, match="out is on meta but the values are on cpu"):
+        kt.hessian(tv, out=torch.empty(n, n, dtype=torch.float64, device="meta"))
+    with pytest.raises(InputError, match="writeable"):
+        kt.hessian(tv, out=torch.zeros(n, n, dtype=torch.float64, requires_grad=True))
