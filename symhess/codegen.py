@@ -409,6 +409,25 @@ class Variant:
         return self.function("gradient", rt, "(" + ", ".join(outs) + ",)",
                              "(∂ℓ/∂W_p for p in the parameters), batch mean.")
 
+    def batch_checks(self):
+        """The layer's value checks that run on a whole batch (``check_batch``) of an input
+        expression (``input``), e.g. LayerNorm's zero-variance rows; in the layer's order."""
+        return [c for c in self.d.layer.checks if hasattr(c, "check_batch") and hasattr(c, "input")]
+
+    def check_inputs(self):
+        """The inputs of the layer's batch checks, for every sequence at once (Y not read):
+        the kernels validate values with one call of this instead of interpreting the
+        declaration sequence by sequence."""
+        from .jacobians import header, routine
+        rt, vs, batched = routine(self)
+        names = [rt.mat(c.input) for c in self.batch_checks()]
+        ret = "(" + "".join(f"{n}, " for n in names) + ")"
+        doc = "The inputs of the layer's value checks (" + \
+            ", ".join(f"LayerNorm {c.label}" if hasattr(c, "label") else type(c).__name__
+                      for c in self.batch_checks()) + ")."
+        return Function(f"{self.tag}__check_inputs", list(vs), header(self, vs, batched) +
+                        rt.pruned(ret), ret, doc)
+
     def loss(self):
         rt = self.routine()
         v = self._mean(rt, rt.mat(self.d.loss_expr))
@@ -528,7 +547,7 @@ class Variant:
     def keys(self):
         """Every routine key of the variant, in the order of the generated module."""
         names = self.d.layer.param_names
-        out = [("loss",), ("gradient",)]
+        out = [("loss",), ("gradient",)] + ([("check_inputs",)] if self.batch_checks() else [])
         for part in PARTS:
             out += [("hessian", part), ("hvp", part), ("frobenius_all", part)]
             for p in names:
@@ -541,7 +560,8 @@ class Variant:
     def make(self, key):
         """The generated function of one routine key."""
         kind, args = key[0], key[1:]
-        return {"loss": self.loss, "gradient": self.gradient, "hessian": self.hessian,
+        return {"loss": self.loss, "gradient": self.gradient, "check_inputs": self.check_inputs,
+                "hessian": self.hessian,
                 "hvp": self.hvp, "frobenius_all": self.frobenius_all, "diag": self.diag,
                 "trace": self.trace, "block": self.block, "frobenius": self.frobenius,
                 "frobenius_split": self.frobenius_split}[kind](*args)

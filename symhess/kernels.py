@@ -272,8 +272,18 @@ class Kernel:
         return arrays
 
     def _run_layer_checks(self, arrays):
-        """The layer's own value checks (e.g. zero-variance LayerNorm rows), per sequence."""
-        if not self.layer.checks:
+        """The layer's own value checks (e.g. zero-variance LayerNorm rows): on the whole
+        batch at once by the generated ``check_inputs`` routine where every check allows it
+        (on the values' device; one boolean per check comes back to the host), else by
+        interpreting the declaration one sequence at a time."""
+        checks = self.layer.checks
+        if not checks:
+            return
+        if all(hasattr(c, "check_batch") and hasattr(c, "input") for c in checks):
+            with np.errstate(all="ignore"):      # a later input may be undefined: reported first
+                inputs = self._fns[("check_inputs",)](**{n: a for n, a in arrays.items() if n != "Y"})
+            for check, u in zip(checks, inputs):
+                check.check_batch(u if u.ndim == 3 else u[None])
             return
         host = {n: (a.detach().cpu().numpy() if hasattr(a, "detach") else a) for n, a in arrays.items()}
         data = [n for n in self._data if n in host]

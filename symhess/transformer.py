@@ -70,7 +70,11 @@ def check_affine(affine) -> str:
 # ----------------------------------------------------------------------------- LayerNorm
 @dataclass(frozen=True)
 class ZeroVarianceCheck:
-    """Raise InputError if a row of a LayerNorm input has zero variance while ε = 0."""
+    """Raise InputError if a row of a LayerNorm input has zero variance while ε = 0.
+
+    ``input`` is the expression LayerNorm normalises (the kernels compute it for a whole
+    batch with a generated routine and call ``check_batch``); calling the check with values
+    evaluates it with the interpreter, one sequence at a time."""
 
     label: str
     input: E.Expr
@@ -83,16 +87,27 @@ class ZeroVarianceCheck:
                 u = np.asarray(evaluate(self.input, {k: _numpy(v) for k, v in values.items()}))
             except InputError:
                 return  # the values are incomplete; evaluation itself reports what is missing
-        var = np.var(u, axis=1)                      # the biased row variance LN divides by
-        rms2 = np.mean(u * u, axis=1)
-        bad = np.flatnonzero(var <= ZERO_VARIANCE_RTOL ** 2 * rms2)
-        if bad.size:
-            i = int(bad[0])
-            raise InputError(
-                f"LayerNorm {self.label}: row {i} (0-based) of its input has zero variance "
-                f"(σ² = {var[i]:.3g}{', rows ' + ', '.join(map(str, bad.tolist())) if bad.size > 1 else ''})"
-                f" and eps = 0, so LN is undefined there (Petrov et al.'s Assumption 2 needs "
-                f"min_i σ_i² > 0); use eps > 0 or inputs whose rows are not constant")
+        self.check_batch(u[None], batched=False)
+
+    def check_batch(self, u, batched=True):
+        """The check on ``u`` of shape (N, L, d) (NumPy or torch, any device): one boolean
+        comes back to the host unless a row fails."""
+        var = ((u - u.mean(-1, keepdims=True)) ** 2).mean(-1) if isinstance(u, np.ndarray) \
+            else u.var(-1, unbiased=False)         # the biased row variance LN divides by
+        bad = var <= ZERO_VARIANCE_RTOL ** 2 * (u * u).mean(-1)
+        if not bool(bad.any()):
+            return
+        var, bad = _numpy(var), _numpy(bad)
+        seq = int(np.flatnonzero(bad.any(-1))[0])
+        rows = np.flatnonzero(bad[seq])
+        i = int(rows[0])
+        where = f"sequence {seq}, " if batched and bad.shape[0] > 1 else ""
+        more = ", rows " + ", ".join(map(str, rows.tolist())) if rows.size > 1 else ""
+        raise InputError(
+            f"LayerNorm {self.label}: {where}row {i} (0-based) of its input has zero variance "
+            f"(σ² = {var[seq, i]:.3g}{more}) and eps = 0, so LN is undefined there (Petrov et "
+            f"al.'s Assumption 2 needs min_i σ_i² > 0); use eps > 0 or inputs whose rows are "
+            f"not constant")
 
 
 def _numpy(v):

@@ -96,6 +96,13 @@ def mse__gradient(X, Y):
     return ((t24[0] if n_batch == 1 else t24.mean(0)),)
 
 
+def mse__check_inputs(X):
+    """The inputs of the layer's value checks (LayerNorm Z)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    return (X, )
+
+
 def mse__hessian__outer(X, Y, out=None):
     """The full outer Hessian, parameters in declared order X."""
     L = X.shape[-2]
@@ -1379,6 +1386,13 @@ def ce__gradient(X, Y):
     t27 = t26.expand(*t26.shape[:-1], d_V)
     t28 = t21 + t22 + t27
     return ((t28[0] if n_batch == 1 else t28.mean(0)),)
+
+
+def ce__check_inputs(X):
+    """The inputs of the layer's value checks (LayerNorm Z)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    return (X, )
 
 
 def ce__hessian__outer(X, Y, out=None):
@@ -2732,6 +2746,7 @@ VARIANTS = {
     ('mse', (('affine', 'none'), ('eps', 0))): {
         ('loss',): mse__loss,
         ('gradient',): mse__gradient,
+        ('check_inputs',): mse__check_inputs,
         ('hessian', 'outer'): mse__hessian__outer,
         ('hvp', 'outer'): mse__hvp__outer,
         ('frobenius_all', 'outer'): mse__frobenius_all__outer,
@@ -2761,6 +2776,7 @@ VARIANTS = {
     ('ce', (('affine', 'none'), ('eps', 0))): {
         ('loss',): ce__loss,
         ('gradient',): ce__gradient,
+        ('check_inputs',): ce__check_inputs,
         ('hessian', 'outer'): ce__hessian__outer,
         ('hvp', 'outer'): ce__hvp__outer,
         ('frobenius_all', 'outer'): ce__frobenius_all__outer,

@@ -195,6 +195,42 @@ def mse_bias0_causal0__gradient(X, W_Q, W_K, W_V, W_1, W_2, Y):
     return ((t66[0] if n_batch == 1 else t66.mean(0)), (t69[0] if n_batch == 1 else t69.mean(0)), (t81[0] if n_batch == 1 else t81.mean(0)), (t83[0] if n_batch == 1 else t83.mean(0)), (t86[0] if n_batch == 1 else t86.mean(0)),)
 
 
+def mse_bias0_causal0__check_inputs(X, W_Q, W_K, W_V, W_1, W_2):
+    """The inputs of the layer's value checks (LayerNorm N_1, LayerNorm N_2)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.sum(-1, keepdim=True)
+    t1 = t0.expand(*t0.shape[:-1], d_V)
+    t2 = (1/d_V) * t1
+    t3 = X - t2
+    M_N_1 = t3
+    t4 = M_N_1 * M_N_1
+    t5 = t4.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = (1/d_V) * t6
+    sigma2_N_1 = t7
+    t8 = (sigma2_N_1 ** -0.5)
+    P_N_1 = t8
+    t9 = M_N_1 * P_N_1
+    N_1 = t9
+    t10 = W_K.transpose(-1, -2)
+    t11 = N_1.transpose(-1, -2)
+    t12 = t10 @ t11
+    t13 = W_Q @ t12
+    t14 = N_1 @ t13
+    t15 = (1/math.sqrt(d_K)) * t14
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A = t16 / t16.sum(-1, keepdim=True)
+    t17 = N_1 @ W_V
+    t18 = A @ t17
+    t19 = t18 + X
+    Y = t19
+    return (X, Y, )
+
+
 def mse_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V, W_1, W_2."""
     L = X.shape[-2]
@@ -29247,6 +29283,42 @@ def ce_bias0_causal0__gradient(X, W_Q, W_K, W_V, W_1, W_2, Y):
     return ((t71[0] if n_batch == 1 else t71.mean(0)), (t74[0] if n_batch == 1 else t74.mean(0)), (t86[0] if n_batch == 1 else t86.mean(0)), (t88[0] if n_batch == 1 else t88.mean(0)), (t91[0] if n_batch == 1 else t91.mean(0)),)
 
 
+def ce_bias0_causal0__check_inputs(X, W_Q, W_K, W_V, W_1, W_2):
+    """The inputs of the layer's value checks (LayerNorm N_1, LayerNorm N_2)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.sum(-1, keepdim=True)
+    t1 = t0.expand(*t0.shape[:-1], d_V)
+    t2 = (1/d_V) * t1
+    t3 = X - t2
+    M_N_1 = t3
+    t4 = M_N_1 * M_N_1
+    t5 = t4.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = (1/d_V) * t6
+    sigma2_N_1 = t7
+    t8 = (sigma2_N_1 ** -0.5)
+    P_N_1 = t8
+    t9 = M_N_1 * P_N_1
+    N_1 = t9
+    t10 = W_K.transpose(-1, -2)
+    t11 = N_1.transpose(-1, -2)
+    t12 = t10 @ t11
+    t13 = W_Q @ t12
+    t14 = N_1 @ t13
+    t15 = (1/math.sqrt(d_K)) * t14
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A = t16 / t16.sum(-1, keepdim=True)
+    t17 = N_1 @ W_V
+    t18 = A @ t17
+    t19 = t18 + X
+    Y = t19
+    return (X, Y, )
+
+
 def ce_bias0_causal0__hessian__outer(X, W_Q, W_K, W_V, W_1, W_2, Y, out=None):
     """The full outer Hessian, parameters in declared order W_Q, W_K, W_V, W_1, W_2."""
     L = X.shape[-2]
@@ -56960,6 +57032,7 @@ VARIANTS = {
     ('mse', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): {
         ('loss',): mse_bias0_causal0__loss,
         ('gradient',): mse_bias0_causal0__gradient,
+        ('check_inputs',): mse_bias0_causal0__check_inputs,
         ('hessian', 'outer'): mse_bias0_causal0__hessian__outer,
         ('hvp', 'outer'): mse_bias0_causal0__hvp__outer,
         ('frobenius_all', 'outer'): mse_bias0_causal0__frobenius_all__outer,
@@ -57193,6 +57266,7 @@ VARIANTS = {
     ('ce', (('activation', 'relu'), ('affine', 'none'), ('bias', False), ('causal', False), ('eps', 0))): {
         ('loss',): ce_bias0_causal0__loss,
         ('gradient',): ce_bias0_causal0__gradient,
+        ('check_inputs',): ce_bias0_causal0__check_inputs,
         ('hessian', 'outer'): ce_bias0_causal0__hessian__outer,
         ('hvp', 'outer'): ce_bias0_causal0__hvp__outer,
         ('frobenius_all', 'outer'): ce_bias0_causal0__frobenius_all__outer,
