@@ -213,3 +213,50 @@ def test_broadcast_product_is_computed_in_the_requested_layout(backend):
         exec(rt.fmt("mul_into", *rt.bcast[code], "out_") + "\n" +
              rt.fmt("addmul_into", *rt.bcast[code], "out_"), ns)
         assert np.allclose(np.asarray(ns["out_"]), 2 * full.transpose(perm)), perm
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_matrix_product_is_written_straight_into_a_strided_block(backend):
+    """A product (P, M, K) @ (P, K, N) already in the block's order is written by BLAS into
+    the block (a column slice of a wider array: strided rows) instead of via a temporary;
+    torch also accumulates in place (baddbmm_/addmm_). A layout whose groups cannot merge in
+    place (M across the rows and the columns) is left to the copying write."""
+    rng = np.random.default_rng(3)
+    x3, y3 = rng.standard_normal((3, 4, 6)), rng.standard_normal((3, 6, 5))
+    x2, y2 = rng.standard_normal((4, 6)), rng.standard_normal((6, 5))
+    cases = [  # (operand labels, out labels, (n_lead, n_rows, n_atoms), block shape, einsum)
+        ("pmk,pkn->pmn", (0, 2, 3), (12, 5), x3, y3),     # P, M rows; N columns: bmm
+        ("pmk,pkn->pmn", (0, 1, 3), (3, 20), x3, y3),     # P rows; M, N columns: bmm
+        ("mk,kn->mn", (0, 1, 2), (4, 5), x2, y2),         # M rows; N columns: mm
+    ]
+    for spec, split, shape, x, y in cases:
+        rt = routine(backend)
+        lab = {ch: rt.lw.labels.new(n) for ch, n in {"p": 3, "m": 4, "k": 6, "n": 5}.items()}
+        ins, out = spec.split("->")
+        code = rt.product("X_", [lab[ch] for ch in ins.split(",")[0]],
+                          "Y_", [lab[ch] for ch in ins.split(",")[1]], [lab[ch] for ch in out])
+        assert code in rt.gemms, code
+        want = np.einsum(spec, x, y)
+        wide = np.full((shape[0], shape[1] + 7), np.nan)
+        ns = {"np": np, "torch": torch}
+        if backend == "torch":
+            wide = torch.tensor(wide)
+            ns.update(X_=torch.tensor(x), Y_=torch.tensor(y))
+        else:
+            ns.update(X_=x, Y_=y)
+        ns["blk_"] = wide[:, 7:]
+        view = rt.emit(rt.fmt("view", "blk_", rt.shape(list(want.shape))), False)
+        assert rt._gemm_into(view, code, True, {split})
+        added = rt._gemm_into(view, code, False, {split})
+        assert added == (backend == "torch")          # NumPy has no in-place accumulating GEMM
+        exec("\n".join(rt.lines), ns)
+        got = np.asarray(ns["blk_"]).reshape(want.shape)
+        assert np.allclose(got, (2 if added else 1) * want)
+        assert np.isnan(np.asarray(wide)[:, :7]).all()      # nothing outside the block
+        assert any(("matmul(" if backend == "numpy" else "mm(") in ln and "out=" in ln
+                   for ln in rt.lines)
+    rt = routine(backend)
+    p, m, k, n = (rt.lw.labels.new(s) for s in (3, 4, 6, 5))
+    code = rt.product("X_", [p, m, k], "Y_", [p, k, n], [p, m, n])
+    assert not rt._gemm_into("blk_", code, True, {(0, 3, 3)})   # no column axis for N
+    assert not rt._gemm_into("blk_", code, True, {(0, 2, 3), (0, 1, 3)})  # two layouts

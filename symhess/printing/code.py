@@ -59,6 +59,7 @@ class Routine:
         self.products = {}                    # factor tuple -> (name, transposed)
         self.transposed = {}                  # name of a transposed view -> name of its base
         self.bcast = {}                       # code of a broadcast product -> its operands
+        self.gemms = {}                       # code of a (P…, M, K) @ (P…, K, N) product -> its parts
         self.written = 0                      # entries written by dense_into (its passes)
         self.env, self.batch_size = representative_sizes(symbols, sizes)
         self.env_key = E.size_env(self.env)
@@ -399,13 +400,13 @@ class Routine:
     def _snapshot(self):
         return (self.written, len(self.lines), dict(self.rhs), set(self.taken), self.count,
                 dict(self.is_batched), dict(self.memo), dict(self.inter), dict(self.products),
-                dict(self.transposed), dict(self.bcast))
+                dict(self.transposed), dict(self.bcast), dict(self.gemms))
 
     def _restore(self, snap):
         """Forget every statement and name made since ``_snapshot``."""
         self.written, n, rhs, taken, count, is_batched, memo, inter, products, transposed, \
-            bcast = snap
-        self.bcast = dict(bcast)
+            bcast, gemms = snap
+        self.bcast, self.gemms = dict(bcast), dict(gemms)
         del self.lines[n:]
         self.rhs, self.taken, self.count = dict(rhs), set(taken), count
         self.is_batched, self.memo, self.inter = dict(is_batched), dict(memo), dict(inter)
@@ -482,7 +483,8 @@ class Routine:
         (x, lx), (y, ly), pre, m, n = _oriented((x, lx), (y, ly), out)
         xm = self._grouped(x, lx, pre, [m, con])
         ym = self._grouped(y, ly, pre, [con, n])
-        return self._finish(f"({xm} @ {ym})", pre, m, n, out)
+        full = all(a in lx and a in ly for a in pre)
+        return self._finish(f"({xm} @ {ym})", pre, m, n, out, (xm, ym) if full else None)
 
     def _aligned(self, x, lx, out):
         """``x`` (labels ``lx`` ⊆ ``out``) permuted to ``out``'s order with a unit axis for
@@ -500,10 +502,17 @@ class Routine:
         self.bcast[code] = (xa, ya)
         return code
 
-    def _finish(self, code, pre, m, n, out):
-        """A (P…, M, N) product result reshaped to its labels and permuted to ``out``."""
+    def _finish(self, code, pre, m, n, out, gemm=None):
+        """A (P…, M, N) product result reshaped to its labels and permuted to ``out``.
+
+        ``gemm``: the operands (P…, M, K), (P…, K, N) of a matrix product whose halves both
+        carry every P label; a result that needs no permute is remembered with them, so that
+        a dense write can multiply straight into its target (``_gemm_into``)."""
         if len(m) != 1 or len(n) != 1:
             code = self.fmt("reshape", code, self.shape([self._dim(a) for a in pre + m + n]))
+        if gemm is not None and list(pre + m + n) == list(out) and m and n:
+            self.gemms[code] = (gemm[0], gemm[1], [self._dim(a) for a in pre], len(m), len(n),
+                                _prod(self._dim(a) for a in m), _prod(self._dim(a) for a in n))
         return self._arrange_out(code, pre + m + n, out)
 
     def _dim(self, lab):
@@ -639,8 +648,9 @@ class Routine:
         if needs_zero:
             self.line(f"{target}[...] = 0")
             self.written += size
-        printed = []
+        printed, split = [], {}
         for term in terms:
+            n_rows = len(self.lw.resolve(term, r))
             atoms = self.lw.resolve(term, r) + self.lw.resolve(term, c)
             sizes = [self.lw.labels.size[a] for a in atoms]
             view = self.emit(self.fmt("view", target, self.shape([N_BATCH] * len(lead) + sizes)),
@@ -649,6 +659,8 @@ class Routine:
             if len(order) < len(atoms):        # the batch label never repeats: it stays first
                 view, order = _diag_view(self, view, lead + atoms)
                 order = order[len(lead):]
+            else:      # the view's axes: (batch,) rows…, columns… (a group merges within one)
+                split.setdefault(view, set()).add((len(lead), n_rows, len(atoms)))
             coef, code, _ = self.network(term, order, fold_coef=True, keep_batch=keep_batch)
             printed.append((view, coef, code))
         first = fresh and not needs_zero
@@ -663,10 +675,45 @@ class Routine:
             pair = self.bcast.get(rhs)
             if pair is not None and "mul_into" in self.t:     # one pass, no temporary
                 self.line(self.fmt("mul_into" if first else "addmul_into", *pair, view))
+            elif self._gemm_into(view, rhs, first, split.get(view)):
+                pass
             else:
                 self.line(f"{view}[...] = {rhs}" if first else f"{view} += {rhs}")
             self.written += size
             first = False
+
+    def _gemm_into(self, view, rhs, first, split):
+        """Write (first) or add the matrix product ``rhs`` straight into ``view`` when the
+        product's (P…, M, N) layout is the view's own axis order and each group merges in
+        place: P over the batch axis and leading rows, M within the rows or within the
+        columns, N the trailing columns (a view's columns are contiguous, its rows evenly
+        strided). BLAS then writes the block once instead of into a temporary that is
+        copied (or added) into it. Returns False where that does not apply."""
+        g = self.gemms.get(rhs)
+        if g is None or split is None or len(split) != 1:
+            return False
+        (n_lead, n_rows, n_atoms), = split
+        xm, ym, pre, n_m, n_n, m_size, n_size = g
+        p, rows_end = len(pre), n_lead + n_rows
+        if p + n_m + n_n != n_lead + n_atoms or p < n_lead:
+            return False
+        m_in_rows = p + n_m == rows_end
+        m_in_cols = p == rows_end
+        if not (m_in_rows or m_in_cols):
+            return False
+        key = ("" if first else "add") + ("bmm_into" if pre else "mm_into")
+        if key not in self.t:
+            return False
+        if pre:
+            P = _prod(pre)
+            x3 = xm if p == 1 else self.fmt("reshape", xm, f"({self.size(P)}, {self.size(m_size)}, -1)")
+            y3 = ym if p == 1 else self.fmt("reshape", ym, f"({self.size(P)}, -1, {self.size(n_size)})")
+            shape = [P, m_size, n_size]
+        else:
+            x3, y3, shape = xm, ym, [m_size, n_size]
+        out = self.emit(self.fmt("view", view, self.shape(shape)), False)
+        self.line(self.fmt(key, x3, y3, out))
+        return True
 
     def _write_groups(self, printed):
         """[(view, how, members)]: terms written by one product each ("alone"), by one product
@@ -744,7 +791,8 @@ class Routine:
             rest = self.emit(" + ".join(p[own] for p in parts), False)
         op = "@" if finals[0].summed else "*"
         code = f"({xg} {op} {rest})" if own else f"({rest} {op} {yg})"
-        return self._finish(code, pre, m, n, finals[0].out)
+        gemm = ((xg, rest) if own else (rest, yg)) if op == "@" and _full(finals, pre) else None
+        return self._finish(code, pre, m, n, finals[0].out, gemm)
 
     def _sum_nets(self, nets, depth):
         """The name of Σ networks ((ops, labels, out) each, outputs alike), grouped as a dense
@@ -775,7 +823,8 @@ class Routine:
         big_x = self.emit(self.fmt("concat_last", ", ".join(xs)), False)
         big_y = self.emit(self.fmt("concat_rows", ", ".join(ys)), False)
         _, _, pre, m, n = parts[0]
-        return self._finish(f"({big_x} @ {big_y})", pre, m, n, finals[0].out)
+        return self._finish(f"({big_x} @ {big_y})", pre, m, n, finals[0].out,
+                            (big_x, big_y) if _full(finals, pre) else None)
 
     def scalar(self, networks):
         """Σ coef · contraction for scalar networks."""
@@ -984,6 +1033,16 @@ def _orientations(factors):
     """(A₁…A_k, A_kᵀ…A₁ᵀ): a chain and the chain of its transpose."""
     factors = tuple(factors)
     return factors, tuple(E.transpose(f) for f in reversed(factors))
+
+
+def _full(finals, pre):
+    """Every half of every product in ``finals`` carries every label of ``pre`` (no
+    broadcast axis: the halves reshape to (P, M, K) and (P, K, N) without copies of P)."""
+    for f in finals:
+        (_, lx), (_, ly), _, _, _ = f.oriented()
+        if not all(a in lx and a in ly for a in pre):
+            return False
+    return True
 
 
 def _prod(xs):

@@ -23,6 +23,8 @@ NUMPY = {
     "mul_into": "np.multiply({0}, {1}, out={2})",
     "addmul_into": "{2} += {0} * {1}",
     "matmul_into": "np.matmul({0}, {1}, out={2})",
+    "mm_into": "np.matmul({0}, {1}, out={2})",
+    "bmm_into": "np.matmul({0}, {1}, out={2})",
     "reshape": "np.reshape({0}, {1})",
     "permute": "{0}.transpose({1})",
     "flatten_mats": "np.reshape({0}, {0}.shape[:-2] + ({1}, 1))",
