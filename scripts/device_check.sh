@@ -56,10 +56,12 @@ step test_cuda 150 env SYMHESS_TEST_DEVICE=cuda "$PY" -m pytest -p no:cacheprovi
 step tests_cpu 120 "$PY" -m pytest -p no:cacheprovider -q -x tests/test_codegen.py \
     tests/test_jacobian_kernels.py -k "not generate_check and not deterministic"
 
-# benchmarks: torch kernels and autograd on CUDA, NumPy parts on the CPU
+# benchmarks: torch kernels and autograd on CUDA (eager and replayed from CUDA graphs),
+# NumPy parts on the CPU
 step bench_kernels 150 "$PY" -m benchmarks.bench_kernels --device cuda --no-generation
 step bench_jacobians 120 "$PY" -m benchmarks.bench_jacobians --device cuda
 step bench_full_block 120 "$PY" -m benchmarks.bench_full_block --device cuda
+step bench_batch 120 "$PY" -m benchmarks.bench_batch --device cuda
 
 log ""
 if [ "${#FAILED[@]}" -ne 0 ]; then
