@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One run on a CUDA machine: the CUDA tests, a few quick CPU tests, and the three kernel
-# benchmarks with --device cuda.  Run from the repository root:
+# One run on a CUDA machine: the CUDA tests, a few quick CPU tests, and the kernel
+# benchmarks (kernels, Jacobians, full block, batched calls) with --device cuda.  Run from the repository root:
 #     bash scripts/device_check.sh
 # Everything is tee'd into "$OUT/device_log.txt" (OUT defaults to /tmp/out).  A failing
 # step does not stop the others; the script exits 1 if any step failed.  Nothing is
