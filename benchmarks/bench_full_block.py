@@ -104,7 +104,7 @@ def main(argv=None):
           f"(the output array reused, as in a loop)")
     t_check = best(lambda: k._prepare(tv), 5, dev)
     print(f"  of which input validation     {t_check * 1e3:9.2f} ms   (shapes, dtypes, the LayerNorm "
-          f"zero-variance check{' on a host copy' if dev.type != 'cpu' else ''})")
+          f"zero-variance check on the values' device)")
     cpu = "" if dev.type == "cpu" else " (cpu)"
     print(f"  np.ones of the output{cpu:<6}    {t_ones * 1e3:9.2f} ms   → kernel / write {t_kernel / t_ones:.2f}")
     if dev.type != "cpu":
