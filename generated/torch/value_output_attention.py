@@ -3761,11 +3761,11 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t1[...] = ((t40 @ t41).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t42 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t43 = t42.view((d_V, d_K, d_V, d_K))
-    t44 = (t32 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t44 = ((t18 @ t17)).permute(3, 2, 0, 1)
     t45 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t46 = (t45.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t47 = ((t18 @ t17)).permute(3, 2, 0, 1)
-    t48 = (t45.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t46 = (t45.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t47 = (t32 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t48 = (t45.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t49 = t43.diagonal(0, 1, 3)
     t50 = t30 @ X
     t51 = t3 @ t50
@@ -3806,21 +3806,21 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t80 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t81 = t80.view((d_V, d_K, d_V, d_K))
     t82 = W_Q.transpose(-1, -2)
-    t83 = (1/(d_K*n_batch)) * t82
-    t84 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t85 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t83.permute(1, 0)).reshape((n_batch, L, d_K))
-    t86 = (t85.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t87 = (2/(L*d_K*d_V*n_batch)) * t82
-    t88 = (t15.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t89 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
-    t90 = ((t89.permute(1, 2, 0, 3) @ t88.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t91 = (X.reshape((L*n_batch, d_V)) @ t87.permute(1, 0)).reshape((n_batch, L, d_K))
+    t83 = (2/(L*d_K*d_V*n_batch)) * t82
+    t84 = (t15.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t85 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
+    t86 = ((t85.permute(1, 2, 0, 3) @ t84.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t87 = (X.reshape((L*n_batch, d_V)) @ t83.permute(1, 0)).reshape((n_batch, L, d_K))
+    t88 = (t87.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t89 = (1/(d_K*n_batch)) * t82
+    t90 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t91 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t89.permute(1, 0)).reshape((n_batch, L, d_K))
     t92 = (t91.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t93 = t81.diagonal(0, 1, 3)
     t94 = t51.transpose(-1, -2)
-    t95 = t86.reshape((d_K*d_V, L*n_batch))
+    t95 = t88.reshape((d_K*d_V, L*n_batch))
     t96 = t92.reshape((d_K*d_V, L*n_batch))
-    t97 = t84.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t97 = t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t98 = t90.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t99 = torch.cat([t95, t96], dim=-1)
     t100 = torch.cat([t97, t98], dim=-2)
@@ -3828,10 +3828,10 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t93.addcmul_(t53.reshape((1, 1, d_K)), t94.sum((0,)).reshape((d_V, d_V, 1)))
     t101 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t102 = t101.view((d_V, d_K, d_V, d_K))
-    t103 = ((t88.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t104 = (t45.reshape((1, d_K, n_batch, L)) * t91.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t103 = ((t84.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t104 = (t45.reshape((1, d_K, n_batch, L)) * t87.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t105 = M_3.permute(2, 3, 0, 1)
-    t106 = (t45.reshape((1, d_K, n_batch, L)) * t85.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t106 = (t45.reshape((1, d_K, n_batch, L)) * t91.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t107 = t103.reshape((d_V**2, L*n_batch))
     t108 = t105.reshape((d_V**2, L*n_batch))
     t109 = t104.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -3901,7 +3901,7 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t161 = t73.transpose(-1, -2)
     t162 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t161
     t163 = (t12.permute(1, 0) @ t11.permute(1, 0))
-    t164 = (t163.permute(1, 0) @ t89.permute(3, 0, 1, 2).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))
+    t164 = (t163.permute(1, 0) @ t85.permute(3, 0, 1, 2).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))
     t165 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t162.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
     t166 = G.transpose(-1, -2)
     t167 = (1/(math.sqrt(d_K)*n_batch)) * t166
@@ -4094,239 +4094,237 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t49 = torch.sqrt(torch.clamp(t48, min=0.0))
     t50 = t34 @ X
     t51 = t1 @ t50
-    t52 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t51.sum((0,))).reshape((n_batch, L, d_V))
+    t52 = (X.reshape((L*n_batch, d_V)) @ t51.sum((0,))).reshape((n_batch, L, d_V))
     t53 = (t52 @ X.permute(0, 2, 1))
-    t54 = (t53.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t54 = (t53.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
     t55 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t56 = (t55.permute(1, 2, 0) @ t36.permute(0, 2, 1))
-    t57 = (X.reshape((L*n_batch, d_V)) @ t51.sum((0,))).reshape((n_batch, L, d_V))
-    t58 = (t57 @ X.permute(0, 2, 1))
-    t59 = (t58.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t60 = (t55.permute(1, 2, 0) @ t13.permute(0, 2, 1))
-    t61 = (t60.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t62 = (t61.permute(0, 2, 1) @ t59)
+    t56 = (t55.permute(1, 2, 0) @ t13.permute(0, 2, 1))
+    t57 = (t56.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t58 = (t57.permute(0, 2, 1) @ t54)
+    t59 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t51.sum((0,))).reshape((n_batch, L, d_V))
+    t60 = (t59 @ X.permute(0, 2, 1))
+    t61 = (t60.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t62 = (t55.permute(1, 2, 0) @ t36.permute(0, 2, 1))
     t63 = (t55.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t55.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t64 = t63 * t42
-    t65 = (t17.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t66 = (t65.reshape((n_batch, n_batch, L**2, L)) @ t44.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t67 = (t66.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t68 = (X.reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t69 = (t13.reshape((L*n_batch, d_K)) @ t36.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t70 = t63 * t68
-    t71 = (t65.reshape((n_batch, n_batch, L**2, L)) @ t69.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t72 = (t71.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t73 = t63 * t17
-    t74 = (t22.reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t75 = (t74.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t76 = (t75.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t77 = (n_batch**(-2)) * (t51.sum((0,)) * t51.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t56 * t54).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t62 * t15).sum() + (1/(d_K**2*n_batch**2)) * (t67 * t64.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t72 * t70.permute(0, 2, 3, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t76 * t73.permute(0, 2, 3, 1)).sum()
-    t78 = torch.sqrt(torch.clamp(t77, min=0.0))
-    t79 = t11.transpose(-1, -2)
-    t80 = (t79.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
-    t81 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t82 = t81 * t17
-    t83 = (t80.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t80.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t84 = (t82.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t85 = (t84.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t86 = (t85.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t87 = G @ t8
-    t88 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t89 = (t80.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t87.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t90 = (t88.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t91 = (t90 * t17.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
-    t92 = (t91.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t89.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t93 = (t92.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t94 = (t87.reshape((L*n_batch, d_H)) @ t87.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t95 = t94 * t17
-    t96 = (t42.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t97 = (t96.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t95.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t98 = (t97.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t99 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t86 * t83.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t93 * t19.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t98 * t19.permute(0, 2, 3, 1)).sum()
-    t100 = torch.sqrt(torch.clamp(t99, min=0.0))
-    t101 = M_1 @ W_V
-    t102 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
-    t103 = (t101.reshape((L*n_batch, d_H)) @ t101.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t104 = t103 * t17
-    t105 = (W_O @ W_O.permute(1, 0))
-    t106 = (t105 @ t102.reshape((d_H, L*n_batch))).reshape((d_H, n_batch, L))
-    t107 = (t106.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t102.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t108 = (t104.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t109 = (t108.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t110 = (t109.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t111 = (W_V @ t101.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
-    t112 = (G.reshape((L*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_H))
-    t113 = (t111.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t114 = (t112.reshape((L*n_batch, d_H)) @ t102.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t115 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t116 = (t115.reshape((n_batch, n_batch, L**2, L)) @ t114.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t117 = (t116.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
-    t118 = (t117.permute(0, 2, 3, 4, 1) @ t17.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
-    t119 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t120 = t119 * t17
-    t121 = (t102.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t102.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t122 = (t120.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t123 = (t122.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t124 = (t123.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t125 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t110 * t107.permute(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t118 * t113.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t124 * t121.permute(0, 2, 3, 1)).sum()
-    t126 = torch.sqrt(torch.clamp(t125, min=0.0))
-    t127 = t51.transpose(-1, -2)
-    t128 = W_Q.transpose(-1, -2)
-    t129 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t127.sum((0,))).reshape((n_batch, L, d_V))
-    t130 = (t129 @ X.permute(0, 2, 1))
-    t131 = (t130.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
-    t132 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t128.permute(1, 0)).reshape((n_batch, L, d_K))
-    t133 = (t16.permute(1, 2, 0) @ t132.permute(0, 2, 1))
-    t134 = (X.reshape((L*n_batch, d_V)) @ t127.sum((0,))).reshape((n_batch, L, d_V))
-    t135 = (t134 @ X.permute(0, 2, 1))
-    t136 = (t135.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t137 = (X.reshape((L*n_batch, d_V)) @ t128.permute(1, 0)).reshape((n_batch, L, d_K))
-    t138 = (t16.permute(1, 2, 0) @ t137.permute(0, 2, 1))
-    t139 = (t138.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t140 = (t139.permute(0, 2, 1) @ t136)
-    t141 = (t132.reshape((L*n_batch, d_K)) @ t132.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t142 = t141 * t17
-    t143 = (t42.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t144 = (t143.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t142.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t145 = (t144.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t146 = (t137.reshape((L*n_batch, d_K)) @ t132.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t147 = t146 * t17
-    t148 = (t68.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t149 = (t148.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t147.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t150 = (t149.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t151 = (t137.reshape((L*n_batch, d_K)) @ t137.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t152 = t151 * t17
-    t153 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t154 = (t153.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t152.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t155 = (t154.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t156 = (n_batch**(-2)) * (t127.sum((0,)) * t127.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t133 * t131.permute(0, 2, 1)).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t140 * t15.permute(0, 2, 1)).sum() + (1/(d_K**2*n_batch**2)) * (t145 * t20.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t150 * t20.permute(0, 2, 3, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t155 * t20.permute(0, 2, 3, 1)).sum()
-    t157 = torch.sqrt(torch.clamp(t156, min=0.0))
-    t158 = t63 * t151
-    t159 = (t153.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t160 = (t159.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t161 = (t132.reshape((L*n_batch, d_K)) @ t137.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t162 = t63 * t161
-    t163 = (t162.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t164 = (t163.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t35.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t165 = (t164.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t166 = t63 * t141
-    t167 = (t143.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t168 = (t167.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t169 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t160 * t158.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t165 * t17.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t168 * t166.permute(0, 2, 3, 1)).sum()
-    t170 = torch.sqrt(torch.clamp(t169, min=0.0))
-    t171 = t151 * t81
-    t172 = (t17.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t173 = (t172.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t171.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t174 = (t173.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t175 = (t90.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t176 = (t175.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
-    t177 = (t176.permute(0, 2, 3, 1, 4) @ t89.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
-    t178 = t151 * t94
-    t179 = (t96.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t180 = (t179.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t181 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t174 * t83.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t177 * t151.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t180 * t178.permute(0, 2, 3, 1)).sum()
-    t182 = torch.sqrt(torch.clamp(t181, min=0.0))
-    t183 = t151 * t103
-    t184 = (t172.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t183.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t185 = (t184.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t186 = (t172.reshape((n_batch, n_batch, L**2, L)) @ t114.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t187 = (t186.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
-    t188 = (t187.permute(0, 2, 3, 4, 1) @ t151.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
-    t189 = t151 * t119
-    t190 = (t172.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t189.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t191 = (t190.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t192 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t185 * t107.permute(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t188 * t113.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t191 * t121.permute(0, 2, 3, 1)).sum()
-    t193 = torch.sqrt(torch.clamp(t192, min=0.0))
-    t194 = M_1.transpose(-1, -2)
-    t195 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_H))
-    t196 = (t194.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t194.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t197 = t17 * t196
-    t198 = (t195.reshape((L*n_batch, d_H)) @ t195.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t199 = (t197.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t200 = (t199.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t198.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t201 = (t200.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t202 = t87.transpose(-1, -2)
-    t203 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t194.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t204 = (t195.reshape((L*n_batch, d_H)) @ t202.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t205 = (t203.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t206 = (t205 * t17.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
-    t207 = (t206.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t204.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t208 = (t207.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t209 = (t202.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t202.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t210 = t17 * t209
-    t211 = (t96.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t210.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t212 = (t211.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t213 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t201 * t20.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t208 * t20.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t212 * t20.permute(0, 2, 3, 1)).sum()
-    t214 = torch.sqrt(torch.clamp(t213, min=0.0))
-    t215 = t63 * t196
-    t216 = (t172.reshape((n_batch, n_batch, L**2, L)) @ t198.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t217 = (t216.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t218 = (t205.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t219 = (t218.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
-    t220 = (t219.permute(0, 2, 3, 1, 4) @ t204.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
-    t221 = t63 * t209
-    t222 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t217 * t215.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t220 * t63.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t180 * t221.permute(0, 2, 3, 1)).sum()
-    t223 = torch.sqrt(torch.clamp(t222, min=0.0))
-    t224 = t194 @ M_1
-    t225 = W_O @ t8
-    t226 = (t225 * t225).sum()
-    t227 = (t226.reshape((1, 1)) * t224.sum((0,)))
-    t228 = (4/(L**2*d_V**2*n_batch**2)) * (t227 * t224.sum((0,))).sum()
-    t229 = torch.sqrt(torch.clamp(t228, min=0.0))
-    t230 = (W_O * W_O).sum()
-    t231 = (t101.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t194.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t232 = (t231 * t231).sum()
-    t233 = (t112.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t194.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t234 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t194.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t235 = (4/(L**2*d_V**2*n_batch**2)) * t232 * t230 + (4/(L*d_V*n_batch**2)) * (t233 * t231).sum() + (d_H/n_batch**2) * (t234 * t234).sum()
-    t236 = torch.sqrt(torch.clamp(t235, min=0.0))
-    t237 = t101.transpose(-1, -2)
-    t238 = (t9.permute(1, 0) @ t8.permute(1, 0))
-    t239 = (t237.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t237.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t240 = t17 * t239
-    t241 = (t238.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t242 = (t241.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t241.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t243 = (t240.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t244 = (t243.reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t245 = (t244.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t246 = G.transpose(-1, -2)
-    t247 = (t9.permute(1, 0) @ t237.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
-    t248 = (t247.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t249 = (t241.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t246.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t250 = (t248.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t251 = (t250 * t17.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
-    t252 = (t251.reshape((n_batch, n_batch, L**2, L)) @ t20.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t253 = (t252.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t254 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_H))
-    t255 = (t246.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t246.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t256 = t17 * t255
-    t257 = (t254.reshape((L*n_batch, d_H)) @ t254.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t258 = (t256.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t259 = (t258.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t257.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t260 = (t259.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t261 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t245 * t242.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t253 * t249.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t260 * t20.permute(0, 2, 3, 1)).sum()
-    t262 = torch.sqrt(torch.clamp(t261, min=0.0))
-    t263 = t63 * t239
-    t264 = (t172.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t263.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t265 = (t264.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t266 = (t172.reshape((n_batch, n_batch, L**2, L)) @ t249.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t267 = (t266.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
-    t268 = (t267.permute(0, 2, 3, 1, 4) @ t248.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
-    t269 = t63 * t255
-    t270 = (t172.reshape((n_batch, n_batch, L**2, L)) @ t257.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t271 = (t270.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t272 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t265 * t242.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t268 * t63.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t271 * t269.permute(0, 2, 3, 1)).sum()
-    t273 = torch.sqrt(torch.clamp(t272, min=0.0))
-    t274 = t237 @ M_1
-    t275 = (t8 * t8).sum()
-    t276 = (t275.reshape((1, 1)) * t274.sum((0,)))
-    t277 = t246 @ M_1
-    t278 = (t8 @ t274.sum((0,)))
-    t279 = (4/(L**2*d_V**2*n_batch**2)) * (t276 * t274.sum((0,))).sum() + (4/(L*d_V*n_batch**2)) * (t278 * t277.sum((0,))).sum() + (d_H/n_batch**2) * (t277.sum((0,)) * t277.sum((0,))).sum()
-    t280 = torch.sqrt(torch.clamp(t279, min=0.0))
-    t281 = t237 @ t101
-    t282 = (4/(L**2*d_V*n_batch**2)) * (t281.sum((0,)) * t281.sum((0,))).sum()
-    t283 = torch.sqrt(torch.clamp(t282, min=0.0))
-    return (t49, t78, t100, t126, t157, t170, t182, t193, t214, t223, t229, t236, t262, t273, t280, t283,)
+    t64 = t63 * t17
+    t65 = (t22.reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t66 = (t65.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t67 = (t66.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t68 = t63 * t35
+    t69 = (t68.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t70 = (t69.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t71 = (t70.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t72 = t63 * t42
+    t73 = (t17.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t74 = (t73.reshape((n_batch, n_batch, L**2, L)) @ t44.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t75 = (t74.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t76 = (n_batch**(-2)) * (t51.sum((0,)) * t51.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t58 * t15).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t62 * t61).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t67 * t64.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t71 * t38.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t75 * t72.permute(0, 2, 3, 1)).sum()
+    t77 = torch.sqrt(torch.clamp(t76, min=0.0))
+    t78 = t11.transpose(-1, -2)
+    t79 = (t78.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
+    t80 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t81 = t80 * t17
+    t82 = (t79.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t79.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t83 = (t81.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t84 = (t83.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t85 = (t84.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t86 = G @ t8
+    t87 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t88 = (t79.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t86.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t89 = (t87.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t90 = (t89 * t17.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
+    t91 = (t90.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t88.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t92 = (t91.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t93 = (t86.reshape((L*n_batch, d_H)) @ t86.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t94 = t93 * t17
+    t95 = (t42.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t96 = (t95.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t94.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t97 = (t96.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t98 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t85 * t82.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t92 * t19.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t97 * t19.permute(0, 2, 3, 1)).sum()
+    t99 = torch.sqrt(torch.clamp(t98, min=0.0))
+    t100 = M_1 @ W_V
+    t101 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
+    t102 = (t100.reshape((L*n_batch, d_H)) @ t100.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t103 = t102 * t17
+    t104 = (W_O @ W_O.permute(1, 0))
+    t105 = (t104 @ t101.reshape((d_H, L*n_batch))).reshape((d_H, n_batch, L))
+    t106 = (t105.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t101.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t107 = (t103.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t108 = (t107.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t109 = (t108.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t110 = (W_V @ t100.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
+    t111 = (G.reshape((L*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_H))
+    t112 = (t110.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t113 = (t111.reshape((L*n_batch, d_H)) @ t101.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t114 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t115 = (t114.reshape((n_batch, n_batch, L**2, L)) @ t113.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t116 = (t115.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t117 = (t116.permute(0, 2, 3, 4, 1) @ t17.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t118 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t119 = t118 * t17
+    t120 = (t101.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t101.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t121 = (t119.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t122 = (t121.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t123 = (t122.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t124 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t109 * t106.permute(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t117 * t112.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t123 * t120.permute(0, 2, 3, 1)).sum()
+    t125 = torch.sqrt(torch.clamp(t124, min=0.0))
+    t126 = t51.transpose(-1, -2)
+    t127 = W_Q.transpose(-1, -2)
+    t128 = (X.reshape((L*n_batch, d_V)) @ t126.sum((0,))).reshape((n_batch, L, d_V))
+    t129 = (t128 @ X.permute(0, 2, 1))
+    t130 = (t129.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t131 = (X.reshape((L*n_batch, d_V)) @ t127.permute(1, 0)).reshape((n_batch, L, d_K))
+    t132 = (t16.permute(1, 2, 0) @ t131.permute(0, 2, 1))
+    t133 = (t132.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t134 = (t133.permute(0, 2, 1) @ t130)
+    t135 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t126.sum((0,))).reshape((n_batch, L, d_V))
+    t136 = (t135 @ X.permute(0, 2, 1))
+    t137 = (t136.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    t138 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t127.permute(1, 0)).reshape((n_batch, L, d_K))
+    t139 = (t16.permute(1, 2, 0) @ t138.permute(0, 2, 1))
+    t140 = (t131.reshape((L*n_batch, d_K)) @ t131.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t141 = t140 * t17
+    t142 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t17.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t143 = (t142.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t141.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t144 = (t143.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t145 = (t138.reshape((L*n_batch, d_K)) @ t131.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t146 = t145 * t17
+    t147 = (t146.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t148 = (t147.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t35.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t149 = (t148.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t150 = (t138.reshape((L*n_batch, d_K)) @ t138.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t151 = t150 * t17
+    t152 = (t42.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t153 = (t152.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t151.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t154 = (t153.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t155 = (n_batch**(-2)) * (t126.sum((0,)) * t126.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t134 * t15.permute(0, 2, 1)).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t139 * t137.permute(0, 2, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t144 * t20.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t149 * t20.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t154 * t20.permute(0, 2, 3, 1)).sum()
+    t156 = torch.sqrt(torch.clamp(t155, min=0.0))
+    t157 = t63 * t140
+    t158 = (t142.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t159 = (t158.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t160 = t63 * t145
+    t161 = (t160.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t162 = (t161.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t35.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t163 = (t162.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t22.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t164 = t63 * t150
+    t165 = (t152.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t166 = (t165.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t167 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t159 * t157.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t163 * t17.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t166 * t164.permute(0, 2, 3, 1)).sum()
+    t168 = torch.sqrt(torch.clamp(t167, min=0.0))
+    t169 = t140 * t80
+    t170 = (t17.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t171 = (t170.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t169.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t172 = (t171.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t173 = (t89.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t174 = (t173.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t175 = (t174.permute(0, 2, 3, 1, 4) @ t88.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t176 = t140 * t93
+    t177 = (t95.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t178 = (t177.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t179 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t172 * t82.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t175 * t140.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t178 * t176.permute(0, 2, 3, 1)).sum()
+    t180 = torch.sqrt(torch.clamp(t179, min=0.0))
+    t181 = t140 * t102
+    t182 = (t170.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t181.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t183 = (t182.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t184 = (t170.reshape((n_batch, n_batch, L**2, L)) @ t113.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t185 = (t184.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t186 = (t185.permute(0, 2, 3, 4, 1) @ t140.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t187 = t140 * t118
+    t188 = (t170.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t187.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t189 = (t188.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t190 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t183 * t106.permute(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t186 * t112.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t189 * t120.permute(0, 2, 3, 1)).sum()
+    t191 = torch.sqrt(torch.clamp(t190, min=0.0))
+    t192 = M_1.transpose(-1, -2)
+    t193 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_H))
+    t194 = (t192.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t192.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t195 = t17 * t194
+    t196 = (t193.reshape((L*n_batch, d_H)) @ t193.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t197 = (t195.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t198 = (t197.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t196.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t199 = (t198.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t200 = t86.transpose(-1, -2)
+    t201 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t192.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t202 = (t193.reshape((L*n_batch, d_H)) @ t200.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t203 = (t201.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t204 = (t203 * t17.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
+    t205 = (t204.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t202.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t206 = (t205.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t207 = (t200.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t200.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t208 = t17 * t207
+    t209 = (t95.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t208.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t210 = (t209.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t211 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t199 * t20.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t206 * t20.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t210 * t20.permute(0, 2, 3, 1)).sum()
+    t212 = torch.sqrt(torch.clamp(t211, min=0.0))
+    t213 = t63 * t194
+    t214 = (t170.reshape((n_batch, n_batch, L**2, L)) @ t196.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t215 = (t214.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t216 = (t203.reshape((n_batch, n_batch, L**2, L)) @ t17.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t217 = (t216.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t218 = (t217.permute(0, 2, 3, 1, 4) @ t202.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t219 = t63 * t207
+    t220 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t215 * t213.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t218 * t63.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t178 * t219.permute(0, 2, 3, 1)).sum()
+    t221 = torch.sqrt(torch.clamp(t220, min=0.0))
+    t222 = t192 @ M_1
+    t223 = W_O @ t8
+    t224 = (t223 * t223).sum()
+    t225 = (t224.reshape((1, 1)) * t222.sum((0,)))
+    t226 = (4/(L**2*d_V**2*n_batch**2)) * (t225 * t222.sum((0,))).sum()
+    t227 = torch.sqrt(torch.clamp(t226, min=0.0))
+    t228 = (W_O * W_O).sum()
+    t229 = (t100.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t192.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t230 = (t229 * t229).sum()
+    t231 = (t111.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t192.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t232 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t192.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t233 = (4/(L**2*d_V**2*n_batch**2)) * t230 * t228 + (4/(L*d_V*n_batch**2)) * (t231 * t229).sum() + (d_H/n_batch**2) * (t232 * t232).sum()
+    t234 = torch.sqrt(torch.clamp(t233, min=0.0))
+    t235 = t100.transpose(-1, -2)
+    t236 = (t9.permute(1, 0) @ t8.permute(1, 0))
+    t237 = (t235.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t235.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t238 = t17 * t237
+    t239 = (t236.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t240 = (t239.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t239.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t241 = (t238.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t242 = (t241.reshape((n_batch, n_batch, L**2, L)) @ t20.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t243 = (t242.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t244 = G.transpose(-1, -2)
+    t245 = (t9.permute(1, 0) @ t235.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
+    t246 = (t245.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t247 = (t239.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t244.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t248 = (t246.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t249 = (t248 * t17.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
+    t250 = (t249.reshape((n_batch, n_batch, L**2, L)) @ t20.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t251 = (t250.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t252 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t9.permute(1, 0)).reshape((n_batch, L, d_H))
+    t253 = (t244.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t244.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t254 = t17 * t253
+    t255 = (t252.reshape((L*n_batch, d_H)) @ t252.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t256 = (t254.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t257 = (t256.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t255.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t258 = (t257.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t259 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t243 * t240.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t251 * t247.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t258 * t20.permute(0, 2, 3, 1)).sum()
+    t260 = torch.sqrt(torch.clamp(t259, min=0.0))
+    t261 = t63 * t237
+    t262 = (t170.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t261.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t263 = (t262.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t264 = (t170.reshape((n_batch, n_batch, L**2, L)) @ t247.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t265 = (t264.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t266 = (t265.permute(0, 2, 3, 1, 4) @ t246.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t267 = t63 * t253
+    t268 = (t170.reshape((n_batch, n_batch, L**2, L)) @ t255.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t269 = (t268.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t270 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t263 * t240.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t266 * t63.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t269 * t267.permute(0, 2, 3, 1)).sum()
+    t271 = torch.sqrt(torch.clamp(t270, min=0.0))
+    t272 = t235 @ M_1
+    t273 = (t8 * t8).sum()
+    t274 = (t273.reshape((1, 1)) * t272.sum((0,)))
+    t275 = t244 @ M_1
+    t276 = (t8 @ t272.sum((0,)))
+    t277 = (4/(L**2*d_V**2*n_batch**2)) * (t274 * t272.sum((0,))).sum() + (4/(L*d_V*n_batch**2)) * (t276 * t275.sum((0,))).sum() + (d_H/n_batch**2) * (t275.sum((0,)) * t275.sum((0,))).sum()
+    t278 = torch.sqrt(torch.clamp(t277, min=0.0))
+    t279 = t235 @ t100
+    t280 = (4/(L**2*d_V*n_batch**2)) * (t279.sum((0,)) * t279.sum((0,))).sum()
+    t281 = torch.sqrt(torch.clamp(t280, min=0.0))
+    return (t49, t77, t99, t125, t156, t168, t180, t191, t212, t221, t227, t234, t260, t271, t278, t281,)
 
 
 def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -4592,57 +4590,56 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = t9 @ W_O
-    F = t10
-    t11 = F - Y
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = W_O.transpose(-1, -2)
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = t13 @ t15
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t20.reshape((1, 1, L, L)) * t19.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t19.reshape((n_batch, L, L, 1))) - (t19.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t21 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = (t21.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t22 = (1/(d_K*n_batch)) * t1
-    t23 = (t22 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t24 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t25 = (t24.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (t20.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t26 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t27 = t13 @ t14
-    t28 = W_O @ t27
-    t29 = W_V @ t28
-    t30 = (2/(L*d_K*d_V*n_batch)) * t1
-    t31 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t32 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t33 = ((t32 @ t31)).permute(3, 2, 0, 1)
-    t34 = (t24.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-    t35 = t0.diagonal(0, 1, 3)
-    t36 = t19 @ X
-    t37 = t2 @ t36
-    t38 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t40 = t23.reshape((d_K*d_V, L*n_batch))
-    t41 = t33.reshape((d_K*d_V, L*n_batch))
-    t42 = t25.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t43 = t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t44 = torch.cat([t40, t41], dim=-1)
-    t45 = torch.cat([t42, t43], dim=-2)
-    t0[...] = ((t44 @ t45).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t35.addcmul_(t39.reshape((1, 1, d_K)), t37.sum((0,)).reshape((d_V, d_V, 1)))
+    M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t10 = W_O.transpose(-1, -2)
+    t11 = W_V.transpose(-1, -2)
+    t12 = t10 @ t11
+    t13 = W_O @ t12
+    t14 = W_V @ t13
+    t15 = (2/(L*d_K*d_V*n_batch)) * t1
+    t16 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t15.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t17 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t14.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t18 = ((t17 @ t16)).permute(3, 2, 0, 1)
+    t19 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t20 = (t19.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t21 = A @ X
+    M_1 = t21
+    t22 = t12.transpose(-1, -2)
+    t23 = M_1 @ t22
+    F = t23
+    t24 = F - Y
+    t25 = (2/(L*d_V)) * t24
+    G = t25
+    t26 = t12 @ t2
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t8.reshape((1, 1, L, L)) * t29.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t29.reshape((n_batch, L, L, 1))) - (t29.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t30 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = (t30.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t31 = (1/(d_K*n_batch)) * t1
+    t32 = (t31 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t33 = (t19.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t34 = t0.diagonal(0, 1, 3)
+    t35 = t29 @ X
+    t36 = t2 @ t35
+    t37 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t37
+    t39 = t18.reshape((d_K*d_V, L*n_batch))
+    t40 = t32.reshape((d_K*d_V, L*n_batch))
+    t41 = t20.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t42 = t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t43 = torch.cat([t39, t40], dim=-1)
+    t44 = torch.cat([t41, t42], dim=-2)
+    t0[...] = ((t43 @ t44).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t34.addcmul_(t38.reshape((1, 1, d_K)), t36.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -4679,51 +4676,52 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = t18 @ X
     t20 = t0 @ t19
     t21 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t21.reshape((1, 1, L, L)) * t18.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t18.reshape((n_batch, L, L, 1))) - (t18.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t22 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
-    t23 = (t22 @ X.permute(0, 2, 1))
-    t24 = (t23.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t25 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
-    t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t27 = (t26.permute(1, 2, 0) @ t25.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t21.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t28 = t12 @ t13
-    t29 = W_O @ t28
-    t30 = W_V @ t29
-    t31 = (X.reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
-    t32 = (t31 @ X.permute(0, 2, 1))
+    t22 = t12 @ t13
+    t23 = W_O @ t22
+    t24 = W_V @ t23
+    t25 = (X.reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
+    t26 = (t25 @ X.permute(0, 2, 1))
+    t27 = (t26.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t28 = (X.reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
+    t29 = (t24.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t30 = (t29.permute(1, 2, 0) @ t0)
+    t31 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t32 = (t31.permute(1, 2, 0) @ t28.permute(0, 2, 1))
     t33 = (t32.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t34 = (X.reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
-    t35 = (t30.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t36 = (t35.permute(1, 2, 0) @ t0)
-    t37 = (t26.permute(1, 2, 0) @ t34.permute(0, 2, 1))
-    t38 = (t37.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t39 = (t38.permute(0, 2, 1) @ t33)
-    t40 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t41 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t42 = (t25.reshape((L*n_batch, d_K)) @ t25.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t43 = (t26.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t26.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t44 = t43 * t40
-    t45 = (t41.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t46 = (t45.reshape((n_batch, n_batch, L**2, L)) @ t42.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t47 = (t46.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t48 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t49 = (t34.reshape((L*n_batch, d_K)) @ t25.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t50 = t43 * t48
-    t51 = (t36.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
-    t52 = (t51.permute(0, 2, 3, 1) @ dA)
-    t53 = (t45.reshape((n_batch, n_batch, L**2, L)) @ t49.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t54 = (t53.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t52.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t55 = (t34.reshape((L*n_batch, d_K)) @ t34.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t56 = t43 * t41
-    t57 = (t52.reshape((n_batch, L**2, L)) @ t41.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t58 = (t57.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t55.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t59 = (t58.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t52.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t60 = (n_batch**(-2)) * (t20.sum((0,)) * t20.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t27 * t24).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t39 * t36).sum() + (1/(d_K**2*n_batch**2)) * (t47 * t44.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t54 * t50.permute(0, 2, 3, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t59 * t56.permute(0, 2, 3, 1)).sum()
-    t61 = torch.sqrt(torch.clamp(t60, min=0.0))
-    return t61
+    t34 = (t33.permute(0, 2, 1) @ t27)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t21.reshape((1, 1, L, L)) * t18.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t18.reshape((n_batch, L, L, 1))) - (t18.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t35 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t20.sum((0,))).reshape((n_batch, L, d_V))
+    t36 = (t35 @ X.permute(0, 2, 1))
+    t37 = (t36.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t38 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
+    t39 = (t31.permute(1, 2, 0) @ t38.permute(0, 2, 1))
+    t40 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t41 = (t28.reshape((L*n_batch, d_K)) @ t28.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t42 = (t31.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t31.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t43 = t42 * t40
+    t44 = (t30.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
+    t45 = (t44.permute(0, 2, 3, 1) @ dA)
+    t46 = (t45.reshape((n_batch, L**2, L)) @ t40.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t47 = (t46.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t41.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t48 = (t47.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t45.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t49 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t50 = (t38.reshape((L*n_batch, d_K)) @ t28.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t51 = t42 * t49
+    t52 = (t51.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t53 = (t52.reshape((n_batch, n_batch, L**2, L)) @ t40.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t54 = (t53.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t45.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t55 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t56 = (t38.reshape((L*n_batch, d_K)) @ t38.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t57 = t42 * t55
+    t58 = (t40.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t59 = (t58.reshape((n_batch, n_batch, L**2, L)) @ t56.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t60 = (t59.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t61 = (n_batch**(-2)) * (t20.sum((0,)) * t20.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t34 * t30).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t39 * t37).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t48 * t43.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t54 * t50.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t60 * t57.permute(0, 2, 3, 1)).sum()
+    t62 = torch.sqrt(torch.clamp(t61, min=0.0))
+    return t62
 
 
 def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -5066,59 +5064,58 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = t10 @ W_O
-    F = t11
-    t12 = F - Y
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_O.transpose(-1, -2)
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = t14 @ t16
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t21.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t22 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = (t22.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t23 = (1/(d_K*n_batch)) * t1
-    t24 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t25 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_K))
-    t26 = (t25.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (t21.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t27 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t28 = t14 @ t15
-    t29 = W_O @ t28
-    t30 = W_V @ t29
-    t31 = (2/(L*d_K*d_V*n_batch)) * t1
-    t32 = (t30.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t33 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
-    t34 = ((t33.permute(1, 2, 0, 3) @ t32.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t35 = (X.reshape((L*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_K))
-    t36 = (t35.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t37 = t0.diagonal(0, 1, 3)
-    t38 = t20.transpose(-1, -2)
-    t39 = t38 @ X
-    t40 = t2 @ t39
-    t41 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
-    t43 = t26.reshape((d_K*d_V, L*n_batch))
-    t44 = t36.reshape((d_K*d_V, L*n_batch))
-    t45 = t24.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t46 = t34.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t47 = torch.cat([t43, t44], dim=-1)
-    t48 = torch.cat([t45, t46], dim=-2)
-    t0[...] = ((t47 @ t48).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t37.addcmul_(t42.reshape((1, 1, d_K)), t40.sum((0,)).reshape((d_V, d_V, 1)))
+    M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t11 = W_O.transpose(-1, -2)
+    t12 = W_V.transpose(-1, -2)
+    t13 = t11 @ t12
+    t14 = W_O @ t13
+    t15 = W_V @ t14
+    t16 = (2/(L*d_K*d_V*n_batch)) * t1
+    t17 = (t15.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t18 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
+    t19 = ((t18.permute(1, 2, 0, 3) @ t17.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t20 = (X.reshape((L*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_K))
+    t21 = (t20.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t22 = A @ X
+    M_1 = t22
+    t23 = t13.transpose(-1, -2)
+    t24 = M_1 @ t23
+    F = t24
+    t25 = F - Y
+    t26 = (2/(L*d_V)) * t25
+    G = t26
+    t27 = t13 @ t2
+    t28 = G @ t27
+    t29 = t28 - (A * t28).sum(-1, keepdim=True)
+    t30 = A * t29
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t9.reshape((1, 1, L, L)) * t30.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t30.reshape((n_batch, L, L, 1))) - (t30.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t31 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = (t31.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t32 = (1/(d_K*n_batch)) * t1
+    t33 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t34 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t32.permute(1, 0)).reshape((n_batch, L, d_K))
+    t35 = (t34.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t36 = t0.diagonal(0, 1, 3)
+    t37 = t30.transpose(-1, -2)
+    t38 = t37 @ X
+    t39 = t2 @ t38
+    t40 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t41 = (1/(math.sqrt(d_K)*n_batch)) * t40
+    t42 = t21.reshape((d_K*d_V, L*n_batch))
+    t43 = t35.reshape((d_K*d_V, L*n_batch))
+    t44 = t19.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t45 = t33.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t46 = torch.cat([t42, t43], dim=-1)
+    t47 = torch.cat([t44, t45], dim=-2)
+    t0[...] = ((t46 @ t47).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t36.addcmul_(t41.reshape((1, 1, d_K)), t39.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -5157,50 +5154,50 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = t0 @ t20
     t22 = W_Q.transpose(-1, -2)
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t23.reshape((1, 1, L, L)) * t18.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t18.reshape((n_batch, L, L, 1))) - (t18.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t21.sum((0,))).reshape((n_batch, L, d_V))
-    t25 = (t24 @ X.permute(0, 2, 1))
-    t26 = (t25.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
-    t27 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
-    t28 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t29 = (t28.permute(1, 2, 0) @ t27.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t23.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t30 = t12 @ t13
-    t31 = W_O @ t30
-    t32 = W_V @ t31
-    t33 = (X.reshape((L*n_batch, d_V)) @ t21.sum((0,))).reshape((n_batch, L, d_V))
-    t34 = (t33 @ X.permute(0, 2, 1))
+    t24 = t12 @ t13
+    t25 = W_O @ t24
+    t26 = W_V @ t25
+    t27 = (X.reshape((L*n_batch, d_V)) @ t21.sum((0,))).reshape((n_batch, L, d_V))
+    t28 = (t27 @ X.permute(0, 2, 1))
+    t29 = (t28.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t30 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
+    t31 = (t26.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t32 = (t31.permute(1, 2, 0) @ t0)
+    t33 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t34 = (t33.permute(1, 2, 0) @ t30.permute(0, 2, 1))
     t35 = (t34.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t36 = (X.reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
-    t37 = (t32.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t38 = (t37.permute(1, 2, 0) @ t0)
-    t39 = (t28.permute(1, 2, 0) @ t36.permute(0, 2, 1))
-    t40 = (t39.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t41 = (t40.permute(0, 2, 1) @ t35)
-    t42 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t43 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t44 = (t27.reshape((L*n_batch, d_K)) @ t27.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t45 = t44 * t43
-    t46 = (t28.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t28.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t47 = (t42.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t48 = (t47.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t45.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t49 = (t48.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t50 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t51 = (t36.reshape((L*n_batch, d_K)) @ t27.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t52 = t51 * t43
-    t53 = (t38.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
-    t54 = (t53.permute(0, 2, 3, 1) @ dA)
-    t55 = (t50.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t56 = (t55.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t52.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t57 = (t56.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t54.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t58 = (t36.reshape((L*n_batch, d_K)) @ t36.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t59 = t58 * t43
-    t60 = (t54.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t43.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t61 = (t60.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t59.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t62 = (t61.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t54.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t63 = (n_batch**(-2)) * (t21.sum((0,)) * t21.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t29 * t26.permute(0, 2, 1)).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t41 * t38.permute(0, 2, 1)).sum() + (1/(d_K**2*n_batch**2)) * (t49 * t46.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t57 * t46.permute(0, 2, 3, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t62 * t46.permute(0, 2, 3, 1)).sum()
+    t36 = (t35.permute(0, 2, 1) @ t29)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t23.reshape((1, 1, L, L)) * t18.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t18.reshape((n_batch, L, L, 1))) - (t18.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t37 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t21.sum((0,))).reshape((n_batch, L, d_V))
+    t38 = (t37 @ X.permute(0, 2, 1))
+    t39 = (t38.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    t40 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_K))
+    t41 = (t33.permute(1, 2, 0) @ t40.permute(0, 2, 1))
+    t42 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t43 = (t30.reshape((L*n_batch, d_K)) @ t30.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t44 = t43 * t42
+    t45 = (t33.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t33.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t46 = (t32.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
+    t47 = (t46.permute(0, 2, 3, 1) @ dA)
+    t48 = (t47.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t42.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t49 = (t48.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t44.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t50 = (t49.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t47.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t51 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t52 = (t40.reshape((L*n_batch, d_K)) @ t30.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t53 = t52 * t42
+    t54 = (t53.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t55 = (t54.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t51.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t56 = (t55.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t47.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t57 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t58 = (t40.reshape((L*n_batch, d_K)) @ t40.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t59 = t58 * t42
+    t60 = (t57.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t61 = (t60.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t59.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t62 = (t61.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t63 = (n_batch**(-2)) * (t21.sum((0,)) * t21.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t36 * t32.permute(0, 2, 1)).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t41 * t39.permute(0, 2, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t50 * t45.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t56 * t45.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t62 * t45.permute(0, 2, 3, 1)).sum()
     t64 = torch.sqrt(torch.clamp(t63, min=0.0))
     return t64
 
@@ -11457,11 +11454,11 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t1[...] = ((t42 @ t43).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t44 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t45 = t44.view((d_V, d_K, d_V, d_K))
-    t46 = (t34 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t46 = ((t20 @ t19)).permute(3, 2, 0, 1)
     t47 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t48 = (t47.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t49 = ((t20 @ t19)).permute(3, 2, 0, 1)
-    t50 = (t47.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t48 = (t47.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t49 = (t34 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t50 = (t47.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t51 = t45.diagonal(0, 1, 3)
     t52 = t32 @ X
     t53 = t3 @ t52
@@ -11502,21 +11499,21 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t82 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t83 = t82.view((d_V, d_K, d_V, d_K))
     t84 = W_Q.transpose(-1, -2)
-    t85 = (1/(d_K*n_batch)) * t84
-    t86 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t87 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t85.permute(1, 0)).reshape((n_batch, L, d_K))
-    t88 = (t87.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t89 = (2/(L*d_K*d_V*n_batch)) * t84
-    t90 = (t17.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t91 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
-    t92 = ((t91.permute(1, 2, 0, 3) @ t90.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t93 = (X.reshape((L*n_batch, d_V)) @ t89.permute(1, 0)).reshape((n_batch, L, d_K))
+    t85 = (2/(L*d_K*d_V*n_batch)) * t84
+    t86 = (t17.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t87 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
+    t88 = ((t87.permute(1, 2, 0, 3) @ t86.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t89 = (X.reshape((L*n_batch, d_V)) @ t85.permute(1, 0)).reshape((n_batch, L, d_K))
+    t90 = (t89.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t91 = (1/(d_K*n_batch)) * t84
+    t92 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t93 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t91.permute(1, 0)).reshape((n_batch, L, d_K))
     t94 = (t93.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t95 = t83.diagonal(0, 1, 3)
     t96 = t53.transpose(-1, -2)
-    t97 = t88.reshape((d_K*d_V, L*n_batch))
+    t97 = t90.reshape((d_K*d_V, L*n_batch))
     t98 = t94.reshape((d_K*d_V, L*n_batch))
-    t99 = t86.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t99 = t88.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t100 = t92.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t101 = torch.cat([t97, t98], dim=-1)
     t102 = torch.cat([t99, t100], dim=-2)
@@ -11524,10 +11521,10 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t95.addcmul_(t55.reshape((1, 1, d_K)), t96.sum((0,)).reshape((d_V, d_V, 1)))
     t103 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t104 = t103.view((d_V, d_K, d_V, d_K))
-    t105 = ((t90.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
-    t106 = (t47.reshape((1, d_K, n_batch, L)) * t93.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t105 = ((t86.permute(1, 2, 3, 0) @ M_2)).permute(2, 3, 0, 1)
+    t106 = (t47.reshape((1, d_K, n_batch, L)) * t89.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t107 = M_3.permute(2, 3, 0, 1)
-    t108 = (t47.reshape((1, d_K, n_batch, L)) * t87.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t108 = (t47.reshape((1, d_K, n_batch, L)) * t93.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t109 = t105.reshape((d_V**2, L*n_batch))
     t110 = t107.reshape((d_V**2, L*n_batch))
     t111 = t106.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -11597,7 +11594,7 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t163 = t75.transpose(-1, -2)
     t164 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t163
     t165 = (t14.permute(1, 0) @ t13.permute(1, 0))
-    t166 = (t165.permute(1, 0) @ t91.permute(3, 0, 1, 2).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))
+    t166 = (t165.permute(1, 0) @ t87.permute(3, 0, 1, 2).reshape((d_V, L*d_K*n_batch))).reshape((d_V, d_K, n_batch, L))
     t167 = (X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)) * t164.permute(1, 0, 2).reshape((d_H, 1, n_batch, L)))
     t168 = G.transpose(-1, -2)
     t169 = (1/(math.sqrt(d_K)*n_batch)) * t168
@@ -11794,239 +11791,237 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t51 = torch.sqrt(torch.clamp(t50, min=0.0))
     t52 = t36 @ X
     t53 = t1 @ t52
-    t54 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t53.sum((0,))).reshape((n_batch, L, d_V))
+    t54 = (X.reshape((L*n_batch, d_V)) @ t53.sum((0,))).reshape((n_batch, L, d_V))
     t55 = (t54 @ X.permute(0, 2, 1))
-    t56 = (t55.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t56 = (t55.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
     t57 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t58 = (t57.permute(1, 2, 0) @ t38.permute(0, 2, 1))
-    t59 = (X.reshape((L*n_batch, d_V)) @ t53.sum((0,))).reshape((n_batch, L, d_V))
-    t60 = (t59 @ X.permute(0, 2, 1))
-    t61 = (t60.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t62 = (t57.permute(1, 2, 0) @ t15.permute(0, 2, 1))
-    t63 = (t62.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t64 = (t63.permute(0, 2, 1) @ t61)
+    t58 = (t57.permute(1, 2, 0) @ t15.permute(0, 2, 1))
+    t59 = (t58.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t60 = (t59.permute(0, 2, 1) @ t56)
+    t61 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t53.sum((0,))).reshape((n_batch, L, d_V))
+    t62 = (t61 @ X.permute(0, 2, 1))
+    t63 = (t62.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t64 = (t57.permute(1, 2, 0) @ t38.permute(0, 2, 1))
     t65 = (t57.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t57.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t66 = t65 * t44
-    t67 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t68 = (t67.reshape((n_batch, n_batch, L**2, L)) @ t46.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t69 = (t68.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t70 = (X.reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t71 = (t15.reshape((L*n_batch, d_K)) @ t38.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t72 = t65 * t70
-    t73 = (t67.reshape((n_batch, n_batch, L**2, L)) @ t71.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t74 = (t73.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t75 = t65 * t19
-    t76 = (t24.reshape((n_batch, L**2, L)) @ t19.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t77 = (t76.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t78 = (t77.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t79 = (n_batch**(-2)) * (t53.sum((0,)) * t53.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t58 * t56).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t64 * t17).sum() + (1/(d_K**2*n_batch**2)) * (t69 * t66.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t74 * t72.permute(0, 2, 3, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t78 * t75.permute(0, 2, 3, 1)).sum()
-    t80 = torch.sqrt(torch.clamp(t79, min=0.0))
-    t81 = t13.transpose(-1, -2)
-    t82 = (t81.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
-    t83 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t84 = t83 * t19
-    t85 = (t82.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t82.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t86 = (t84.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t87 = (t86.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t88 = (t87.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t89 = G @ t10
-    t90 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t91 = (t82.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t89.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t92 = (t90.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t93 = (t92 * t19.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
-    t94 = (t93.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t91.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t95 = (t94.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t96 = (t89.reshape((L*n_batch, d_H)) @ t89.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t97 = t96 * t19
-    t98 = (t44.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t99 = (t98.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t97.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t100 = (t99.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t101 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t88 * t85.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t95 * t21.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t100 * t21.permute(0, 2, 3, 1)).sum()
-    t102 = torch.sqrt(torch.clamp(t101, min=0.0))
-    t103 = M_1 @ W_V
-    t104 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
-    t105 = (t103.reshape((L*n_batch, d_H)) @ t103.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t106 = t105 * t19
-    t107 = (W_O @ W_O.permute(1, 0))
-    t108 = (t107 @ t104.reshape((d_H, L*n_batch))).reshape((d_H, n_batch, L))
-    t109 = (t108.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t104.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t110 = (t106.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t111 = (t110.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t112 = (t111.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t113 = (W_V @ t103.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
-    t114 = (G.reshape((L*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_H))
-    t115 = (t113.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t116 = (t114.reshape((L*n_batch, d_H)) @ t104.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t117 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t118 = (t117.reshape((n_batch, n_batch, L**2, L)) @ t116.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t119 = (t118.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
-    t120 = (t119.permute(0, 2, 3, 4, 1) @ t19.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
-    t121 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t122 = t121 * t19
-    t123 = (t104.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t104.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t124 = (t122.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t125 = (t124.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t126 = (t125.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t127 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t112 * t109.permute(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t120 * t115.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t126 * t123.permute(0, 2, 3, 1)).sum()
-    t128 = torch.sqrt(torch.clamp(t127, min=0.0))
-    t129 = t53.transpose(-1, -2)
-    t130 = W_Q.transpose(-1, -2)
-    t131 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t129.sum((0,))).reshape((n_batch, L, d_V))
-    t132 = (t131 @ X.permute(0, 2, 1))
-    t133 = (t132.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
-    t134 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t130.permute(1, 0)).reshape((n_batch, L, d_K))
-    t135 = (t18.permute(1, 2, 0) @ t134.permute(0, 2, 1))
-    t136 = (X.reshape((L*n_batch, d_V)) @ t129.sum((0,))).reshape((n_batch, L, d_V))
-    t137 = (t136 @ X.permute(0, 2, 1))
-    t138 = (t137.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t139 = (X.reshape((L*n_batch, d_V)) @ t130.permute(1, 0)).reshape((n_batch, L, d_K))
-    t140 = (t18.permute(1, 2, 0) @ t139.permute(0, 2, 1))
-    t141 = (t140.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t142 = (t141.permute(0, 2, 1) @ t138)
-    t143 = (t134.reshape((L*n_batch, d_K)) @ t134.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t144 = t143 * t19
-    t145 = (t44.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t146 = (t145.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t144.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t147 = (t146.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t148 = (t139.reshape((L*n_batch, d_K)) @ t134.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t149 = t148 * t19
-    t150 = (t70.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t151 = (t150.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t149.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t152 = (t151.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t153 = (t139.reshape((L*n_batch, d_K)) @ t139.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t154 = t153 * t19
-    t155 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t19.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t156 = (t155.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t154.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t157 = (t156.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t158 = (n_batch**(-2)) * (t129.sum((0,)) * t129.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t135 * t133.permute(0, 2, 1)).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t142 * t17.permute(0, 2, 1)).sum() + (1/(d_K**2*n_batch**2)) * (t147 * t22.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t152 * t22.permute(0, 2, 3, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t157 * t22.permute(0, 2, 3, 1)).sum()
-    t159 = torch.sqrt(torch.clamp(t158, min=0.0))
-    t160 = t65 * t153
-    t161 = (t155.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t162 = (t161.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t163 = (t134.reshape((L*n_batch, d_K)) @ t139.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t164 = t65 * t163
-    t165 = (t164.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t166 = (t165.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t37.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t167 = (t166.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t168 = t65 * t143
-    t169 = (t145.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t170 = (t169.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t171 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t162 * t160.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t167 * t19.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t170 * t168.permute(0, 2, 3, 1)).sum()
-    t172 = torch.sqrt(torch.clamp(t171, min=0.0))
-    t173 = t153 * t83
-    t174 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t175 = (t174.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t173.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t176 = (t175.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t177 = (t92.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t178 = (t177.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
-    t179 = (t178.permute(0, 2, 3, 1, 4) @ t91.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
-    t180 = t153 * t96
-    t181 = (t98.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t182 = (t181.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t183 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t176 * t85.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t179 * t153.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t182 * t180.permute(0, 2, 3, 1)).sum()
-    t184 = torch.sqrt(torch.clamp(t183, min=0.0))
-    t185 = t153 * t105
-    t186 = (t174.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t185.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t187 = (t186.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t188 = (t174.reshape((n_batch, n_batch, L**2, L)) @ t116.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t189 = (t188.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
-    t190 = (t189.permute(0, 2, 3, 4, 1) @ t153.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
-    t191 = t153 * t121
-    t192 = (t174.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t191.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t193 = (t192.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t194 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t187 * t109.permute(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t190 * t115.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t193 * t123.permute(0, 2, 3, 1)).sum()
-    t195 = torch.sqrt(torch.clamp(t194, min=0.0))
-    t196 = M_1.transpose(-1, -2)
-    t197 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_H))
-    t198 = (t196.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t196.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t199 = t19 * t198
-    t200 = (t197.reshape((L*n_batch, d_H)) @ t197.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t201 = (t199.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t202 = (t201.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t200.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t203 = (t202.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t204 = t89.transpose(-1, -2)
-    t205 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t196.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t206 = (t197.reshape((L*n_batch, d_H)) @ t204.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t207 = (t205.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t208 = (t207 * t19.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
-    t209 = (t208.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t206.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t210 = (t209.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t211 = (t204.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t204.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t212 = t19 * t211
-    t213 = (t98.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t212.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t214 = (t213.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t215 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t203 * t22.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t210 * t22.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t214 * t22.permute(0, 2, 3, 1)).sum()
-    t216 = torch.sqrt(torch.clamp(t215, min=0.0))
-    t217 = t65 * t198
-    t218 = (t174.reshape((n_batch, n_batch, L**2, L)) @ t200.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t219 = (t218.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t220 = (t207.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t221 = (t220.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
-    t222 = (t221.permute(0, 2, 3, 1, 4) @ t206.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
-    t223 = t65 * t211
-    t224 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t219 * t217.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t222 * t65.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t182 * t223.permute(0, 2, 3, 1)).sum()
-    t225 = torch.sqrt(torch.clamp(t224, min=0.0))
-    t226 = t196 @ M_1
-    t227 = W_O @ t10
-    t228 = (t227 * t227).sum()
-    t229 = (t228.reshape((1, 1)) * t226.sum((0,)))
-    t230 = (4/(L**2*d_V**2*n_batch**2)) * (t229 * t226.sum((0,))).sum()
-    t231 = torch.sqrt(torch.clamp(t230, min=0.0))
-    t232 = (W_O * W_O).sum()
-    t233 = (t103.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t196.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t234 = (t233 * t233).sum()
-    t235 = (t114.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t196.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t236 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t196.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t237 = (4/(L**2*d_V**2*n_batch**2)) * t234 * t232 + (4/(L*d_V*n_batch**2)) * (t235 * t233).sum() + (d_H/n_batch**2) * (t236 * t236).sum()
-    t238 = torch.sqrt(torch.clamp(t237, min=0.0))
-    t239 = t103.transpose(-1, -2)
-    t240 = (t11.permute(1, 0) @ t10.permute(1, 0))
-    t241 = (t239.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t239.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t242 = t19 * t241
-    t243 = (t240.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t244 = (t243.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t243.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t245 = (t242.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t246 = (t245.reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t247 = (t246.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t248 = G.transpose(-1, -2)
-    t249 = (t11.permute(1, 0) @ t239.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
-    t250 = (t249.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t251 = (t243.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t248.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t252 = (t250.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t253 = (t252 * t19.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
-    t254 = (t253.reshape((n_batch, n_batch, L**2, L)) @ t22.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t255 = (t254.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t256 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_H))
-    t257 = (t248.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t248.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t258 = t19 * t257
-    t259 = (t256.reshape((L*n_batch, d_H)) @ t256.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t260 = (t258.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t261 = (t260.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t259.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t262 = (t261.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t263 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t247 * t244.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t255 * t251.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t262 * t22.permute(0, 2, 3, 1)).sum()
-    t264 = torch.sqrt(torch.clamp(t263, min=0.0))
-    t265 = t65 * t241
-    t266 = (t174.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t265.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t267 = (t266.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t268 = (t174.reshape((n_batch, n_batch, L**2, L)) @ t251.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t269 = (t268.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
-    t270 = (t269.permute(0, 2, 3, 1, 4) @ t250.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
-    t271 = t65 * t257
-    t272 = (t174.reshape((n_batch, n_batch, L**2, L)) @ t259.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t273 = (t272.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t274 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t267 * t244.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t270 * t65.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t273 * t271.permute(0, 2, 3, 1)).sum()
-    t275 = torch.sqrt(torch.clamp(t274, min=0.0))
-    t276 = t239 @ M_1
-    t277 = (t10 * t10).sum()
-    t278 = (t277.reshape((1, 1)) * t276.sum((0,)))
-    t279 = t248 @ M_1
-    t280 = (t10 @ t276.sum((0,)))
-    t281 = (4/(L**2*d_V**2*n_batch**2)) * (t278 * t276.sum((0,))).sum() + (4/(L*d_V*n_batch**2)) * (t280 * t279.sum((0,))).sum() + (d_H/n_batch**2) * (t279.sum((0,)) * t279.sum((0,))).sum()
-    t282 = torch.sqrt(torch.clamp(t281, min=0.0))
-    t283 = t239 @ t103
-    t284 = (4/(L**2*d_V*n_batch**2)) * (t283.sum((0,)) * t283.sum((0,))).sum()
-    t285 = torch.sqrt(torch.clamp(t284, min=0.0))
-    return (t51, t80, t102, t128, t159, t172, t184, t195, t216, t225, t231, t238, t264, t275, t282, t285,)
+    t66 = t65 * t19
+    t67 = (t24.reshape((n_batch, L**2, L)) @ t19.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t68 = (t67.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t69 = (t68.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t70 = t65 * t37
+    t71 = (t70.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t72 = (t71.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t73 = (t72.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t74 = t65 * t44
+    t75 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t76 = (t75.reshape((n_batch, n_batch, L**2, L)) @ t46.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t77 = (t76.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t78 = (n_batch**(-2)) * (t53.sum((0,)) * t53.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t60 * t17).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t64 * t63).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t69 * t66.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t73 * t40.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t77 * t74.permute(0, 2, 3, 1)).sum()
+    t79 = torch.sqrt(torch.clamp(t78, min=0.0))
+    t80 = t13.transpose(-1, -2)
+    t81 = (t80.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
+    t82 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t83 = t82 * t19
+    t84 = (t81.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t81.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t85 = (t83.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t86 = (t85.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t87 = (t86.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t88 = G @ t10
+    t89 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t90 = (t81.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t88.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t91 = (t89.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t92 = (t91 * t19.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
+    t93 = (t92.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t90.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t94 = (t93.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t95 = (t88.reshape((L*n_batch, d_H)) @ t88.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t96 = t95 * t19
+    t97 = (t44.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t98 = (t97.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t96.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t99 = (t98.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t100 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t87 * t84.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t94 * t21.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t99 * t21.permute(0, 2, 3, 1)).sum()
+    t101 = torch.sqrt(torch.clamp(t100, min=0.0))
+    t102 = M_1 @ W_V
+    t103 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
+    t104 = (t102.reshape((L*n_batch, d_H)) @ t102.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t105 = t104 * t19
+    t106 = (W_O @ W_O.permute(1, 0))
+    t107 = (t106 @ t103.reshape((d_H, L*n_batch))).reshape((d_H, n_batch, L))
+    t108 = (t107.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t103.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t109 = (t105.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t110 = (t109.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t111 = (t110.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t112 = (W_V @ t102.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
+    t113 = (G.reshape((L*n_batch, d_V)) @ W_O.permute(1, 0)).reshape((n_batch, L, d_H))
+    t114 = (t112.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t115 = (t113.reshape((L*n_batch, d_H)) @ t103.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t116 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t117 = (t116.reshape((n_batch, n_batch, L**2, L)) @ t115.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t118 = (t117.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t119 = (t118.permute(0, 2, 3, 4, 1) @ t19.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t120 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t121 = t120 * t19
+    t122 = (t103.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t103.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t123 = (t121.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t124 = (t123.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t125 = (t124.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t126 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t111 * t108.permute(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t119 * t114.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t125 * t122.permute(0, 2, 3, 1)).sum()
+    t127 = torch.sqrt(torch.clamp(t126, min=0.0))
+    t128 = t53.transpose(-1, -2)
+    t129 = W_Q.transpose(-1, -2)
+    t130 = (X.reshape((L*n_batch, d_V)) @ t128.sum((0,))).reshape((n_batch, L, d_V))
+    t131 = (t130 @ X.permute(0, 2, 1))
+    t132 = (t131.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t133 = (X.reshape((L*n_batch, d_V)) @ t129.permute(1, 0)).reshape((n_batch, L, d_K))
+    t134 = (t18.permute(1, 2, 0) @ t133.permute(0, 2, 1))
+    t135 = (t134.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t136 = (t135.permute(0, 2, 1) @ t132)
+    t137 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t128.sum((0,))).reshape((n_batch, L, d_V))
+    t138 = (t137 @ X.permute(0, 2, 1))
+    t139 = (t138.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    t140 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t129.permute(1, 0)).reshape((n_batch, L, d_K))
+    t141 = (t18.permute(1, 2, 0) @ t140.permute(0, 2, 1))
+    t142 = (t133.reshape((L*n_batch, d_K)) @ t133.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t143 = t142 * t19
+    t144 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t19.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t145 = (t144.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t143.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t146 = (t145.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t147 = (t140.reshape((L*n_batch, d_K)) @ t133.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t148 = t147 * t19
+    t149 = (t148.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t150 = (t149.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t37.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t151 = (t150.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t152 = (t140.reshape((L*n_batch, d_K)) @ t140.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t153 = t152 * t19
+    t154 = (t44.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t155 = (t154.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t153.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t156 = (t155.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t157 = (n_batch**(-2)) * (t128.sum((0,)) * t128.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t136 * t17.permute(0, 2, 1)).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t141 * t139.permute(0, 2, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t146 * t22.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t151 * t22.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t156 * t22.permute(0, 2, 3, 1)).sum()
+    t158 = torch.sqrt(torch.clamp(t157, min=0.0))
+    t159 = t65 * t142
+    t160 = (t144.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t161 = (t160.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t162 = t65 * t147
+    t163 = (t162.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t164 = (t163.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t37.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t165 = (t164.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t24.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t166 = t65 * t152
+    t167 = (t154.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t168 = (t167.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t169 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t161 * t159.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t165 * t19.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t168 * t166.permute(0, 2, 3, 1)).sum()
+    t170 = torch.sqrt(torch.clamp(t169, min=0.0))
+    t171 = t142 * t82
+    t172 = (t19.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t173 = (t172.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t171.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t174 = (t173.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t175 = (t91.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t176 = (t175.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t177 = (t176.permute(0, 2, 3, 1, 4) @ t90.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t178 = t142 * t95
+    t179 = (t97.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t180 = (t179.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t181 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t174 * t84.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t177 * t142.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t180 * t178.permute(0, 2, 3, 1)).sum()
+    t182 = torch.sqrt(torch.clamp(t181, min=0.0))
+    t183 = t142 * t104
+    t184 = (t172.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t183.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t185 = (t184.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t186 = (t172.reshape((n_batch, n_batch, L**2, L)) @ t115.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t187 = (t186.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t188 = (t187.permute(0, 2, 3, 4, 1) @ t142.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t189 = t142 * t120
+    t190 = (t172.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t189.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t191 = (t190.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t192 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t185 * t108.permute(2, 0, 1, 3)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t188 * t114.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t191 * t122.permute(0, 2, 3, 1)).sum()
+    t193 = torch.sqrt(torch.clamp(t192, min=0.0))
+    t194 = M_1.transpose(-1, -2)
+    t195 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t13.permute(1, 0)).reshape((n_batch, L, d_H))
+    t196 = (t194.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t194.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t197 = t19 * t196
+    t198 = (t195.reshape((L*n_batch, d_H)) @ t195.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t199 = (t197.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t200 = (t199.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t198.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t201 = (t200.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t202 = t88.transpose(-1, -2)
+    t203 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t194.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t204 = (t195.reshape((L*n_batch, d_H)) @ t202.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t205 = (t203.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t206 = (t205 * t19.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
+    t207 = (t206.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t204.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t208 = (t207.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t209 = (t202.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t202.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t210 = t19 * t209
+    t211 = (t97.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t210.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t212 = (t211.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t213 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t201 * t22.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t208 * t22.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t212 * t22.permute(0, 2, 3, 1)).sum()
+    t214 = torch.sqrt(torch.clamp(t213, min=0.0))
+    t215 = t65 * t196
+    t216 = (t172.reshape((n_batch, n_batch, L**2, L)) @ t198.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t217 = (t216.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t218 = (t205.reshape((n_batch, n_batch, L**2, L)) @ t19.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t219 = (t218.permute(1, 2, 0, 3, 4).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t220 = (t219.permute(0, 2, 3, 1, 4) @ t204.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t221 = t65 * t209
+    t222 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t217 * t215.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t220 * t65.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t180 * t221.permute(0, 2, 3, 1)).sum()
+    t223 = torch.sqrt(torch.clamp(t222, min=0.0))
+    t224 = t194 @ M_1
+    t225 = W_O @ t10
+    t226 = (t225 * t225).sum()
+    t227 = (t226.reshape((1, 1)) * t224.sum((0,)))
+    t228 = (4/(L**2*d_V**2*n_batch**2)) * (t227 * t224.sum((0,))).sum()
+    t229 = torch.sqrt(torch.clamp(t228, min=0.0))
+    t230 = (W_O * W_O).sum()
+    t231 = (t102.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t194.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t232 = (t231 * t231).sum()
+    t233 = (t113.permute(2, 0, 1).reshape((d_H, L*n_batch)) @ t194.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t234 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t194.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t235 = (4/(L**2*d_V**2*n_batch**2)) * t232 * t230 + (4/(L*d_V*n_batch**2)) * (t233 * t231).sum() + (d_H/n_batch**2) * (t234 * t234).sum()
+    t236 = torch.sqrt(torch.clamp(t235, min=0.0))
+    t237 = t102.transpose(-1, -2)
+    t238 = (t11.permute(1, 0) @ t10.permute(1, 0))
+    t239 = (t237.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t237.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t240 = t19 * t239
+    t241 = (t238.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t242 = (t241.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t241.reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t243 = (t240.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t244 = (t243.reshape((n_batch, n_batch, L**2, L)) @ t22.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t245 = (t244.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t246 = G.transpose(-1, -2)
+    t247 = (t11.permute(1, 0) @ t237.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
+    t248 = (t247.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t249 = (t241.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t246.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t250 = (t248.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t251 = (t250 * t19.permute(0, 2, 3, 1).reshape((n_batch, n_batch, L, L, 1)))
+    t252 = (t251.reshape((n_batch, n_batch, L**2, L)) @ t22.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t253 = (t252.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t254 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t11.permute(1, 0)).reshape((n_batch, L, d_H))
+    t255 = (t246.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t246.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t256 = t19 * t255
+    t257 = (t254.reshape((L*n_batch, d_H)) @ t254.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t258 = (t256.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t259 = (t258.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t257.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t260 = (t259.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t261 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t245 * t242.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t253 * t249.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t260 * t22.permute(0, 2, 3, 1)).sum()
+    t262 = torch.sqrt(torch.clamp(t261, min=0.0))
+    t263 = t65 * t239
+    t264 = (t172.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t263.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t265 = (t264.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t266 = (t172.reshape((n_batch, n_batch, L**2, L)) @ t249.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t267 = (t266.permute(1, 4, 0, 3, 2).reshape((n_batch, L, L*n_batch, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, n_batch, L, L))
+    t268 = (t267.permute(0, 2, 3, 1, 4) @ t248.permute(2, 0, 1, 3).reshape((n_batch, n_batch, L, L, 1))).reshape((n_batch, n_batch, L, L))
+    t269 = t65 * t255
+    t270 = (t172.reshape((n_batch, n_batch, L**2, L)) @ t257.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t271 = (t270.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t272 = (4/(L**2*d_K*d_V**2*n_batch**2)) * (t265 * t242.permute(0, 2, 3, 1)).sum() + (4/(L*d_K*d_V*n_batch**2)) * (t268 * t65.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t271 * t269.permute(0, 2, 3, 1)).sum()
+    t273 = torch.sqrt(torch.clamp(t272, min=0.0))
+    t274 = t237 @ M_1
+    t275 = (t10 * t10).sum()
+    t276 = (t275.reshape((1, 1)) * t274.sum((0,)))
+    t277 = t246 @ M_1
+    t278 = (t10 @ t274.sum((0,)))
+    t279 = (4/(L**2*d_V**2*n_batch**2)) * (t276 * t274.sum((0,))).sum() + (4/(L*d_V*n_batch**2)) * (t278 * t277.sum((0,))).sum() + (d_H/n_batch**2) * (t277.sum((0,)) * t277.sum((0,))).sum()
+    t280 = torch.sqrt(torch.clamp(t279, min=0.0))
+    t281 = t237 @ t102
+    t282 = (4/(L**2*d_V*n_batch**2)) * (t281.sum((0,)) * t281.sum((0,))).sum()
+    t283 = torch.sqrt(torch.clamp(t282, min=0.0))
+    return (t51, t79, t101, t127, t158, t170, t182, t193, t214, t223, t229, t236, t262, t273, t280, t283,)
 
 
 def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -12302,57 +12297,56 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = t11 @ W_O
-    F = t12
-    t13 = F - Y
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = W_O.transpose(-1, -2)
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = t15 @ t17
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
-    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t22.reshape((1, 1, L, L)) * t21.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t21.reshape((n_batch, L, L, 1))) - (t21.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t23 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = (t23.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t24 = (1/(d_K*n_batch)) * t1
-    t25 = (t24 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t26 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t27 = (t26.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (t22.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t28 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t29 = t15 @ t16
-    t30 = W_O @ t29
-    t31 = W_V @ t30
-    t32 = (2/(L*d_K*d_V*n_batch)) * t1
-    t33 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t32.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t34 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t31.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t35 = ((t34 @ t33)).permute(3, 2, 0, 1)
-    t36 = (t26.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-    t37 = t0.diagonal(0, 1, 3)
-    t38 = t21 @ X
-    t39 = t2 @ t38
-    t40 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t41 = (1/(math.sqrt(d_K)*n_batch)) * t40
-    t42 = t25.reshape((d_K*d_V, L*n_batch))
-    t43 = t35.reshape((d_K*d_V, L*n_batch))
-    t44 = t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t45 = t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t46 = torch.cat([t42, t43], dim=-1)
-    t47 = torch.cat([t44, t45], dim=-2)
-    t0[...] = ((t46 @ t47).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t37.addcmul_(t41.reshape((1, 1, d_K)), t39.sum((0,)).reshape((d_V, d_V, 1)))
+    M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t12 = W_O.transpose(-1, -2)
+    t13 = W_V.transpose(-1, -2)
+    t14 = t12 @ t13
+    t15 = W_O @ t14
+    t16 = W_V @ t15
+    t17 = (2/(L*d_K*d_V*n_batch)) * t1
+    t18 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t19 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t16.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t20 = ((t19 @ t18)).permute(3, 2, 0, 1)
+    t21 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t22 = (t21.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t23 = A @ X
+    M_1 = t23
+    t24 = t14.transpose(-1, -2)
+    t25 = M_1 @ t24
+    F = t25
+    t26 = F - Y
+    t27 = (2/(L*d_V)) * t26
+    G = t27
+    t28 = t14 @ t2
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdim=True)
+    t31 = A * t30
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t10.reshape((1, 1, L, L)) * t31.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t31.reshape((n_batch, L, L, 1))) - (t31.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t32 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t33 = (1/(d_K*n_batch)) * t1
+    t34 = (t33 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t35 = (t21.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t36 = t0.diagonal(0, 1, 3)
+    t37 = t31 @ X
+    t38 = t2 @ t37
+    t39 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t39
+    t41 = t20.reshape((d_K*d_V, L*n_batch))
+    t42 = t34.reshape((d_K*d_V, L*n_batch))
+    t43 = t22.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t44 = t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t45 = torch.cat([t41, t42], dim=-1)
+    t46 = torch.cat([t43, t44], dim=-2)
+    t0[...] = ((t45 @ t46).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t36.addcmul_(t40.reshape((1, 1, d_K)), t38.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -12391,51 +12385,52 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = t20 @ X
     t22 = t0 @ t21
     t23 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t23.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t24 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
-    t25 = (t24 @ X.permute(0, 2, 1))
-    t26 = (t25.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t27 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
-    t28 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t29 = (t28.permute(1, 2, 0) @ t27.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t23.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t30 = t14 @ t15
-    t31 = W_O @ t30
-    t32 = W_V @ t31
-    t33 = (X.reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
-    t34 = (t33 @ X.permute(0, 2, 1))
+    t24 = t14 @ t15
+    t25 = W_O @ t24
+    t26 = W_V @ t25
+    t27 = (X.reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
+    t28 = (t27 @ X.permute(0, 2, 1))
+    t29 = (t28.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t30 = (X.reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
+    t31 = (t26.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t32 = (t31.permute(1, 2, 0) @ t0)
+    t33 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t34 = (t33.permute(1, 2, 0) @ t30.permute(0, 2, 1))
     t35 = (t34.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t36 = (X.reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
-    t37 = (t32.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t38 = (t37.permute(1, 2, 0) @ t0)
-    t39 = (t28.permute(1, 2, 0) @ t36.permute(0, 2, 1))
-    t40 = (t39.reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t41 = (t40.permute(0, 2, 1) @ t35)
-    t42 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t43 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t44 = (t27.reshape((L*n_batch, d_K)) @ t27.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t45 = (t28.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t28.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t46 = t45 * t42
-    t47 = (t43.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t48 = (t47.reshape((n_batch, n_batch, L**2, L)) @ t44.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t49 = (t48.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t50 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t51 = (t36.reshape((L*n_batch, d_K)) @ t27.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t52 = t45 * t50
-    t53 = (t38.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
-    t54 = (t53.permute(0, 2, 3, 1) @ dA)
-    t55 = (t47.reshape((n_batch, n_batch, L**2, L)) @ t51.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t56 = (t55.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t54.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t57 = (t36.reshape((L*n_batch, d_K)) @ t36.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t58 = t45 * t43
-    t59 = (t54.reshape((n_batch, L**2, L)) @ t43.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t60 = (t59.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t57.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t61 = (t60.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t54.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t62 = (n_batch**(-2)) * (t22.sum((0,)) * t22.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t29 * t26).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t41 * t38).sum() + (1/(d_K**2*n_batch**2)) * (t49 * t46.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t56 * t52.permute(0, 2, 3, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t61 * t58.permute(0, 2, 3, 1)).sum()
-    t63 = torch.sqrt(torch.clamp(t62, min=0.0))
-    return t63
+    t36 = (t35.permute(0, 2, 1) @ t29)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t23.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t37 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t22.sum((0,))).reshape((n_batch, L, d_V))
+    t38 = (t37 @ X.permute(0, 2, 1))
+    t39 = (t38.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t40 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
+    t41 = (t33.permute(1, 2, 0) @ t40.permute(0, 2, 1))
+    t42 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t43 = (t30.reshape((L*n_batch, d_K)) @ t30.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t44 = (t33.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t33.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t45 = t44 * t42
+    t46 = (t32.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
+    t47 = (t46.permute(0, 2, 3, 1) @ dA)
+    t48 = (t47.reshape((n_batch, L**2, L)) @ t42.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t49 = (t48.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t43.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t50 = (t49.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t47.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t51 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t52 = (t40.reshape((L*n_batch, d_K)) @ t30.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t53 = t44 * t51
+    t54 = (t53.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t55 = (t54.reshape((n_batch, n_batch, L**2, L)) @ t42.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t56 = (t55.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t47.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t57 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t58 = (t40.reshape((L*n_batch, d_K)) @ t40.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t59 = t44 * t57
+    t60 = (t42.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t61 = (t60.reshape((n_batch, n_batch, L**2, L)) @ t58.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t62 = (t61.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t63 = (n_batch**(-2)) * (t22.sum((0,)) * t22.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t36 * t32).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t41 * t39).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t50 * t45.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t56 * t52.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t62 * t59.permute(0, 2, 3, 1)).sum()
+    t64 = torch.sqrt(torch.clamp(t63, min=0.0))
+    return t64
 
 
 def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -12792,59 +12787,58 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = t12 @ W_O
-    F = t13
-    t14 = F - Y
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = W_O.transpose(-1, -2)
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t2
-    t19 = t16 @ t18
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
-    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t23.reshape((1, 1, L, L)) * t22.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t22.reshape((n_batch, L, L, 1))) - (t22.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t24 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = (t24.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t25 = (1/(d_K*n_batch)) * t1
-    t26 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t27 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.permute(1, 0)).reshape((n_batch, L, d_K))
-    t28 = (t27.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (t23.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t29 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t30 = t16 @ t17
-    t31 = W_O @ t30
-    t32 = W_V @ t31
-    t33 = (2/(L*d_K*d_V*n_batch)) * t1
-    t34 = (t32.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t35 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
-    t36 = ((t35.permute(1, 2, 0, 3) @ t34.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
-    t37 = (X.reshape((L*n_batch, d_V)) @ t33.permute(1, 0)).reshape((n_batch, L, d_K))
-    t38 = (t37.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t39 = t0.diagonal(0, 1, 3)
-    t40 = t22.transpose(-1, -2)
-    t41 = t40 @ X
-    t42 = t2 @ t41
-    t43 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t44 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t45 = t28.reshape((d_K*d_V, L*n_batch))
-    t46 = t38.reshape((d_K*d_V, L*n_batch))
-    t47 = t26.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t48 = t36.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t49 = torch.cat([t45, t46], dim=-1)
-    t50 = torch.cat([t47, t48], dim=-2)
-    t0[...] = ((t49 @ t50).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t39.addcmul_(t44.reshape((1, 1, d_K)), t42.sum((0,)).reshape((d_V, d_V, 1)))
+    M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t13 = W_O.transpose(-1, -2)
+    t14 = W_V.transpose(-1, -2)
+    t15 = t13 @ t14
+    t16 = W_O @ t15
+    t17 = W_V @ t16
+    t18 = (2/(L*d_K*d_V*n_batch)) * t1
+    t19 = (t17.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t20 = (W_K.permute(1, 0) @ M_2.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_K, n_batch, L, d_V))
+    t21 = ((t20.permute(1, 2, 0, 3) @ t19.permute(1, 2, 0, 3))).permute(3, 2, 0, 1)
+    t22 = (X.reshape((L*n_batch, d_V)) @ t18.permute(1, 0)).reshape((n_batch, L, d_K))
+    t23 = (t22.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t24 = A @ X
+    M_1 = t24
+    t25 = t15.transpose(-1, -2)
+    t26 = M_1 @ t25
+    F = t26
+    t27 = F - Y
+    t28 = (2/(L*d_V)) * t27
+    G = t28
+    t29 = t15 @ t2
+    t30 = G @ t29
+    t31 = t30 - (A * t30).sum(-1, keepdim=True)
+    t32 = A * t31
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t11.reshape((1, 1, L, L)) * t32.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t32.reshape((n_batch, L, L, 1))) - (t32.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t33 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t34 = (1/(d_K*n_batch)) * t1
+    t35 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t36 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t34.permute(1, 0)).reshape((n_batch, L, d_K))
+    t37 = (t36.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t38 = t0.diagonal(0, 1, 3)
+    t39 = t32.transpose(-1, -2)
+    t40 = t39 @ X
+    t41 = t2 @ t40
+    t42 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t44 = t23.reshape((d_K*d_V, L*n_batch))
+    t45 = t37.reshape((d_K*d_V, L*n_batch))
+    t46 = t21.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t47 = t35.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t48 = torch.cat([t44, t45], dim=-1)
+    t49 = torch.cat([t46, t47], dim=-2)
+    t0[...] = ((t48 @ t49).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t38.addcmul_(t43.reshape((1, 1, d_K)), t41.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -12885,50 +12879,50 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = t0 @ t22
     t24 = W_Q.transpose(-1, -2)
     t25 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t25.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t26 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t23.sum((0,))).reshape((n_batch, L, d_V))
-    t27 = (t26 @ X.permute(0, 2, 1))
-    t28 = (t27.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
-    t29 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_K))
-    t30 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t31 = (t30.permute(1, 2, 0) @ t29.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t25.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t32 = t14 @ t15
-    t33 = W_O @ t32
-    t34 = W_V @ t33
-    t35 = (X.reshape((L*n_batch, d_V)) @ t23.sum((0,))).reshape((n_batch, L, d_V))
-    t36 = (t35 @ X.permute(0, 2, 1))
+    t26 = t14 @ t15
+    t27 = W_O @ t26
+    t28 = W_V @ t27
+    t29 = (X.reshape((L*n_batch, d_V)) @ t23.sum((0,))).reshape((n_batch, L, d_V))
+    t30 = (t29 @ X.permute(0, 2, 1))
+    t31 = (t30.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t32 = (X.reshape((L*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_K))
+    t33 = (t28.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t34 = (t33.permute(1, 2, 0) @ t0)
+    t35 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t36 = (t35.permute(1, 2, 0) @ t32.permute(0, 2, 1))
     t37 = (t36.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t38 = (X.reshape((L*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_K))
-    t39 = (t34.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t40 = (t39.permute(1, 2, 0) @ t0)
-    t41 = (t30.permute(1, 2, 0) @ t38.permute(0, 2, 1))
-    t42 = (t41.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ dA.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t43 = (t42.permute(0, 2, 1) @ t37)
-    t44 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t45 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t46 = (t29.reshape((L*n_batch, d_K)) @ t29.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t47 = t46 * t45
-    t48 = (t30.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t30.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t49 = (t44.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t50 = (t49.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t47.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t51 = (t50.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t52 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t53 = (t38.reshape((L*n_batch, d_K)) @ t29.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t54 = t53 * t45
-    t55 = (t40.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
-    t56 = (t55.permute(0, 2, 3, 1) @ dA)
-    t57 = (t52.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t58 = (t57.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t54.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t59 = (t58.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t56.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t60 = (t38.reshape((L*n_batch, d_K)) @ t38.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t61 = t60 * t45
-    t62 = (t56.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t45.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t63 = (t62.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t61.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t64 = (t63.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t56.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t65 = (n_batch**(-2)) * (t23.sum((0,)) * t23.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t31 * t28.permute(0, 2, 1)).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t43 * t40.permute(0, 2, 1)).sum() + (1/(d_K**2*n_batch**2)) * (t51 * t48.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t59 * t48.permute(0, 2, 3, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t64 * t48.permute(0, 2, 3, 1)).sum()
+    t38 = (t37.permute(0, 2, 1) @ t31)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t25.reshape((1, 1, L, L)) * t20.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t20.reshape((n_batch, L, L, 1))) - (t20.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t39 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t23.sum((0,))).reshape((n_batch, L, d_V))
+    t40 = (t39 @ X.permute(0, 2, 1))
+    t41 = (t40.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    t42 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t24.permute(1, 0)).reshape((n_batch, L, d_K))
+    t43 = (t35.permute(1, 2, 0) @ t42.permute(0, 2, 1))
+    t44 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t45 = (t32.reshape((L*n_batch, d_K)) @ t32.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t46 = t45 * t44
+    t47 = (t35.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t35.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t48 = (t34.permute(0, 2, 1) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, L, L, L))
+    t49 = (t48.permute(0, 2, 3, 1) @ dA)
+    t50 = (t49.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t44.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t51 = (t50.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t46.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t52 = (t51.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t49.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t53 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t54 = (t42.reshape((L*n_batch, d_K)) @ t32.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t55 = t54 * t44
+    t56 = (t55.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t57 = (t56.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t53.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t58 = (t57.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t49.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t59 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t60 = (t42.reshape((L*n_batch, d_K)) @ t42.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t61 = t60 * t44
+    t62 = (t59.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t63 = (t62.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t61.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t64 = (t63.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t65 = (n_batch**(-2)) * (t23.sum((0,)) * t23.sum((0,))).sum() + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * (t38 * t34.permute(0, 2, 1)).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t43 * t41.permute(0, 2, 1)).sum() + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * (t52 * t47.permute(0, 2, 3, 1)).sum() + (4/(L*d_K**2*d_V*n_batch**2)) * (t58 * t47.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t64 * t47.permute(0, 2, 3, 1)).sum()
     t66 = torch.sqrt(torch.clamp(t65, min=0.0))
     return t66
 
@@ -19764,11 +19758,11 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t1[...] = ((t48 @ t49).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t50 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t51 = t50.view((d_V, d_K, d_V, d_K))
-    t52 = (t40 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t52 = ((t26 @ t25)).permute(2, 3, 0, 1)
     t53 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t54 = (t53.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t55 = ((t26 @ t25)).permute(2, 3, 0, 1)
-    t56 = (t53.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t54 = (t53.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t55 = (t40 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t56 = (t53.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t57 = t51.diagonal(0, 1, 3)
     t58 = t38 @ X
     t59 = t3 @ t58
@@ -19812,23 +19806,23 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t91 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t92 = t91.view((d_V, d_K, d_V, d_K))
     t93 = W_Q.transpose(-1, -2)
-    t94 = (1/(d_K*n_batch)) * t93
-    t95 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t96 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t94.permute(1, 0)).reshape((n_batch, L, d_K))
-    t97 = (t96.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t98 = (1/(L*d_K*n_batch)) * t93
-    t99 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t100 = (t23.permute(0, 1, 3, 2) @ t99.permute(1, 2, 0, 3))
-    t101 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t102 = (t101 @ t100)
-    t103 = ((W_K.permute(1, 0) @ t102.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t104 = (X.reshape((L*n_batch, d_V)) @ t98.permute(1, 0)).reshape((n_batch, L, d_K))
+    t94 = (1/(L*d_K*n_batch)) * t93
+    t95 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t96 = (t23.permute(0, 1, 3, 2) @ t95.permute(1, 2, 0, 3))
+    t97 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t98 = (t97 @ t96)
+    t99 = ((W_K.permute(1, 0) @ t98.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t100 = (X.reshape((L*n_batch, d_V)) @ t94.permute(1, 0)).reshape((n_batch, L, d_K))
+    t101 = (t100.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t102 = (1/(d_K*n_batch)) * t93
+    t103 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t104 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t102.permute(1, 0)).reshape((n_batch, L, d_K))
     t105 = (t104.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t106 = t92.diagonal(0, 1, 3)
     t107 = t59.transpose(-1, -2)
-    t108 = t97.reshape((d_K*d_V, L*n_batch))
+    t108 = t101.reshape((d_K*d_V, L*n_batch))
     t109 = t105.reshape((d_K*d_V, L*n_batch))
-    t110 = t95.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t110 = t99.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t111 = t103.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t112 = torch.cat([t108, t109], dim=-1)
     t113 = torch.cat([t110, t111], dim=-2)
@@ -19836,10 +19830,10 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t106.addcmul_(t61.reshape((1, 1, d_K)), t107.sum((0,)).reshape((d_V, d_V, 1)))
     t114 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t115 = t114.view((d_V, d_K, d_V, d_K))
-    t116 = ((t101 @ t100)).permute(3, 2, 0, 1)
-    t117 = (t53.reshape((1, d_K, n_batch, L)) * t104.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t116 = ((t97 @ t96)).permute(3, 2, 0, 1)
+    t117 = (t53.reshape((1, d_K, n_batch, L)) * t100.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t118 = M_3.permute(2, 3, 0, 1)
-    t119 = (t53.reshape((1, d_K, n_batch, L)) * t96.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t119 = (t53.reshape((1, d_K, n_batch, L)) * t104.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t120 = t116.reshape((d_V**2, L*n_batch))
     t121 = t118.reshape((d_V**2, L*n_batch))
     t122 = t117.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -19850,7 +19844,7 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t126 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t127 = t126.view((d_V, d_K, d_V, d_H))
     t128 = (1/(L*math.sqrt(d_K)*n_batch)) * t93
-    t129 = ((t70.permute(1, 0) @ t100.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t129 = ((t70.permute(1, 0) @ t96.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t130 = (X.reshape((L*n_batch, d_V)) @ t128.permute(1, 0)).reshape((n_batch, L, d_K))
     t131 = (t130.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t132 = (1/(math.sqrt(d_K)*n_batch)) * t93
@@ -20128,251 +20122,246 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t60 = torch.sqrt(torch.clamp(t59, min=0.0))
     t61 = t45 @ X
     t62 = t1 @ t61
-    t63 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t62.sum((0,))).reshape((n_batch, L, d_V))
-    t64 = (t63 @ X.permute(0, 2, 1))
-    t65 = (t64.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t66 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t67 = (t66.permute(1, 2, 0) @ t48.permute(0, 2, 1))
-    t68 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t63 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t68.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t69 = (X.reshape((L*n_batch, d_V)) @ t62.sum((0,))).reshape((n_batch, L, d_V))
-    t70 = (t69.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t71 = (W_Q @ t0)
-    t72 = (t70.reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
-    t73 = (t72.reshape((n_batch, L, 1, d_V)) @ t18.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t74 = (t71.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t75 = (t74.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t76 = (t75.reshape((L*n_batch, d_V)) @ t8).reshape((n_batch, L, d_V))
-    t77 = (t66.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t66.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t78 = t77 * t53
-    t79 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t80 = (t79.reshape((n_batch, n_batch, L**2, L)) @ t55.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t81 = (t80.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t82 = (X.reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t83 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-    t84 = (t83 @ dA)
-    t85 = (t22 @ t84.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-    t86 = (t85.permute(0, 2, 3, 1) @ dA)
-    t87 = (t19.reshape((L*n_batch, d_K)) @ t48.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t88 = t77 * t82
-    t89 = (t79.reshape((n_batch, n_batch, L**2, L)) @ t87.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t90 = (t89.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t86.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t91 = t77 * t21
-    t92 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t26.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t93 = (t92.reshape((n_batch, n_batch, L**2, L)) @ t32.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t94 = (t93.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t31.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t95 = (n_batch**(-2)) * (t62.sum((0,)) * t62.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t67 * t65).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t76 * t73).sum() + (1/(d_K**2*n_batch**2)) * (t81 * t78.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t90 * t88.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t94 * t91.permute(0, 2, 3, 1)).sum()
-    t96 = torch.sqrt(torch.clamp(t95, min=0.0))
-    t97 = W_O.transpose(-1, -2)
-    t98 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t99 = t98 * t21
-    t100 = (t97 @ t97.permute(1, 0))
-    t101 = (t100 @ t84.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))
-    t102 = (t101.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ t99.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
-    t103 = (t102.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t84.permute(0, 2, 1, 3).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t104 = G @ t97
-    t105 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t106 = (t104.reshape((L*n_batch, d_H)) @ t97.permute(1, 0)).reshape((n_batch, L, d_V))
-    t107 = (t106.reshape((L*n_batch, d_V)) @ t84.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((n_batch, L, n_batch, L, L))
-    t108 = (t107 * t21.reshape((n_batch, L, n_batch, L, 1)))
-    t109 = (t108.permute(0, 2, 1, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t105.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t110 = (t109.permute(0, 1, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t111 = (t104.reshape((L*n_batch, d_H)) @ t104.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t112 = t111 * t21
-    t113 = (t53.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t114 = (t113.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t112.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t115 = (t114.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t116 = (1/(L**2*d_K*n_batch**2)) * (t103 * t32.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t110 * t32.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t115 * t32.permute(0, 2, 3, 1)).sum()
-    t117 = torch.sqrt(torch.clamp(t116, min=0.0))
-    t118 = M_1 @ W_V
-    t119 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
-    t120 = (t118.reshape((L*n_batch, d_H)) @ t118.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t121 = t120 * t21
-    t122 = (t119.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ W_O).reshape((n_batch, L, d_V))
-    t123 = (t122 @ t18.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t124 = (t123.permute(0, 2, 3, 1) @ dA)
-    t125 = (t124.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t121.reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
-    t126 = (t125.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t124.permute(0, 2, 1, 3).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t127 = (W_V @ t118.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
-    t128 = (t127.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t129 = (t124.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t130 = (t129.permute(0, 1, 3, 4, 2) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
-    t131 = (t130.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t32.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t132 = (t131.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t133 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t134 = t133 * t21
-    t135 = (t119.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t119.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t136 = (t134.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t137 = (t136.reshape((n_batch, n_batch, L**2, L)) @ t32.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t138 = (t137.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t139 = (1/(L**2*d_K*n_batch**2)) * (t126 * t32.permute(2, 0, 1, 3)).sum() + (2/(L*d_K*n_batch**2)) * (t132 * t128.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t138 * t135.permute(0, 2, 3, 1)).sum()
-    t140 = torch.sqrt(torch.clamp(t139, min=0.0))
-    t141 = t62.transpose(-1, -2)
-    t142 = W_Q.transpose(-1, -2)
-    t143 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t141.sum((0,))).reshape((n_batch, L, d_V))
-    t144 = (t143 @ X.permute(0, 2, 1))
-    t145 = (t144.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
-    t146 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t142.permute(1, 0)).reshape((n_batch, L, d_K))
-    t147 = (t27.permute(1, 2, 0) @ t146.permute(0, 2, 1))
-    t148 = (X.reshape((L*n_batch, d_V)) @ t141.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
-    t149 = (t148.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t150 = (X.reshape((L*n_batch, d_V)) @ t142.permute(1, 0)).reshape((n_batch, L, d_K))
-    t151 = (t149.reshape((L*n_batch, d_V)) @ t8).reshape((n_batch, L, d_V))
-    t152 = (t151.reshape((n_batch, L, 1, d_V)) @ t18).reshape((n_batch, L, d_V))
-    t153 = (t152.reshape((L*n_batch, d_V)) @ t17).reshape((n_batch, L, d_V))
-    t154 = (t153.reshape((n_batch, L, 1, d_V)) @ M_2).reshape((n_batch, L, d_V))
-    t155 = (t150.reshape((L*n_batch, d_K)) @ W_K.permute(1, 0)).reshape((n_batch, L, d_V))
-    t156 = (t146.reshape((L*n_batch, d_K)) @ t146.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t157 = t156 * t21
-    t158 = (t53.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t159 = (t158.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t157.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t160 = (t159.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t161 = (t150.reshape((L*n_batch, d_K)) @ t146.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t162 = t161 * t21
-    t163 = (t82.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t164 = (t163.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t162.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t165 = (t164.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t86.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t166 = (t150.reshape((L*n_batch, d_K)) @ t150.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t167 = t166 * t21
-    t168 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t169 = (t168.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t167.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t170 = (t169.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t31.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t171 = (n_batch**(-2)) * (t141.sum((0,)) * t141.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t147 * t145.permute(0, 2, 1)).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t155 * t154).sum() + (1/(d_K**2*n_batch**2)) * (t160 * t33.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t165 * t33.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t170 * t33.permute(0, 2, 3, 1)).sum()
-    t172 = torch.sqrt(torch.clamp(t171, min=0.0))
-    t173 = t77 * t166
-    t174 = (t168.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t175 = (t174.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t31.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t176 = (t146.reshape((L*n_batch, d_K)) @ t150.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t177 = t77 * t176
-    t178 = (t46.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t179 = (t178.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t180 = (t179.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t26.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t181 = t77 * t156
-    t182 = (t158.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t183 = (t182.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t184 = (1/(L**2*d_K**2*n_batch**2)) * (t175 * t173.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t180 * t177.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t183 * t181.permute(0, 2, 3, 1)).sum()
-    t185 = torch.sqrt(torch.clamp(t184, min=0.0))
-    t186 = t166 * t98
-    t187 = (t101.permute(1, 0, 2, 3).reshape((n_batch, L*d_V, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
-    t188 = (t187.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t84.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t189 = (t29.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t106.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t190 = (t189.permute(0, 1, 3, 4, 2) * t166.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
-    t191 = (t190.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t192 = (t191.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t193 = t166 * t111
-    t194 = (t113.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t195 = (t194.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t196 = (1/(L**2*d_K*n_batch**2)) * (t188 * t186.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t192 * t105.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t195 * t193.permute(0, 2, 3, 1)).sum()
-    t197 = torch.sqrt(torch.clamp(t196, min=0.0))
-    t198 = t166 * t120
-    t199 = (t124.reshape((n_batch, L*d_V, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
-    t200 = (t199.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t124.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t201 = (t129.permute(0, 1, 3, 4, 2) * t166.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
-    t202 = (t201.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t203 = (t202.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t204 = t166 * t133
-    t205 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t206 = (t205.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t204.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t207 = (t206.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t208 = (1/(L**2*d_K*n_batch**2)) * (t200 * t198.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t203 * t128.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t207 * t135.permute(0, 2, 3, 1)).sum()
-    t209 = torch.sqrt(torch.clamp(t208, min=0.0))
-    t210 = t104.transpose(-1, -2)
-    t211 = (t210.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t210.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t212 = t21 * t211
-    t213 = (t113.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t212.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t214 = (t213.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t215 = M_1.transpose(-1, -2)
-    t216 = (W_O.permute(1, 0) @ t210.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
-    t217 = (t215.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t218 = (t22 @ t18.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t219 = (t218.permute(0, 2, 3, 1) @ dA)
-    t220 = (t219.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t216.reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t221 = (t220.permute(0, 1, 3, 4, 2) * t21.reshape((n_batch, L, n_batch, L, 1)))
-    t222 = (t221.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t33.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t223 = (t222.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t224 = (t215.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t215.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t225 = (W_O.permute(1, 0) @ W_O)
-    t226 = t21 * t224
-    t227 = (t219.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t225.permute(1, 0)).reshape((n_batch, L, L, d_V))
-    t228 = (t219.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t226.reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
-    t229 = (t228.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t227.permute(0, 3, 1, 2).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t230 = (1/(d_K*n_batch**2)) * (t214 * t33.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t223 * t217.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t229 * t33.permute(2, 0, 1, 3)).sum()
-    t231 = torch.sqrt(torch.clamp(t230, min=0.0))
-    t232 = t77 * t211
-    t233 = (t220.permute(0, 1, 3, 4, 2) * t77.reshape((n_batch, L, n_batch, L, 1)))
-    t234 = (t233.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t235 = (t234.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t236 = t77 * t224
-    t237 = (t219.reshape((n_batch, L*d_V, L)) @ t21.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
-    t238 = (t237.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t227.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t239 = (1/(d_K*n_batch**2)) * (t195 * t232.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t235 * t217.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t238 * t236.permute(2, 0, 1, 3)).sum()
-    t240 = torch.sqrt(torch.clamp(t239, min=0.0))
-    t241 = t98 * t224
-    t242 = (t225 @ t18.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t243 = (t100.permute(1, 0) @ t18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t244 = (t243.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t242.permute(3, 0, 1, 2).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t245 = (1/(L**2*n_batch**2)) * (t244 * t241).sum()
-    t246 = torch.sqrt(torch.clamp(t245, min=0.0))
-    t247 = t120 * t224
-    t248 = (t242.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t18.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t249 = (t118.reshape((L*n_batch, d_H)) @ W_O).reshape((n_batch, L, d_V))
-    t250 = (t249.reshape((n_batch, L, 1, d_V)) @ t18).reshape((n_batch, L, d_V))
-    t251 = (t224.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch)) @ G.reshape((L*n_batch, d_V))).reshape((n_batch, L, d_V))
-    t252 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t215.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t253 = (1/(L**2*n_batch**2)) * (t248 * t247.permute(2, 3, 0, 1)).sum() + (2/(L*n_batch**2)) * (t251 * t250).sum() + (d_H/n_batch**2) * (t252 * t252).sum()
-    t254 = torch.sqrt(torch.clamp(t253, min=0.0))
-    t255 = G.transpose(-1, -2)
-    t256 = W_V.transpose(-1, -2)
-    t257 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t256.permute(1, 0)).reshape((n_batch, L, d_H))
-    t258 = (t255.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t255.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t259 = t21 * t258
-    t260 = (t257.reshape((L*n_batch, d_H)) @ t257.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t261 = (t259.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t262 = (t261.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t260.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t263 = (t262.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t264 = t118.transpose(-1, -2)
-    t265 = (t257.reshape((L*n_batch, d_H)) @ t264.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t266 = (t256.permute(1, 0) @ t97.permute(1, 0))
-    t267 = (t266.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t268 = (t267.permute(1, 2, 0) @ t18.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t269 = (t268.permute(0, 2, 3, 1) @ dA)
-    t270 = (t269.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t255.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t271 = (t270.permute(0, 1, 3, 4, 2) * t21.reshape((n_batch, L, n_batch, L, 1)))
-    t272 = (t271.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t33.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t273 = (t272.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t274 = (t264.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t264.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t275 = t21 * t274
-    t276 = (t33.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t269.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, n_batch, L, L, d_V))
-    t277 = (t276.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t269.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t278 = (1/(d_K*n_batch**2)) * (t263 * t33.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t273 * t265.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t277 * t275.permute(0, 2, 3, 1)).sum()
-    t279 = torch.sqrt(torch.clamp(t278, min=0.0))
-    t280 = t77 * t258
-    t281 = (t205.reshape((n_batch, n_batch, L**2, L)) @ t260.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t282 = (t281.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t283 = (t270.permute(0, 1, 3, 4, 2) * t77.reshape((n_batch, L, n_batch, L, 1)))
-    t284 = (t283.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t285 = (t284.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t286 = t77 * t274
-    t287 = (t269.reshape((n_batch, L*d_V, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
-    t288 = (t287.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t269.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t289 = (1/(d_K*n_batch**2)) * (t282 * t280.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t285 * t265.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t288 * t286.permute(0, 2, 3, 1)).sum()
-    t290 = torch.sqrt(torch.clamp(t289, min=0.0))
-    t291 = t255 @ M_1
-    t292 = (M_1.reshape((L*n_batch, d_V)) @ t291.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
-    t293 = t292 * t10
-    t294 = (t293.reshape((n_batch, L, 1, d_V)) @ dA16).reshape((n_batch, L, d_V))
-    t295 = (t97 @ t264.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
-    t296 = t98 * t274
-    t297 = (t100 @ t18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t298 = (t297.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t18.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t299 = (d_H/n_batch**2) * (t291.sum((0,)) * t291.sum((0,))).sum() + (2/(L*n_batch**2)) * (t295 * t294.permute(2, 0, 1)).sum() + (1/(L**2*n_batch**2)) * (t298 * t296.permute(2, 3, 0, 1)).sum()
-    t300 = torch.sqrt(torch.clamp(t299, min=0.0))
-    t301 = (t18.reshape((L*n_batch, d_V**2)) @ t18.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t302 = t301 * t274
-    t303 = (1/(L**2*n_batch**2)) * (t302 * t120).sum()
-    t304 = torch.sqrt(torch.clamp(t303, min=0.0))
-    return (t60, t96, t117, t140, t172, t185, t197, t209, t231, t240, t246, t254, t279, t290, t300, t304,)
+    M_2 = (t63.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t64 = (X.reshape((L*n_batch, d_V)) @ t62.sum((0,))).reshape((n_batch, L, d_V))
+    t65 = (t64.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t66 = (W_Q @ t0)
+    t67 = (t65.reshape((L*n_batch, d_V)) @ t17.permute(1, 0)).reshape((n_batch, L, d_V))
+    t68 = (t67.reshape((n_batch, L, 1, d_V)) @ t18.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t69 = (t66.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t70 = (t69.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t71 = (t70.reshape((L*n_batch, d_V)) @ t8).reshape((n_batch, L, d_V))
+    t72 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t62.sum((0,))).reshape((n_batch, L, d_V))
+    t73 = (t72 @ X.permute(0, 2, 1))
+    t74 = (t73.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t75 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t76 = (t75.permute(1, 2, 0) @ t48.permute(0, 2, 1))
+    t77 = (t75.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t75.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t78 = t77 * t21
+    t79 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t26.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t80 = (t79.reshape((n_batch, n_batch, L**2, L)) @ t32.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t81 = (t80.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t31.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t82 = t77 * t46
+    t83 = (t21.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t84 = (t83.reshape((n_batch, n_batch, L**2, L)) @ t49.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t85 = (t84.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t26.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t86 = t77 * t53
+    t87 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t88 = (t87.reshape((n_batch, n_batch, L**2, L)) @ t55.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t89 = (t88.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t90 = (n_batch**(-2)) * (t62.sum((0,)) * t62.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t71 * t68).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t76 * t74).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t81 * t78.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t85 * t82.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t89 * t86.permute(0, 2, 3, 1)).sum()
+    t91 = torch.sqrt(torch.clamp(t90, min=0.0))
+    t92 = W_O.transpose(-1, -2)
+    t93 = (t18.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t20.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t94 = (t93 @ dA)
+    t95 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t96 = t95 * t21
+    t97 = (t92 @ t92.permute(1, 0))
+    t98 = (t97 @ t94.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))
+    t99 = (t98.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ t96.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    t100 = (t99.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t94.permute(0, 2, 1, 3).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t101 = G @ t92
+    t102 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t103 = (t101.reshape((L*n_batch, d_H)) @ t92.permute(1, 0)).reshape((n_batch, L, d_V))
+    t104 = (t103.reshape((L*n_batch, d_V)) @ t94.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((n_batch, L, n_batch, L, L))
+    t105 = (t104 * t21.reshape((n_batch, L, n_batch, L, 1)))
+    t106 = (t105.permute(0, 2, 1, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t102.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t107 = (t106.permute(0, 1, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t108 = (t101.reshape((L*n_batch, d_H)) @ t101.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t109 = t108 * t21
+    t110 = (t53.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t111 = (t110.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t109.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t112 = (t111.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t113 = (1/(L**2*d_K*n_batch**2)) * (t100 * t32.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t107 * t32.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t112 * t32.permute(0, 2, 3, 1)).sum()
+    t114 = torch.sqrt(torch.clamp(t113, min=0.0))
+    t115 = M_1 @ W_V
+    t116 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
+    t117 = (t115.reshape((L*n_batch, d_H)) @ t115.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t118 = t117 * t21
+    t119 = (t116.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ W_O).reshape((n_batch, L, d_V))
+    t120 = (t119 @ t18.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t121 = (t120.permute(0, 2, 3, 1) @ dA)
+    t122 = (t121.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t118.reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    t123 = (t122.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t121.permute(0, 2, 1, 3).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t124 = (W_V @ t115.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
+    t125 = (t124.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t126 = (t121.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t127 = (t126.permute(0, 1, 3, 4, 2) * t21.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    t128 = (t127.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t32.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t129 = (t128.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t130 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t131 = t130 * t21
+    t132 = (t116.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t116.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t133 = (t131.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t134 = (t133.reshape((n_batch, n_batch, L**2, L)) @ t32.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t135 = (t134.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t136 = (1/(L**2*d_K*n_batch**2)) * (t123 * t32.permute(2, 0, 1, 3)).sum() + (2/(L*d_K*n_batch**2)) * (t129 * t125.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t135 * t132.permute(0, 2, 3, 1)).sum()
+    t137 = torch.sqrt(torch.clamp(t136, min=0.0))
+    t138 = t62.transpose(-1, -2)
+    t139 = W_Q.transpose(-1, -2)
+    t140 = (X.reshape((L*n_batch, d_V)) @ t138.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
+    t141 = (t140.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t142 = (X.reshape((L*n_batch, d_V)) @ t139.permute(1, 0)).reshape((n_batch, L, d_K))
+    t143 = (t141.reshape((L*n_batch, d_V)) @ t8).reshape((n_batch, L, d_V))
+    t144 = (t143.reshape((n_batch, L, 1, d_V)) @ t18).reshape((n_batch, L, d_V))
+    t145 = (t144.reshape((L*n_batch, d_V)) @ t17).reshape((n_batch, L, d_V))
+    t146 = (t145.reshape((n_batch, L, 1, d_V)) @ M_2).reshape((n_batch, L, d_V))
+    t147 = (t142.reshape((L*n_batch, d_K)) @ W_K.permute(1, 0)).reshape((n_batch, L, d_V))
+    t148 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t138.sum((0,))).reshape((n_batch, L, d_V))
+    t149 = (t148 @ X.permute(0, 2, 1))
+    t150 = (t149.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    t151 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t139.permute(1, 0)).reshape((n_batch, L, d_K))
+    t152 = (t27.permute(1, 2, 0) @ t151.permute(0, 2, 1))
+    t153 = (t142.reshape((L*n_batch, d_K)) @ t142.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t154 = t153 * t21
+    t155 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t156 = (t155.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t154.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t157 = (t156.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t31.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t158 = (t151.reshape((L*n_batch, d_K)) @ t142.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t159 = t158 * t21
+    t160 = (t46.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t161 = (t160.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t159.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t162 = (t161.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t26.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t163 = (t151.reshape((L*n_batch, d_K)) @ t151.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t164 = t163 * t21
+    t165 = (t53.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t166 = (t165.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t164.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t167 = (t166.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t168 = (n_batch**(-2)) * (t138.sum((0,)) * t138.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t147 * t146).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t152 * t150.permute(0, 2, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t157 * t33.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t162 * t33.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t167 * t33.permute(0, 2, 3, 1)).sum()
+    t169 = torch.sqrt(torch.clamp(t168, min=0.0))
+    t170 = t77 * t153
+    t171 = (t155.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t172 = (t171.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t31.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t173 = t77 * t158
+    t174 = (t160.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t175 = (t174.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t26.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t176 = t77 * t163
+    t177 = (t165.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t178 = (t177.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t179 = (1/(L**2*d_K**2*n_batch**2)) * (t172 * t170.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t175 * t173.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t178 * t176.permute(0, 2, 3, 1)).sum()
+    t180 = torch.sqrt(torch.clamp(t179, min=0.0))
+    t181 = t153 * t95
+    t182 = (t98.permute(1, 0, 2, 3).reshape((n_batch, L*d_V, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    t183 = (t182.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t94.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t184 = (t29.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t103.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t185 = (t184.permute(0, 1, 3, 4, 2) * t153.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    t186 = (t185.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t187 = (t186.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t188 = t153 * t108
+    t189 = (t110.reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t190 = (t189.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t191 = (1/(L**2*d_K*n_batch**2)) * (t183 * t181.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t187 * t102.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t190 * t188.permute(0, 2, 3, 1)).sum()
+    t192 = torch.sqrt(torch.clamp(t191, min=0.0))
+    t193 = t153 * t117
+    t194 = (t121.reshape((n_batch, L*d_V, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t195 = (t194.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t121.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t196 = (t126.permute(0, 1, 3, 4, 2) * t153.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    t197 = (t196.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t198 = (t197.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t199 = t153 * t130
+    t200 = (t21.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t201 = (t200.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t199.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t202 = (t201.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t203 = (1/(L**2*d_K*n_batch**2)) * (t195 * t193.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t198 * t125.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t202 * t132.permute(0, 2, 3, 1)).sum()
+    t204 = torch.sqrt(torch.clamp(t203, min=0.0))
+    t205 = t101.transpose(-1, -2)
+    t206 = (t205.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t205.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t207 = t21 * t206
+    t208 = (t110.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t207.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t209 = (t208.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t210 = M_1.transpose(-1, -2)
+    t211 = (W_O.permute(1, 0) @ t205.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
+    t212 = (t210.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t213 = (t22 @ t18.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t214 = (t213.permute(0, 2, 3, 1) @ dA)
+    t215 = (t214.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t211.reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t216 = (t215.permute(0, 1, 3, 4, 2) * t21.reshape((n_batch, L, n_batch, L, 1)))
+    t217 = (t216.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t33.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t218 = (t217.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t219 = (t210.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t210.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t220 = (W_O.permute(1, 0) @ W_O)
+    t221 = t21 * t219
+    t222 = (t214.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t220.permute(1, 0)).reshape((n_batch, L, L, d_V))
+    t223 = (t214.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t221.reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    t224 = (t223.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t222.permute(0, 3, 1, 2).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t225 = (1/(d_K*n_batch**2)) * (t209 * t33.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t218 * t212.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t224 * t33.permute(2, 0, 1, 3)).sum()
+    t226 = torch.sqrt(torch.clamp(t225, min=0.0))
+    t227 = t77 * t206
+    t228 = (t215.permute(0, 1, 3, 4, 2) * t77.reshape((n_batch, L, n_batch, L, 1)))
+    t229 = (t228.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t230 = (t229.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t231 = t77 * t219
+    t232 = (t214.reshape((n_batch, L*d_V, L)) @ t21.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t233 = (t232.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t222.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t234 = (1/(d_K*n_batch**2)) * (t190 * t227.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t230 * t212.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t233 * t231.permute(2, 0, 1, 3)).sum()
+    t235 = torch.sqrt(torch.clamp(t234, min=0.0))
+    t236 = t95 * t219
+    t237 = (t220 @ t18.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t238 = (t97.permute(1, 0) @ t18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t239 = (t238.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t237.permute(3, 0, 1, 2).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t240 = (1/(L**2*n_batch**2)) * (t239 * t236).sum()
+    t241 = torch.sqrt(torch.clamp(t240, min=0.0))
+    t242 = t117 * t219
+    t243 = (t237.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t18.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t244 = (t115.reshape((L*n_batch, d_H)) @ W_O).reshape((n_batch, L, d_V))
+    t245 = (t244.reshape((n_batch, L, 1, d_V)) @ t18).reshape((n_batch, L, d_V))
+    t246 = (t219.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch)) @ G.reshape((L*n_batch, d_V))).reshape((n_batch, L, d_V))
+    t247 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t210.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t248 = (1/(L**2*n_batch**2)) * (t243 * t242.permute(2, 3, 0, 1)).sum() + (2/(L*n_batch**2)) * (t246 * t245).sum() + (d_H/n_batch**2) * (t247 * t247).sum()
+    t249 = torch.sqrt(torch.clamp(t248, min=0.0))
+    t250 = G.transpose(-1, -2)
+    t251 = W_V.transpose(-1, -2)
+    t252 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t251.permute(1, 0)).reshape((n_batch, L, d_H))
+    t253 = (t250.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t250.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t254 = t21 * t253
+    t255 = (t252.reshape((L*n_batch, d_H)) @ t252.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t256 = (t254.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t257 = (t256.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t255.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t258 = (t257.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t259 = t115.transpose(-1, -2)
+    t260 = (t252.reshape((L*n_batch, d_H)) @ t259.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t261 = (t251.permute(1, 0) @ t92.permute(1, 0))
+    t262 = (t261.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t263 = (t262.permute(1, 2, 0) @ t18.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t264 = (t263.permute(0, 2, 3, 1) @ dA)
+    t265 = (t264.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t250.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t266 = (t265.permute(0, 1, 3, 4, 2) * t21.reshape((n_batch, L, n_batch, L, 1)))
+    t267 = (t266.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t33.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t268 = (t267.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t269 = (t259.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t259.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t270 = t21 * t269
+    t271 = (t33.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t264.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, n_batch, L, L, d_V))
+    t272 = (t271.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t264.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t273 = (1/(d_K*n_batch**2)) * (t258 * t33.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t268 * t260.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t272 * t270.permute(0, 2, 3, 1)).sum()
+    t274 = torch.sqrt(torch.clamp(t273, min=0.0))
+    t275 = t77 * t253
+    t276 = (t200.reshape((n_batch, n_batch, L**2, L)) @ t255.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t277 = (t276.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t278 = (t265.permute(0, 1, 3, 4, 2) * t77.reshape((n_batch, L, n_batch, L, 1)))
+    t279 = (t278.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t21.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t280 = (t279.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t281 = t77 * t269
+    t282 = (t264.reshape((n_batch, L*d_V, L)) @ t21.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t283 = (t282.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t264.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t284 = (1/(d_K*n_batch**2)) * (t277 * t275.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t280 * t260.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t283 * t281.permute(0, 2, 3, 1)).sum()
+    t285 = torch.sqrt(torch.clamp(t284, min=0.0))
+    t286 = t250 @ M_1
+    t287 = (M_1.reshape((L*n_batch, d_V)) @ t286.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
+    t288 = t287 * t10
+    t289 = (t288.reshape((n_batch, L, 1, d_V)) @ dA16).reshape((n_batch, L, d_V))
+    t290 = (t92 @ t259.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
+    t291 = t95 * t269
+    t292 = (t97 @ t18.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t293 = (t292.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t18.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t294 = (d_H/n_batch**2) * (t286.sum((0,)) * t286.sum((0,))).sum() + (2/(L*n_batch**2)) * (t290 * t289.permute(2, 0, 1)).sum() + (1/(L**2*n_batch**2)) * (t293 * t291.permute(2, 3, 0, 1)).sum()
+    t295 = torch.sqrt(torch.clamp(t294, min=0.0))
+    t296 = (t18.reshape((L*n_batch, d_V**2)) @ t18.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t297 = t296 * t269
+    t298 = (1/(L**2*n_batch**2)) * (t297 * t117).sum()
+    t299 = torch.sqrt(torch.clamp(t298, min=0.0))
+    return (t60, t91, t114, t137, t169, t180, t192, t204, t226, t235, t241, t249, t274, t285, t295, t299,)
 
 
 def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -20677,69 +20666,65 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = t11 @ W_O
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t9 * A14
-    t16 = t15 - Y
-    t17 = (1/L) * t16
-    G = t17
-    t18 = W_O.transpose(-1, -2)
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t2
-    t21 = t18 @ t20
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
-    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t25.reshape((1, 1, L, L)) * t24.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t24.reshape((n_batch, L, L, 1))) - (t24.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t26 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = (t26.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t27 = (1/(d_K*n_batch)) * t1
-    t28 = (t27 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t29 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t30 = (t29.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (t25.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t31 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    dA = (t8.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t9 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t31.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t32 = W_V @ W_O
-    t33 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A34 = t33 / t33.sum(-1, keepdim=True)
-    t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t9.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t10 = W_V @ W_O
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ t10
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA36 = (t35.reshape((1, 1, d_V, d_V)) * A34.reshape((n_batch, L, d_V, 1))) - (A34.reshape((n_batch, L, 1, d_V)) * A34.reshape((n_batch, L, d_V, 1)))
-    t37 = t32.transpose(-1, -2)
-    t38 = (1/(L*d_K*n_batch)) * t1
-    t39 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t38.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t40 = (dA36 * t9.reshape((n_batch, L, d_V, 1)))
-    t41 = (t40.reshape((L*d_V*n_batch, d_V)) @ t37).reshape((n_batch, L, d_V, d_V))
-    t42 = (t41 @ M_2)
-    t43 = (t39.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t32).reshape((n_batch, L, d_K, d_V))
-    t44 = ((t43 @ t42)).permute(2, 3, 0, 1)
-    t45 = (t29.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-    t46 = t0.diagonal(0, 1, 3)
-    t47 = t24 @ X
-    t48 = t2 @ t47
-    t49 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t50 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t51 = t28.reshape((d_K*d_V, L*n_batch))
-    t52 = t44.reshape((d_K*d_V, L*n_batch))
-    t53 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t54 = t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t55 = torch.cat([t51, t52], dim=-1)
-    t56 = torch.cat([t53, t54], dim=-2)
-    t0[...] = ((t55 @ t56).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t46.addcmul_(t50.reshape((1, 1, d_K)), t48.sum((0,)).reshape((d_V, d_V, 1)))
+    dA18 = (t17.reshape((1, 1, d_V, d_V)) * A16.reshape((n_batch, L, d_V, 1))) - (A16.reshape((n_batch, L, 1, d_V)) * A16.reshape((n_batch, L, d_V, 1)))
+    t19 = t10.transpose(-1, -2)
+    t20 = (1/(L*d_K*n_batch)) * t1
+    t21 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t22 = (dA18 * t12.reshape((n_batch, L, d_V, 1)))
+    t23 = (t22.reshape((L*d_V*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V, d_V))
+    t24 = (t23 @ M_2)
+    t25 = (t21.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t10).reshape((n_batch, L, d_K, d_V))
+    t26 = ((t25 @ t24)).permute(2, 3, 0, 1)
+    t27 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t28 = (t27.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    F = t14
+    t29 = torch.exp(F - F.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = t12 * A30
+    t32 = t31 - Y
+    t33 = (1/L) * t32
+    G = t33
+    t34 = t19 @ t2
+    t35 = G @ t34
+    t36 = t35 - (A * t35).sum(-1, keepdim=True)
+    t37 = A * t36
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t8.reshape((1, 1, L, L)) * t37.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t37.reshape((n_batch, L, L, 1))) - (t37.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t38 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = (t38.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t39 = (1/(d_K*n_batch)) * t1
+    t40 = (t39 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t41 = (t27.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t42 = t0.diagonal(0, 1, 3)
+    t43 = t37 @ X
+    t44 = t2 @ t43
+    t45 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t46 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t47 = t26.reshape((d_K*d_V, L*n_batch))
+    t48 = t40.reshape((d_K*d_V, L*n_batch))
+    t49 = t28.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t50 = t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t51 = torch.cat([t47, t48], dim=-1)
+    t52 = torch.cat([t49, t50], dim=-2)
+    t0[...] = ((t51 @ t52).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t42.addcmul_(t46.reshape((1, 1, d_K)), t44.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -20781,70 +20766,67 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = t23 @ X
     t25 = t0 @ t24
     t26 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t26.reshape((1, 1, L, L)) * t23.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t23.reshape((n_batch, L, L, 1))) - (t23.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t27 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.sum((0,))).reshape((n_batch, L, d_V))
-    t28 = (t27 @ X.permute(0, 2, 1))
-    t29 = (t28.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t30 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
-    t31 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t32 = (t31.permute(1, 2, 0) @ t30.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t26.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t33 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t27 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t34 = W_V @ W_O
-    t35 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A36 = t35 / t35.sum(-1, keepdim=True)
-    t37 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t28 = W_V @ W_O
+    t29 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = (t37.reshape((1, 1, d_V, d_V)) * A36.reshape((n_batch, L, d_V, 1))) - (A36.reshape((n_batch, L, 1, d_V)) * A36.reshape((n_batch, L, d_V, 1)))
-    t39 = t34.transpose(-1, -2)
-    t40 = (X.reshape((L*n_batch, d_V)) @ t25.sum((0,))).reshape((n_batch, L, d_V))
-    t41 = (t40.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t42 = (dA38 * t8.reshape((n_batch, L, d_V, 1)))
-    t43 = (W_Q @ t1)
-    t44 = (t41.reshape((L*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_V))
-    t45 = (t44.reshape((n_batch, L, 1, d_V)) @ t42.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t46 = (t43.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t47 = (t46.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t48 = (t47.reshape((L*n_batch, d_V)) @ t34).reshape((n_batch, L, d_V))
-    t49 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t50 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t51 = (t30.reshape((L*n_batch, d_K)) @ t30.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t52 = (t31.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t31.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t53 = t52 * t49
-    t54 = (t50.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t55 = (t54.reshape((n_batch, n_batch, L**2, L)) @ t51.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t56 = (t55.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t57 = (X.reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
-    t58 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t59 = (t34.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t60 = (t42.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t59.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-    t61 = (t60 @ dA)
-    t62 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_V))
-    t63 = (t62 @ t61.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-    t64 = (t63.permute(0, 2, 3, 1) @ dA)
-    t65 = (t57.reshape((L*n_batch, d_K)) @ t30.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t66 = t52 * t58
-    t67 = (t54.reshape((n_batch, n_batch, L**2, L)) @ t65.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t68 = (t67.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t64.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t69 = (t59.permute(1, 2, 0) @ t42.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t70 = (t69.reshape((n_batch, L**2, d_V)) @ t62.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t71 = (t70.permute(0, 2, 3, 1) @ dA)
-    t72 = (t71.permute(0, 1, 3, 2) @ dA)
-    t73 = (t69.permute(0, 2, 3, 1) @ dA)
-    t74 = (t62 @ t73.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-    t75 = (t74.permute(0, 2, 3, 1) @ dA)
-    t76 = (t57.reshape((L*n_batch, d_K)) @ t57.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t77 = t52 * t50
-    t78 = (t50.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t72.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t79 = (t78.reshape((n_batch, n_batch, L**2, L)) @ t76.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t80 = (t79.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t75.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t81 = (n_batch**(-2)) * (t25.sum((0,)) * t25.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t32 * t29).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t48 * t45).sum() + (1/(d_K**2*n_batch**2)) * (t56 * t53.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t68 * t66.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t80 * t77.permute(0, 2, 3, 1)).sum()
-    t82 = torch.sqrt(torch.clamp(t81, min=0.0))
-    return t82
+    dA32 = (t31.reshape((1, 1, d_V, d_V)) * A30.reshape((n_batch, L, d_V, 1))) - (A30.reshape((n_batch, L, 1, d_V)) * A30.reshape((n_batch, L, d_V, 1)))
+    t33 = t28.transpose(-1, -2)
+    t34 = (X.reshape((L*n_batch, d_V)) @ t25.sum((0,))).reshape((n_batch, L, d_V))
+    t35 = (t34.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t36 = (dA32 * t8.reshape((n_batch, L, d_V, 1)))
+    t37 = (W_Q @ t1)
+    t38 = (t35.reshape((L*n_batch, d_V)) @ t33.permute(1, 0)).reshape((n_batch, L, d_V))
+    t39 = (t38.reshape((n_batch, L, 1, d_V)) @ t36.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t40 = (t37.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t41 = (t40.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t42 = (t41.reshape((L*n_batch, d_V)) @ t28).reshape((n_batch, L, d_V))
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t26.reshape((1, 1, L, L)) * t23.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t23.reshape((n_batch, L, L, 1))) - (t23.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t43 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t25.sum((0,))).reshape((n_batch, L, d_V))
+    t44 = (t43 @ X.permute(0, 2, 1))
+    t45 = (t44.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t46 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
+    t47 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t48 = (t47.permute(1, 2, 0) @ t46.permute(0, 2, 1))
+    t49 = (X.reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
+    t50 = (t28.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t51 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t52 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t33.permute(1, 0)).reshape((n_batch, L, d_V))
+    t53 = (t50.permute(1, 2, 0) @ t36.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t54 = (t53.reshape((n_batch, L**2, d_V)) @ t52.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t55 = (t54.permute(0, 2, 3, 1) @ dA)
+    t56 = (t55.permute(0, 1, 3, 2) @ dA)
+    t57 = (t53.permute(0, 2, 3, 1) @ dA)
+    t58 = (t52 @ t57.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+    t59 = (t58.permute(0, 2, 3, 1) @ dA)
+    t60 = (t49.reshape((L*n_batch, d_K)) @ t49.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t61 = (t47.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t47.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t62 = t61 * t51
+    t63 = (t51.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t56.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t64 = (t63.reshape((n_batch, n_batch, L**2, L)) @ t60.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t65 = (t64.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t59.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t66 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t67 = (t46.reshape((L*n_batch, d_K)) @ t49.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t68 = t61 * t66
+    t69 = (t51.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t70 = (t69.reshape((n_batch, n_batch, L**2, L)) @ t67.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t71 = (t70.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t56.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t72 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t73 = (t46.reshape((L*n_batch, d_K)) @ t46.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t74 = t61 * t72
+    t75 = (t51.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t76 = (t75.reshape((n_batch, n_batch, L**2, L)) @ t73.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t77 = (t76.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t78 = (n_batch**(-2)) * (t25.sum((0,)) * t25.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t42 * t39).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t48 * t45).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t65 * t62.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t71 * t68.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t77 * t74.permute(0, 2, 3, 1)).sum()
+    t79 = torch.sqrt(torch.clamp(t78, min=0.0))
+    return t79
 
 
 def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -21246,71 +21228,67 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = t12 @ W_O
-    F = t13
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t10 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = W_O.transpose(-1, -2)
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t2
-    t22 = t19 @ t21
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t26.reshape((1, 1, L, L)) * t25.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t25.reshape((n_batch, L, L, 1))) - (t25.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t27 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = (t27.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t28 = (1/(d_K*n_batch)) * t1
-    t29 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t30 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t28.permute(1, 0)).reshape((n_batch, L, d_K))
-    t31 = (t30.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (t26.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t32 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    dA = (t9.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t10 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t32.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t33 = W_V @ W_O
-    t34 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A35 = t34 / t34.sum(-1, keepdim=True)
-    t36 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t10.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t11 = W_V @ W_O
+    t12 = Y.sum(-1, keepdim=True)
+    t13 = t12.expand(*t12.shape[:-1], d_V)
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ t11
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA37 = (t36.reshape((1, 1, d_V, d_V)) * A35.reshape((n_batch, L, d_V, 1))) - (A35.reshape((n_batch, L, 1, d_V)) * A35.reshape((n_batch, L, d_V, 1)))
-    t38 = t33.transpose(-1, -2)
-    t39 = (1/(L*d_K*n_batch)) * t1
-    t40 = (t33.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t41 = (dA37 * t10.reshape((n_batch, L, d_V, 1)))
-    t42 = (t41.permute(0, 1, 3, 2) @ t40.permute(1, 2, 0, 3))
-    t43 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t38.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t44 = (t43 @ t42)
-    t45 = ((W_K.permute(1, 0) @ t44.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t46 = (X.reshape((L*n_batch, d_V)) @ t39.permute(1, 0)).reshape((n_batch, L, d_K))
-    t47 = (t46.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t48 = t0.diagonal(0, 1, 3)
-    t49 = t25.transpose(-1, -2)
-    t50 = t49 @ X
-    t51 = t2 @ t50
-    t52 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t53 = (1/(math.sqrt(d_K)*n_batch)) * t52
-    t54 = t31.reshape((d_K*d_V, L*n_batch))
-    t55 = t47.reshape((d_K*d_V, L*n_batch))
-    t56 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t57 = t45.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t58 = torch.cat([t54, t55], dim=-1)
-    t59 = torch.cat([t56, t57], dim=-2)
-    t0[...] = ((t58 @ t59).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t48.addcmul_(t53.reshape((1, 1, d_K)), t51.sum((0,)).reshape((d_V, d_V, 1)))
+    dA19 = (t18.reshape((1, 1, d_V, d_V)) * A17.reshape((n_batch, L, d_V, 1))) - (A17.reshape((n_batch, L, 1, d_V)) * A17.reshape((n_batch, L, d_V, 1)))
+    t20 = t11.transpose(-1, -2)
+    t21 = (1/(L*d_K*n_batch)) * t1
+    t22 = (t11.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t23 = (dA19 * t13.reshape((n_batch, L, d_V, 1)))
+    t24 = (t23.permute(0, 1, 3, 2) @ t22.permute(1, 2, 0, 3))
+    t25 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t20.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t26 = (t25 @ t24)
+    t27 = ((W_K.permute(1, 0) @ t26.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t28 = (X.reshape((L*n_batch, d_V)) @ t21.permute(1, 0)).reshape((n_batch, L, d_K))
+    t29 = (t28.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    F = t15
+    t30 = torch.exp(F - F.amax(-1, keepdim=True))
+    A31 = t30 / t30.sum(-1, keepdim=True)
+    t32 = t13 * A31
+    t33 = t32 - Y
+    t34 = (1/L) * t33
+    G = t34
+    t35 = t20 @ t2
+    t36 = G @ t35
+    t37 = t36 - (A * t36).sum(-1, keepdim=True)
+    t38 = A * t37
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t9.reshape((1, 1, L, L)) * t38.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t38.reshape((n_batch, L, L, 1))) - (t38.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t39 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = (t39.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t40 = (1/(d_K*n_batch)) * t1
+    t41 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t42 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t40.permute(1, 0)).reshape((n_batch, L, d_K))
+    t43 = (t42.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t44 = t0.diagonal(0, 1, 3)
+    t45 = t38.transpose(-1, -2)
+    t46 = t45 @ X
+    t47 = t2 @ t46
+    t48 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t49 = (1/(math.sqrt(d_K)*n_batch)) * t48
+    t50 = t29.reshape((d_K*d_V, L*n_batch))
+    t51 = t43.reshape((d_K*d_V, L*n_batch))
+    t52 = t27.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t53 = t41.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t54 = torch.cat([t50, t51], dim=-1)
+    t55 = torch.cat([t52, t53], dim=-2)
+    t0[...] = ((t54 @ t55).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t44.addcmul_(t49.reshape((1, 1, d_K)), t47.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -21354,70 +21332,66 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = t0 @ t25
     t27 = W_Q.transpose(-1, -2)
     t28 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t28.reshape((1, 1, L, L)) * t23.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t23.reshape((n_batch, L, L, 1))) - (t23.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t29 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t26.sum((0,))).reshape((n_batch, L, d_V))
-    t30 = (t29 @ X.permute(0, 2, 1))
-    t31 = (t30.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
-    t32 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_K))
-    t33 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t34 = (t33.permute(1, 2, 0) @ t32.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t28.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t35 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t29 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t36 = W_V @ W_O
-    t37 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A38 = t37 / t37.sum(-1, keepdim=True)
-    t39 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t30 = W_V @ W_O
+    t31 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t33 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA40 = (t39.reshape((1, 1, d_V, d_V)) * A38.reshape((n_batch, L, d_V, 1))) - (A38.reshape((n_batch, L, 1, d_V)) * A38.reshape((n_batch, L, d_V, 1)))
-    t41 = t36.transpose(-1, -2)
-    t42 = (X.reshape((L*n_batch, d_V)) @ t26.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
-    t43 = (t42.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t44 = (dA40 * t8.reshape((n_batch, L, d_V, 1)))
-    t45 = (X.reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_K))
-    t46 = (t43.reshape((L*n_batch, d_V)) @ t36).reshape((n_batch, L, d_V))
-    t47 = (t46.reshape((n_batch, L, 1, d_V)) @ t44).reshape((n_batch, L, d_V))
-    t48 = (t47.reshape((L*n_batch, d_V)) @ t41).reshape((n_batch, L, d_V))
-    t49 = (t48.reshape((n_batch, L, 1, d_V)) @ M_2).reshape((n_batch, L, d_V))
-    t50 = (t45.reshape((L*n_batch, d_K)) @ W_K.permute(1, 0)).reshape((n_batch, L, d_V))
-    t51 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    dA34 = (t33.reshape((1, 1, d_V, d_V)) * A32.reshape((n_batch, L, d_V, 1))) - (A32.reshape((n_batch, L, 1, d_V)) * A32.reshape((n_batch, L, d_V, 1)))
+    t35 = t30.transpose(-1, -2)
+    t36 = (X.reshape((L*n_batch, d_V)) @ t26.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
+    t37 = (t36.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t38 = (dA34 * t8.reshape((n_batch, L, d_V, 1)))
+    t39 = (X.reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_K))
+    t40 = (t37.reshape((L*n_batch, d_V)) @ t30).reshape((n_batch, L, d_V))
+    t41 = (t40.reshape((n_batch, L, 1, d_V)) @ t38).reshape((n_batch, L, d_V))
+    t42 = (t41.reshape((L*n_batch, d_V)) @ t35).reshape((n_batch, L, d_V))
+    t43 = (t42.reshape((n_batch, L, 1, d_V)) @ M_2).reshape((n_batch, L, d_V))
+    t44 = (t39.reshape((L*n_batch, d_K)) @ W_K.permute(1, 0)).reshape((n_batch, L, d_V))
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t28.reshape((1, 1, L, L)) * t23.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t23.reshape((n_batch, L, L, 1))) - (t23.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t45 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t26.sum((0,))).reshape((n_batch, L, d_V))
+    t46 = (t45 @ X.permute(0, 2, 1))
+    t47 = (t46.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    t48 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.permute(1, 0)).reshape((n_batch, L, d_K))
+    t49 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t50 = (t49.permute(1, 2, 0) @ t48.permute(0, 2, 1))
+    t51 = (t30.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t52 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t53 = (t32.reshape((L*n_batch, d_K)) @ t32.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t54 = t53 * t52
-    t55 = (t33.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t33.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t56 = (t51.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t57 = (t56.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t54.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t58 = (t57.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t59 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t60 = (t36.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t61 = (t44.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t60.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-    t62 = (t61 @ dA)
-    t63 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_V))
-    t64 = (t63 @ t62.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-    t65 = (t64.permute(0, 2, 3, 1) @ dA)
-    t66 = (t45.reshape((L*n_batch, d_K)) @ t32.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t67 = t66 * t52
-    t68 = (t59.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t69 = (t68.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t67.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t70 = (t69.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t65.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t71 = (t60.permute(1, 2, 0) @ t44.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t72 = (t71.reshape((n_batch, L**2, d_V)) @ t63.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t73 = (t72.permute(0, 2, 3, 1) @ dA)
-    t74 = (t73.permute(0, 1, 3, 2) @ dA)
-    t75 = (t71.permute(0, 2, 3, 1) @ dA)
-    t76 = (t63 @ t75.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-    t77 = (t76.permute(0, 2, 3, 1) @ dA)
-    t78 = (t45.reshape((L*n_batch, d_K)) @ t45.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t79 = t78 * t52
-    t80 = (t74.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t52.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t81 = (t80.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t79.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t82 = (t81.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t77.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t83 = (n_batch**(-2)) * (t26.sum((0,)) * t26.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t34 * t31.permute(0, 2, 1)).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t50 * t49).sum() + (1/(d_K**2*n_batch**2)) * (t58 * t55.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t70 * t55.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t82 * t55.permute(0, 2, 3, 1)).sum()
-    t84 = torch.sqrt(torch.clamp(t83, min=0.0))
-    return t84
+    t53 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t35.permute(1, 0)).reshape((n_batch, L, d_V))
+    t54 = (t51.permute(1, 2, 0) @ t38.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t55 = (t54.reshape((n_batch, L**2, d_V)) @ t53.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t56 = (t55.permute(0, 2, 3, 1) @ dA)
+    t57 = (t56.permute(0, 1, 3, 2) @ dA)
+    t58 = (t54.permute(0, 2, 3, 1) @ dA)
+    t59 = (t53 @ t58.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+    t60 = (t59.permute(0, 2, 3, 1) @ dA)
+    t61 = (t39.reshape((L*n_batch, d_K)) @ t39.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t62 = t61 * t52
+    t63 = (t49.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t49.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t64 = (t57.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t52.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t65 = (t64.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t62.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t66 = (t65.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t60.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t67 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t68 = (t48.reshape((L*n_batch, d_K)) @ t39.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t69 = t68 * t52
+    t70 = (t67.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t71 = (t70.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t69.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t72 = (t71.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t57.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t73 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t74 = (t48.reshape((L*n_batch, d_K)) @ t48.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t75 = t74 * t52
+    t76 = (t73.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t77 = (t76.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t75.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t78 = (t77.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t79 = (n_batch**(-2)) * (t26.sum((0,)) * t26.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t44 * t43).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t50 * t47.permute(0, 2, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t66 * t63.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t72 * t63.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t78 * t63.permute(0, 2, 3, 1)).sum()
+    t80 = torch.sqrt(torch.clamp(t79, min=0.0))
+    return t80
 
 
 def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -28578,11 +28552,11 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t1[...] = ((t50 @ t51).reshape((d_V, d_V, d_K, d_K))).permute(0, 2, 1, 3)
     t52 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = t52.view((d_V, d_K, d_V, d_K))
-    t54 = (t42 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t54 = ((t28 @ t27)).permute(2, 3, 0, 1)
     t55 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t56 = (t55.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
-    t57 = ((t28 @ t27)).permute(2, 3, 0, 1)
-    t58 = (t55.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t56 = (t55.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    t57 = (t42 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t58 = (t55.reshape((1, d_K, n_batch, L)) * t3.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
     t59 = t53.diagonal(0, 1, 3)
     t60 = t40 @ X
     t61 = t3 @ t60
@@ -28626,23 +28600,23 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t93 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t94 = t93.view((d_V, d_K, d_V, d_K))
     t95 = W_Q.transpose(-1, -2)
-    t96 = (1/(d_K*n_batch)) * t95
-    t97 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t98 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t96.permute(1, 0)).reshape((n_batch, L, d_K))
-    t99 = (t98.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t100 = (1/(L*d_K*n_batch)) * t95
-    t101 = (t13.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t102 = (t25.permute(0, 1, 3, 2) @ t101.permute(1, 2, 0, 3))
-    t103 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t104 = (t103 @ t102)
-    t105 = ((W_K.permute(1, 0) @ t104.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t106 = (X.reshape((L*n_batch, d_V)) @ t100.permute(1, 0)).reshape((n_batch, L, d_K))
+    t96 = (1/(L*d_K*n_batch)) * t95
+    t97 = (t13.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t98 = (t25.permute(0, 1, 3, 2) @ t97.permute(1, 2, 0, 3))
+    t99 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t100 = (t99 @ t98)
+    t101 = ((W_K.permute(1, 0) @ t100.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t102 = (X.reshape((L*n_batch, d_V)) @ t96.permute(1, 0)).reshape((n_batch, L, d_K))
+    t103 = (t102.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t104 = (1/(d_K*n_batch)) * t95
+    t105 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t106 = (t3.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t104.permute(1, 0)).reshape((n_batch, L, d_K))
     t107 = (t106.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t108 = t94.diagonal(0, 1, 3)
     t109 = t61.transpose(-1, -2)
-    t110 = t99.reshape((d_K*d_V, L*n_batch))
+    t110 = t103.reshape((d_K*d_V, L*n_batch))
     t111 = t107.reshape((d_K*d_V, L*n_batch))
-    t112 = t97.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t112 = t101.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t113 = t105.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
     t114 = torch.cat([t110, t111], dim=-1)
     t115 = torch.cat([t112, t113], dim=-2)
@@ -28650,10 +28624,10 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t108.addcmul_(t63.reshape((1, 1, d_K)), t109.sum((0,)).reshape((d_V, d_V, 1)))
     t116 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t117 = t116.view((d_V, d_K, d_V, d_K))
-    t118 = ((t103 @ t102)).permute(3, 2, 0, 1)
-    t119 = (t55.reshape((1, d_K, n_batch, L)) * t106.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t118 = ((t99 @ t98)).permute(3, 2, 0, 1)
+    t119 = (t55.reshape((1, d_K, n_batch, L)) * t102.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t120 = M_3.permute(2, 3, 0, 1)
-    t121 = (t55.reshape((1, d_K, n_batch, L)) * t98.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
+    t121 = (t55.reshape((1, d_K, n_batch, L)) * t106.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)))
     t122 = t118.reshape((d_V**2, L*n_batch))
     t123 = t120.reshape((d_V**2, L*n_batch))
     t124 = t119.permute(2, 3, 0, 1).reshape((L*n_batch, d_K**2))
@@ -28664,7 +28638,7 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y, out=None):
     t128 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
     t129 = t128.view((d_V, d_K, d_V, d_H))
     t130 = (1/(L*math.sqrt(d_K)*n_batch)) * t95
-    t131 = ((t72.permute(1, 0) @ t102.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t131 = ((t72.permute(1, 0) @ t98.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_H, d_V, n_batch, L))).permute(1, 0, 2, 3)
     t132 = (X.reshape((L*n_batch, d_V)) @ t130.permute(1, 0)).reshape((n_batch, L, d_K))
     t133 = (t132.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * M_1.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
     t134 = (1/(math.sqrt(d_K)*n_batch)) * t95
@@ -28946,251 +28920,246 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
     t62 = torch.sqrt(torch.clamp(t61, min=0.0))
     t63 = t47 @ X
     t64 = t1 @ t63
-    t65 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t64.sum((0,))).reshape((n_batch, L, d_V))
-    t66 = (t65 @ X.permute(0, 2, 1))
-    t67 = (t66.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t68 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t69 = (t68.permute(1, 2, 0) @ t50.permute(0, 2, 1))
-    t70 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t65 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t1.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t70.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t71 = (X.reshape((L*n_batch, d_V)) @ t64.sum((0,))).reshape((n_batch, L, d_V))
-    t72 = (t71.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t73 = (W_Q @ t0)
-    t74 = (t72.reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V))
-    t75 = (t74.reshape((n_batch, L, 1, d_V)) @ t20.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t76 = (t73.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t77 = (t76.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t78 = (t77.reshape((L*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V))
-    t79 = (t68.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t68.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t80 = t79 * t55
-    t81 = (t23.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t82 = (t81.reshape((n_batch, n_batch, L**2, L)) @ t57.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t83 = (t82.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t84 = (X.reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t85 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t22.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-    t86 = (t85 @ dA)
-    t87 = (t24 @ t86.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-    t88 = (t87.permute(0, 2, 3, 1) @ dA)
-    t89 = (t21.reshape((L*n_batch, d_K)) @ t50.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t90 = t79 * t84
-    t91 = (t81.reshape((n_batch, n_batch, L**2, L)) @ t89.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t92 = (t91.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t88.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t93 = t79 * t23
-    t94 = (t23.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t28.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t95 = (t94.reshape((n_batch, n_batch, L**2, L)) @ t34.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t96 = (t95.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t33.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t97 = (n_batch**(-2)) * (t64.sum((0,)) * t64.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t69 * t67).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t78 * t75).sum() + (1/(d_K**2*n_batch**2)) * (t83 * t80.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t92 * t90.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t96 * t93.permute(0, 2, 3, 1)).sum()
-    t98 = torch.sqrt(torch.clamp(t97, min=0.0))
-    t99 = W_O.transpose(-1, -2)
-    t100 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t101 = t100 * t23
-    t102 = (t99 @ t99.permute(1, 0))
-    t103 = (t102 @ t86.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))
-    t104 = (t103.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ t101.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
-    t105 = (t104.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t86.permute(0, 2, 1, 3).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t106 = G @ t99
-    t107 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t108 = (t106.reshape((L*n_batch, d_H)) @ t99.permute(1, 0)).reshape((n_batch, L, d_V))
-    t109 = (t108.reshape((L*n_batch, d_V)) @ t86.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((n_batch, L, n_batch, L, L))
-    t110 = (t109 * t23.reshape((n_batch, L, n_batch, L, 1)))
-    t111 = (t110.permute(0, 2, 1, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t107.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t112 = (t111.permute(0, 1, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t113 = (t106.reshape((L*n_batch, d_H)) @ t106.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t114 = t113 * t23
-    t115 = (t55.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t116 = (t115.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t114.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t117 = (t116.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t118 = (1/(L**2*d_K*n_batch**2)) * (t105 * t34.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t112 * t34.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t117 * t34.permute(0, 2, 3, 1)).sum()
-    t119 = torch.sqrt(torch.clamp(t118, min=0.0))
-    t120 = M_1 @ W_V
-    t121 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
-    t122 = (t120.reshape((L*n_batch, d_H)) @ t120.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t123 = t122 * t23
-    t124 = (t121.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ W_O).reshape((n_batch, L, d_V))
-    t125 = (t124 @ t20.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t126 = (t125.permute(0, 2, 3, 1) @ dA)
-    t127 = (t126.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t123.reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
-    t128 = (t127.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t126.permute(0, 2, 1, 3).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t129 = (W_V @ t120.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
-    t130 = (t129.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t131 = (t126.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t132 = (t131.permute(0, 1, 3, 4, 2) * t23.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
-    t133 = (t132.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t34.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t134 = (t133.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t135 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t136 = t135 * t23
-    t137 = (t121.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t121.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t138 = (t136.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t139 = (t138.reshape((n_batch, n_batch, L**2, L)) @ t34.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t140 = (t139.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t141 = (1/(L**2*d_K*n_batch**2)) * (t128 * t34.permute(2, 0, 1, 3)).sum() + (2/(L*d_K*n_batch**2)) * (t134 * t130.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t140 * t137.permute(0, 2, 3, 1)).sum()
-    t142 = torch.sqrt(torch.clamp(t141, min=0.0))
-    t143 = t64.transpose(-1, -2)
-    t144 = W_Q.transpose(-1, -2)
-    t145 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t143.sum((0,))).reshape((n_batch, L, d_V))
-    t146 = (t145 @ X.permute(0, 2, 1))
-    t147 = (t146.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
-    t148 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t144.permute(1, 0)).reshape((n_batch, L, d_K))
-    t149 = (t29.permute(1, 2, 0) @ t148.permute(0, 2, 1))
-    t150 = (X.reshape((L*n_batch, d_V)) @ t143.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
-    t151 = (t150.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t152 = (X.reshape((L*n_batch, d_V)) @ t144.permute(1, 0)).reshape((n_batch, L, d_K))
-    t153 = (t151.reshape((L*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V))
-    t154 = (t153.reshape((n_batch, L, 1, d_V)) @ t20).reshape((n_batch, L, d_V))
-    t155 = (t154.reshape((L*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V))
-    t156 = (t155.reshape((n_batch, L, 1, d_V)) @ M_2).reshape((n_batch, L, d_V))
-    t157 = (t152.reshape((L*n_batch, d_K)) @ W_K.permute(1, 0)).reshape((n_batch, L, d_V))
-    t158 = (t148.reshape((L*n_batch, d_K)) @ t148.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t159 = t158 * t23
-    t160 = (t55.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t161 = (t160.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t159.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t162 = (t161.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t163 = (t152.reshape((L*n_batch, d_K)) @ t148.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t164 = t163 * t23
-    t165 = (t84.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t166 = (t165.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t164.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t167 = (t166.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t88.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t168 = (t152.reshape((L*n_batch, d_K)) @ t152.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t169 = t168 * t23
-    t170 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t23.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t171 = (t170.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t169.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t172 = (t171.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t33.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t173 = (n_batch**(-2)) * (t143.sum((0,)) * t143.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t149 * t147.permute(0, 2, 1)).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t157 * t156).sum() + (1/(d_K**2*n_batch**2)) * (t162 * t35.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t167 * t35.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t172 * t35.permute(0, 2, 3, 1)).sum()
-    t174 = torch.sqrt(torch.clamp(t173, min=0.0))
-    t175 = t79 * t168
-    t176 = (t170.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t177 = (t176.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t33.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t178 = (t148.reshape((L*n_batch, d_K)) @ t152.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t179 = t79 * t178
-    t180 = (t48.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t181 = (t180.reshape((n_batch, n_batch, L**2, L)) @ t23.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t182 = (t181.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t28.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t183 = t79 * t158
-    t184 = (t160.reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t185 = (t184.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t186 = (1/(L**2*d_K**2*n_batch**2)) * (t177 * t175.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t182 * t179.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t185 * t183.permute(0, 2, 3, 1)).sum()
-    t187 = torch.sqrt(torch.clamp(t186, min=0.0))
-    t188 = t168 * t100
-    t189 = (t103.permute(1, 0, 2, 3).reshape((n_batch, L*d_V, L)) @ t23.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
-    t190 = (t189.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t86.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t191 = (t31.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t108.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t192 = (t191.permute(0, 1, 3, 4, 2) * t168.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
-    t193 = (t192.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t194 = (t193.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t195 = t168 * t113
-    t196 = (t115.reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t197 = (t196.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t198 = (1/(L**2*d_K*n_batch**2)) * (t190 * t188.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t194 * t107.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t197 * t195.permute(0, 2, 3, 1)).sum()
-    t199 = torch.sqrt(torch.clamp(t198, min=0.0))
-    t200 = t168 * t122
-    t201 = (t126.reshape((n_batch, L*d_V, L)) @ t23.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
-    t202 = (t201.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t126.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t203 = (t131.permute(0, 1, 3, 4, 2) * t168.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
-    t204 = (t203.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t205 = (t204.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t206 = t168 * t135
-    t207 = (t23.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t208 = (t207.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t206.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t209 = (t208.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t210 = (1/(L**2*d_K*n_batch**2)) * (t202 * t200.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t205 * t130.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t209 * t137.permute(0, 2, 3, 1)).sum()
-    t211 = torch.sqrt(torch.clamp(t210, min=0.0))
-    t212 = t106.transpose(-1, -2)
-    t213 = (t212.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t212.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t214 = t23 * t213
-    t215 = (t115.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t214.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t216 = (t215.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t217 = M_1.transpose(-1, -2)
-    t218 = (W_O.permute(1, 0) @ t212.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
-    t219 = (t217.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t220 = (t24 @ t20.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t221 = (t220.permute(0, 2, 3, 1) @ dA)
-    t222 = (t221.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t218.reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t223 = (t222.permute(0, 1, 3, 4, 2) * t23.reshape((n_batch, L, n_batch, L, 1)))
-    t224 = (t223.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t35.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t225 = (t224.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t226 = (t217.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t217.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t227 = (W_O.permute(1, 0) @ W_O)
-    t228 = t23 * t226
-    t229 = (t221.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t227.permute(1, 0)).reshape((n_batch, L, L, d_V))
-    t230 = (t221.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t228.reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
-    t231 = (t230.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t229.permute(0, 3, 1, 2).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t232 = (1/(d_K*n_batch**2)) * (t216 * t35.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t225 * t219.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t231 * t35.permute(2, 0, 1, 3)).sum()
-    t233 = torch.sqrt(torch.clamp(t232, min=0.0))
-    t234 = t79 * t213
-    t235 = (t222.permute(0, 1, 3, 4, 2) * t79.reshape((n_batch, L, n_batch, L, 1)))
-    t236 = (t235.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t237 = (t236.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t238 = t79 * t226
-    t239 = (t221.reshape((n_batch, L*d_V, L)) @ t23.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
-    t240 = (t239.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t229.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t241 = (1/(d_K*n_batch**2)) * (t197 * t234.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t237 * t219.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t240 * t238.permute(2, 0, 1, 3)).sum()
-    t242 = torch.sqrt(torch.clamp(t241, min=0.0))
-    t243 = t100 * t226
-    t244 = (t227 @ t20.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t245 = (t102.permute(1, 0) @ t20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t246 = (t245.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t244.permute(3, 0, 1, 2).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t247 = (1/(L**2*n_batch**2)) * (t246 * t243).sum()
-    t248 = torch.sqrt(torch.clamp(t247, min=0.0))
-    t249 = t122 * t226
-    t250 = (t244.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t20.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t251 = (t120.reshape((L*n_batch, d_H)) @ W_O).reshape((n_batch, L, d_V))
-    t252 = (t251.reshape((n_batch, L, 1, d_V)) @ t20).reshape((n_batch, L, d_V))
-    t253 = (t226.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch)) @ G.reshape((L*n_batch, d_V))).reshape((n_batch, L, d_V))
-    t254 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t217.permute(0, 2, 1).reshape((L*n_batch, d_V)))
-    t255 = (1/(L**2*n_batch**2)) * (t250 * t249.permute(2, 3, 0, 1)).sum() + (2/(L*n_batch**2)) * (t253 * t252).sum() + (d_H/n_batch**2) * (t254 * t254).sum()
-    t256 = torch.sqrt(torch.clamp(t255, min=0.0))
-    t257 = G.transpose(-1, -2)
-    t258 = W_V.transpose(-1, -2)
-    t259 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t258.permute(1, 0)).reshape((n_batch, L, d_H))
-    t260 = (t257.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t257.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t261 = t23 * t260
-    t262 = (t259.reshape((L*n_batch, d_H)) @ t259.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t263 = (t261.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t264 = (t263.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t262.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t265 = (t264.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t266 = t120.transpose(-1, -2)
-    t267 = (t259.reshape((L*n_batch, d_H)) @ t266.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t268 = (t258.permute(1, 0) @ t99.permute(1, 0))
-    t269 = (t268.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t270 = (t269.permute(1, 2, 0) @ t20.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t271 = (t270.permute(0, 2, 3, 1) @ dA)
-    t272 = (t271.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t257.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t273 = (t272.permute(0, 1, 3, 4, 2) * t23.reshape((n_batch, L, n_batch, L, 1)))
-    t274 = (t273.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t35.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t275 = (t274.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t276 = (t266.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t266.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t277 = t23 * t276
-    t278 = (t35.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t271.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, n_batch, L, L, d_V))
-    t279 = (t278.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t271.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t280 = (1/(d_K*n_batch**2)) * (t265 * t35.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t275 * t267.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t279 * t277.permute(0, 2, 3, 1)).sum()
-    t281 = torch.sqrt(torch.clamp(t280, min=0.0))
-    t282 = t79 * t260
-    t283 = (t207.reshape((n_batch, n_batch, L**2, L)) @ t262.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t284 = (t283.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t285 = (t272.permute(0, 1, 3, 4, 2) * t79.reshape((n_batch, L, n_batch, L, 1)))
-    t286 = (t285.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
-    t287 = (t286.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t288 = t79 * t276
-    t289 = (t271.reshape((n_batch, L*d_V, L)) @ t23.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
-    t290 = (t289.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t271.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
-    t291 = (1/(d_K*n_batch**2)) * (t284 * t282.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t287 * t267.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t290 * t288.permute(0, 2, 3, 1)).sum()
-    t292 = torch.sqrt(torch.clamp(t291, min=0.0))
-    t293 = t257 @ M_1
-    t294 = (M_1.reshape((L*n_batch, d_V)) @ t293.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
-    t295 = t294 * t12
-    t296 = (t295.reshape((n_batch, L, 1, d_V)) @ dA18).reshape((n_batch, L, d_V))
-    t297 = (t99 @ t266.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
-    t298 = t100 * t276
-    t299 = (t102 @ t20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t300 = (t299.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t20.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t301 = (d_H/n_batch**2) * (t293.sum((0,)) * t293.sum((0,))).sum() + (2/(L*n_batch**2)) * (t297 * t296.permute(2, 0, 1)).sum() + (1/(L**2*n_batch**2)) * (t300 * t298.permute(2, 3, 0, 1)).sum()
-    t302 = torch.sqrt(torch.clamp(t301, min=0.0))
-    t303 = (t20.reshape((L*n_batch, d_V**2)) @ t20.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t304 = t303 * t276
-    t305 = (1/(L**2*n_batch**2)) * (t304 * t122).sum()
-    t306 = torch.sqrt(torch.clamp(t305, min=0.0))
-    return (t62, t98, t119, t142, t174, t187, t199, t211, t233, t242, t248, t256, t281, t292, t302, t306,)
+    M_2 = (t65.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t66 = (X.reshape((L*n_batch, d_V)) @ t64.sum((0,))).reshape((n_batch, L, d_V))
+    t67 = (t66.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t68 = (W_Q @ t0)
+    t69 = (t67.reshape((L*n_batch, d_V)) @ t19.permute(1, 0)).reshape((n_batch, L, d_V))
+    t70 = (t69.reshape((n_batch, L, 1, d_V)) @ t20.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t71 = (t68.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t72 = (t71.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t73 = (t72.reshape((L*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V))
+    t74 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t64.sum((0,))).reshape((n_batch, L, d_V))
+    t75 = (t74 @ X.permute(0, 2, 1))
+    t76 = (t75.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t77 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t78 = (t77.permute(1, 2, 0) @ t50.permute(0, 2, 1))
+    t79 = (t77.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t77.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t80 = t79 * t23
+    t81 = (t23.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t28.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t82 = (t81.reshape((n_batch, n_batch, L**2, L)) @ t34.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t83 = (t82.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t33.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t84 = t79 * t48
+    t85 = (t23.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t86 = (t85.reshape((n_batch, n_batch, L**2, L)) @ t51.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t87 = (t86.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t28.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t88 = t79 * t55
+    t89 = (t23.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t90 = (t89.reshape((n_batch, n_batch, L**2, L)) @ t57.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t91 = (t90.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t92 = (n_batch**(-2)) * (t64.sum((0,)) * t64.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t73 * t70).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t78 * t76).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t83 * t80.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t87 * t84.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t91 * t88.permute(0, 2, 3, 1)).sum()
+    t93 = torch.sqrt(torch.clamp(t92, min=0.0))
+    t94 = W_O.transpose(-1, -2)
+    t95 = (t20.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t22.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
+    t96 = (t95 @ dA)
+    t97 = (M_1.reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t98 = t97 * t23
+    t99 = (t94 @ t94.permute(1, 0))
+    t100 = (t99 @ t96.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((d_V, n_batch, L, L))
+    t101 = (t100.permute(1, 0, 3, 2).reshape((n_batch, L*d_V, L)) @ t98.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    t102 = (t101.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t96.permute(0, 2, 1, 3).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t103 = G @ t94
+    t104 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ M_1.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t105 = (t103.reshape((L*n_batch, d_H)) @ t94.permute(1, 0)).reshape((n_batch, L, d_V))
+    t106 = (t105.reshape((L*n_batch, d_V)) @ t96.permute(2, 0, 1, 3).reshape((d_V, L**2*n_batch))).reshape((n_batch, L, n_batch, L, L))
+    t107 = (t106 * t23.reshape((n_batch, L, n_batch, L, 1)))
+    t108 = (t107.permute(0, 2, 1, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t104.permute(0, 2, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t109 = (t108.permute(0, 1, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t110 = (t103.reshape((L*n_batch, d_H)) @ t103.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t111 = t110 * t23
+    t112 = (t55.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t113 = (t112.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t111.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t114 = (t113.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t115 = (1/(L**2*d_K*n_batch**2)) * (t102 * t34.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t109 * t34.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t114 * t34.permute(0, 2, 3, 1)).sum()
+    t116 = torch.sqrt(torch.clamp(t115, min=0.0))
+    t117 = M_1 @ W_V
+    t118 = (W_V.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_H, n_batch, L))
+    t119 = (t117.reshape((L*n_batch, d_H)) @ t117.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t120 = t119 * t23
+    t121 = (t118.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ W_O).reshape((n_batch, L, d_V))
+    t122 = (t121 @ t20.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t123 = (t122.permute(0, 2, 3, 1) @ dA)
+    t124 = (t123.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t120.reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    t125 = (t124.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t123.permute(0, 2, 1, 3).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t126 = (W_V @ t117.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
+    t127 = (t126.permute(1, 2, 0).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t128 = (t123.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t129 = (t128.permute(0, 1, 3, 4, 2) * t23.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    t130 = (t129.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t34.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t131 = (t130.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t132 = (G.reshape((L*n_batch, d_V)) @ G.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t133 = t132 * t23
+    t134 = (t118.permute(1, 2, 0).reshape((L*n_batch, d_H)) @ t118.reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t135 = (t133.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t136 = (t135.reshape((n_batch, n_batch, L**2, L)) @ t34.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t137 = (t136.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t138 = (1/(L**2*d_K*n_batch**2)) * (t125 * t34.permute(2, 0, 1, 3)).sum() + (2/(L*d_K*n_batch**2)) * (t131 * t127.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t137 * t134.permute(0, 2, 3, 1)).sum()
+    t139 = torch.sqrt(torch.clamp(t138, min=0.0))
+    t140 = t64.transpose(-1, -2)
+    t141 = W_Q.transpose(-1, -2)
+    t142 = (X.reshape((L*n_batch, d_V)) @ t140.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
+    t143 = (t142.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t144 = (X.reshape((L*n_batch, d_V)) @ t141.permute(1, 0)).reshape((n_batch, L, d_K))
+    t145 = (t143.reshape((L*n_batch, d_V)) @ t10).reshape((n_batch, L, d_V))
+    t146 = (t145.reshape((n_batch, L, 1, d_V)) @ t20).reshape((n_batch, L, d_V))
+    t147 = (t146.reshape((L*n_batch, d_V)) @ t19).reshape((n_batch, L, d_V))
+    t148 = (t147.reshape((n_batch, L, 1, d_V)) @ M_2).reshape((n_batch, L, d_V))
+    t149 = (t144.reshape((L*n_batch, d_K)) @ W_K.permute(1, 0)).reshape((n_batch, L, d_V))
+    t150 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t140.sum((0,))).reshape((n_batch, L, d_V))
+    t151 = (t150 @ X.permute(0, 2, 1))
+    t152 = (t151.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    t153 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t141.permute(1, 0)).reshape((n_batch, L, d_K))
+    t154 = (t29.permute(1, 2, 0) @ t153.permute(0, 2, 1))
+    t155 = (t144.reshape((L*n_batch, d_K)) @ t144.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t156 = t155 * t23
+    t157 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t23.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t158 = (t157.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t156.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t159 = (t158.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t33.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t160 = (t153.reshape((L*n_batch, d_K)) @ t144.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t161 = t160 * t23
+    t162 = (t48.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t163 = (t162.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t161.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t164 = (t163.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t28.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t165 = (t153.reshape((L*n_batch, d_K)) @ t153.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t166 = t165 * t23
+    t167 = (t55.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t168 = (t167.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t166.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t169 = (t168.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t170 = (n_batch**(-2)) * (t140.sum((0,)) * t140.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t149 * t148).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t154 * t152.permute(0, 2, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t159 * t35.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t164 * t35.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t169 * t35.permute(0, 2, 3, 1)).sum()
+    t171 = torch.sqrt(torch.clamp(t170, min=0.0))
+    t172 = t79 * t155
+    t173 = (t157.permute(0, 3, 1, 4, 2).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t174 = (t173.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t33.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t175 = t79 * t160
+    t176 = (t162.reshape((n_batch, n_batch, L**2, L)) @ t23.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t177 = (t176.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t28.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t178 = t79 * t165
+    t179 = (t167.reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t180 = (t179.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t181 = (1/(L**2*d_K**2*n_batch**2)) * (t174 * t172.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t177 * t175.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t180 * t178.permute(0, 2, 3, 1)).sum()
+    t182 = torch.sqrt(torch.clamp(t181, min=0.0))
+    t183 = t155 * t97
+    t184 = (t100.permute(1, 0, 2, 3).reshape((n_batch, L*d_V, L)) @ t23.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    t185 = (t184.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t96.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t186 = (t31.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t105.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t187 = (t186.permute(0, 1, 3, 4, 2) * t155.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    t188 = (t187.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t189 = (t188.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t190 = t155 * t110
+    t191 = (t112.reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t192 = (t191.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 3, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t193 = (1/(L**2*d_K*n_batch**2)) * (t185 * t183.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t189 * t104.permute(0, 2, 3, 1)).sum() + (1/(d_K*n_batch**2)) * (t192 * t190.permute(0, 2, 3, 1)).sum()
+    t194 = torch.sqrt(torch.clamp(t193, min=0.0))
+    t195 = t155 * t119
+    t196 = (t123.reshape((n_batch, L*d_V, L)) @ t23.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t197 = (t196.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t123.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t198 = (t128.permute(0, 1, 3, 4, 2) * t155.permute(2, 3, 0, 1).reshape((n_batch, L, n_batch, L, 1)))
+    t199 = (t198.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t200 = (t199.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t201 = t155 * t132
+    t202 = (t23.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t203 = (t202.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t201.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t204 = (t203.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 1, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t205 = (1/(L**2*d_K*n_batch**2)) * (t197 * t195.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t200 * t127.permute(2, 0, 1, 3)).sum() + (1/(d_K*n_batch**2)) * (t204 * t134.permute(0, 2, 3, 1)).sum()
+    t206 = torch.sqrt(torch.clamp(t205, min=0.0))
+    t207 = t103.transpose(-1, -2)
+    t208 = (t207.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t207.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t209 = t23 * t208
+    t210 = (t112.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t209.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t211 = (t210.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t212 = M_1.transpose(-1, -2)
+    t213 = (W_O.permute(1, 0) @ t207.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
+    t214 = (t212.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t215 = (t24 @ t20.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t216 = (t215.permute(0, 2, 3, 1) @ dA)
+    t217 = (t216.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t213.reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t218 = (t217.permute(0, 1, 3, 4, 2) * t23.reshape((n_batch, L, n_batch, L, 1)))
+    t219 = (t218.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t35.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t220 = (t219.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t221 = (t212.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t212.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t222 = (W_O.permute(1, 0) @ W_O)
+    t223 = t23 * t221
+    t224 = (t216.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t222.permute(1, 0)).reshape((n_batch, L, L, d_V))
+    t225 = (t216.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L)) @ t223.reshape((n_batch, L, L*n_batch))).reshape((n_batch, d_V, L, n_batch, L))
+    t226 = (t225.permute(3, 0, 2, 1, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t224.permute(0, 3, 1, 2).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t227 = (1/(d_K*n_batch**2)) * (t211 * t35.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t220 * t214.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t226 * t35.permute(2, 0, 1, 3)).sum()
+    t228 = torch.sqrt(torch.clamp(t227, min=0.0))
+    t229 = t79 * t208
+    t230 = (t217.permute(0, 1, 3, 4, 2) * t79.reshape((n_batch, L, n_batch, L, 1)))
+    t231 = (t230.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t232 = (t231.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t233 = t79 * t221
+    t234 = (t216.reshape((n_batch, L*d_V, L)) @ t23.reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t235 = (t234.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t224.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t236 = (1/(d_K*n_batch**2)) * (t192 * t229.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t232 * t214.permute(2, 0, 1, 3)).sum() + (1/(L**2*d_K*n_batch**2)) * (t235 * t233.permute(2, 0, 1, 3)).sum()
+    t237 = torch.sqrt(torch.clamp(t236, min=0.0))
+    t238 = t97 * t221
+    t239 = (t222 @ t20.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t240 = (t99.permute(1, 0) @ t20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t241 = (t240.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t239.permute(3, 0, 1, 2).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t242 = (1/(L**2*n_batch**2)) * (t241 * t238).sum()
+    t243 = torch.sqrt(torch.clamp(t242, min=0.0))
+    t244 = t119 * t221
+    t245 = (t239.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t20.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t246 = (t117.reshape((L*n_batch, d_H)) @ W_O).reshape((n_batch, L, d_V))
+    t247 = (t246.reshape((n_batch, L, 1, d_V)) @ t20).reshape((n_batch, L, d_V))
+    t248 = (t221.permute(2, 3, 0, 1).reshape((L*n_batch, L*n_batch)) @ G.reshape((L*n_batch, d_V))).reshape((n_batch, L, d_V))
+    t249 = (G.permute(2, 0, 1).reshape((d_V, L*n_batch)) @ t212.permute(0, 2, 1).reshape((L*n_batch, d_V)))
+    t250 = (1/(L**2*n_batch**2)) * (t245 * t244.permute(2, 3, 0, 1)).sum() + (2/(L*n_batch**2)) * (t248 * t247).sum() + (d_H/n_batch**2) * (t249 * t249).sum()
+    t251 = torch.sqrt(torch.clamp(t250, min=0.0))
+    t252 = G.transpose(-1, -2)
+    t253 = W_V.transpose(-1, -2)
+    t254 = (t1.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t253.permute(1, 0)).reshape((n_batch, L, d_H))
+    t255 = (t252.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t252.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t256 = t23 * t255
+    t257 = (t254.reshape((L*n_batch, d_H)) @ t254.permute(2, 0, 1).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t258 = (t256.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ dA.reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t259 = (t258.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t257.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t260 = (t259.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t261 = t117.transpose(-1, -2)
+    t262 = (t254.reshape((L*n_batch, d_H)) @ t261.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t263 = (t253.permute(1, 0) @ t94.permute(1, 0))
+    t264 = (t263.permute(1, 0) @ t1.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t265 = (t264.permute(1, 2, 0) @ t20.permute(0, 3, 1, 2).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t266 = (t265.permute(0, 2, 3, 1) @ dA)
+    t267 = (t266.permute(0, 1, 3, 2).reshape((L**2*n_batch, d_V)) @ t252.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t268 = (t267.permute(0, 1, 3, 4, 2) * t23.reshape((n_batch, L, n_batch, L, 1)))
+    t269 = (t268.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t35.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t270 = (t269.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t271 = (t261.permute(0, 2, 1).reshape((L*n_batch, d_H)) @ t261.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t272 = t23 * t271
+    t273 = (t35.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t266.permute(0, 3, 1, 2).reshape((n_batch, L, L*d_V))).reshape((n_batch, n_batch, L, L, d_V))
+    t274 = (t273.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t266.permute(0, 3, 2, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t275 = (1/(d_K*n_batch**2)) * (t260 * t35.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t270 * t262.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t274 * t272.permute(0, 2, 3, 1)).sum()
+    t276 = torch.sqrt(torch.clamp(t275, min=0.0))
+    t277 = t79 * t255
+    t278 = (t202.reshape((n_batch, n_batch, L**2, L)) @ t257.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t279 = (t278.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t280 = (t267.permute(0, 1, 3, 4, 2) * t79.reshape((n_batch, L, n_batch, L, 1)))
+    t281 = (t280.permute(0, 2, 1, 3, 4).reshape((n_batch, n_batch, L**2, L)) @ t23.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t282 = (t281.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t283 = t79 * t271
+    t284 = (t266.reshape((n_batch, L*d_V, L)) @ t23.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, d_V, n_batch, L))
+    t285 = (t284.permute(3, 0, 1, 2, 4).reshape((n_batch, L*n_batch, L*d_V)) @ t266.permute(0, 2, 3, 1).reshape((n_batch, L*d_V, L))).reshape((n_batch, n_batch, L, L))
+    t286 = (1/(d_K*n_batch**2)) * (t279 * t277.permute(0, 2, 3, 1)).sum() + (2/(L*d_K*n_batch**2)) * (t282 * t262.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K*n_batch**2)) * (t285 * t283.permute(0, 2, 3, 1)).sum()
+    t287 = torch.sqrt(torch.clamp(t286, min=0.0))
+    t288 = t252 @ M_1
+    t289 = (M_1.reshape((L*n_batch, d_V)) @ t288.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
+    t290 = t289 * t12
+    t291 = (t290.reshape((n_batch, L, 1, d_V)) @ dA18).reshape((n_batch, L, d_V))
+    t292 = (t94 @ t261.permute(1, 0, 2).reshape((d_H, L*n_batch))).reshape((d_V, n_batch, L))
+    t293 = t97 * t271
+    t294 = (t99 @ t20.permute(3, 0, 1, 2).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t295 = (t294.permute(1, 2, 0, 3).reshape((L*n_batch, d_V**2)) @ t20.permute(3, 2, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t296 = (d_H/n_batch**2) * (t288.sum((0,)) * t288.sum((0,))).sum() + (2/(L*n_batch**2)) * (t292 * t291.permute(2, 0, 1)).sum() + (1/(L**2*n_batch**2)) * (t295 * t293.permute(2, 3, 0, 1)).sum()
+    t297 = torch.sqrt(torch.clamp(t296, min=0.0))
+    t298 = (t20.reshape((L*n_batch, d_V**2)) @ t20.permute(2, 3, 0, 1).reshape((d_V**2, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t299 = t298 * t271
+    t300 = (1/(L**2*n_batch**2)) * (t299 * t119).sum()
+    t301 = torch.sqrt(torch.clamp(t300, min=0.0))
+    return (t62, t93, t116, t139, t171, t182, t194, t206, t228, t237, t243, t251, t276, t287, t297, t301,)
 
 
 def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -29505,69 +29474,65 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    t14 = t13 @ W_O
-    F = t14
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t11 * A16
-    t18 = t17 - Y
-    t19 = (1/L) * t18
-    G = t19
-    t20 = W_O.transpose(-1, -2)
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t2
-    t23 = t20 @ t22
-    t24 = G @ t23
-    t25 = t24 - (A * t24).sum(-1, keepdim=True)
-    t26 = A * t25
-    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t27.reshape((1, 1, L, L)) * t26.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t26.reshape((n_batch, L, L, 1))) - (t26.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t28 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = (t28.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t29 = (1/(d_K*n_batch)) * t1
-    t30 = (t29 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
-    t31 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t32 = (t31.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (t27.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t33 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    dA = (t10.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t11 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t33.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t34 = W_V @ W_O
-    t35 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A36 = t35 / t35.sum(-1, keepdim=True)
-    t37 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t11.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t12 = W_V @ W_O
+    t13 = Y.sum(-1, keepdim=True)
+    t14 = t13.expand(*t13.shape[:-1], d_V)
+    t15 = A @ X
+    M_1 = t15
+    t16 = M_1 @ t12
+    t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA38 = (t37.reshape((1, 1, d_V, d_V)) * A36.reshape((n_batch, L, d_V, 1))) - (A36.reshape((n_batch, L, 1, d_V)) * A36.reshape((n_batch, L, d_V, 1)))
-    t39 = t34.transpose(-1, -2)
-    t40 = (1/(L*d_K*n_batch)) * t1
-    t41 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t40.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
-    t42 = (dA38 * t11.reshape((n_batch, L, d_V, 1)))
-    t43 = (t42.reshape((L*d_V*n_batch, d_V)) @ t39).reshape((n_batch, L, d_V, d_V))
-    t44 = (t43 @ M_2)
-    t45 = (t41.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t34).reshape((n_batch, L, d_K, d_V))
-    t46 = ((t45 @ t44)).permute(2, 3, 0, 1)
-    t47 = (t31.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
-    t48 = t0.diagonal(0, 1, 3)
-    t49 = t26 @ X
-    t50 = t2 @ t49
-    t51 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t52 = (1/(math.sqrt(d_K)*n_batch)) * t51
-    t53 = t30.reshape((d_K*d_V, L*n_batch))
-    t54 = t46.reshape((d_K*d_V, L*n_batch))
-    t55 = t32.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t56 = t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t57 = torch.cat([t53, t54], dim=-1)
-    t58 = torch.cat([t55, t56], dim=-2)
-    t0[...] = ((t57 @ t58).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t48.addcmul_(t52.reshape((1, 1, d_K)), t50.sum((0,)).reshape((d_V, d_V, 1)))
+    dA20 = (t19.reshape((1, 1, d_V, d_V)) * A18.reshape((n_batch, L, d_V, 1))) - (A18.reshape((n_batch, L, 1, d_V)) * A18.reshape((n_batch, L, d_V, 1)))
+    t21 = t12.transpose(-1, -2)
+    t22 = (1/(L*d_K*n_batch)) * t1
+    t23 = (M_2.reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_K))
+    t24 = (dA20 * t14.reshape((n_batch, L, d_V, 1)))
+    t25 = (t24.reshape((L*d_V*n_batch, d_V)) @ t21).reshape((n_batch, L, d_V, d_V))
+    t26 = (t25 @ M_2)
+    t27 = (t23.permute(0, 1, 3, 2).reshape((L*d_K*n_batch, d_V)) @ t12).reshape((n_batch, L, d_K, d_V))
+    t28 = ((t27 @ t26)).permute(2, 3, 0, 1)
+    t29 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t30 = (t29.reshape((1, d_K, n_batch, L)) * X.permute(2, 0, 1).reshape((d_V, 1, n_batch, L)))
+    F = t16
+    t31 = torch.exp(F - F.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t33 = t14 * A32
+    t34 = t33 - Y
+    t35 = (1/L) * t34
+    G = t35
+    t36 = t21 @ t2
+    t37 = G @ t36
+    t38 = t37 - (A * t37).sum(-1, keepdim=True)
+    t39 = A * t38
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t10.reshape((1, 1, L, L)) * t39.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t39.reshape((n_batch, L, L, 1))) - (t39.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t40 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = (t40.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t41 = (1/(d_K*n_batch)) * t1
+    t42 = (t41 @ M_3.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))
+    t43 = (t29.reshape((1, d_K, n_batch, L)) * t2.permute(1, 0, 2).reshape((d_V, 1, n_batch, L)))
+    t44 = t0.diagonal(0, 1, 3)
+    t45 = t39 @ X
+    t46 = t2 @ t45
+    t47 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t48 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t49 = t28.reshape((d_K*d_V, L*n_batch))
+    t50 = t42.reshape((d_K*d_V, L*n_batch))
+    t51 = t30.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t52 = t43.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t53 = torch.cat([t49, t50], dim=-1)
+    t54 = torch.cat([t51, t52], dim=-2)
+    t0[...] = ((t53 @ t54).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t44.addcmul_(t48.reshape((1, 1, d_K)), t46.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -29611,70 +29576,67 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = t25 @ X
     t27 = t0 @ t26
     t28 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t28.reshape((1, 1, L, L)) * t25.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t25.reshape((n_batch, L, L, 1))) - (t25.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t29 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.sum((0,))).reshape((n_batch, L, d_V))
-    t30 = (t29 @ X.permute(0, 2, 1))
-    t31 = (t30.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
-    t32 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
-    t33 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t34 = (t33.permute(1, 2, 0) @ t32.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t28.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t35 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t29 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t35.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t36 = W_V @ W_O
-    t37 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A38 = t37 / t37.sum(-1, keepdim=True)
-    t39 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t30 = W_V @ W_O
+    t31 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t33 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA40 = (t39.reshape((1, 1, d_V, d_V)) * A38.reshape((n_batch, L, d_V, 1))) - (A38.reshape((n_batch, L, 1, d_V)) * A38.reshape((n_batch, L, d_V, 1)))
-    t41 = t36.transpose(-1, -2)
-    t42 = (X.reshape((L*n_batch, d_V)) @ t27.sum((0,))).reshape((n_batch, L, d_V))
-    t43 = (t42.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t44 = (dA40 * t10.reshape((n_batch, L, d_V, 1)))
-    t45 = (W_Q @ t1)
-    t46 = (t43.reshape((L*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_V))
-    t47 = (t46.reshape((n_batch, L, 1, d_V)) @ t44.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t48 = (t45.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t49 = (t48.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t50 = (t49.reshape((L*n_batch, d_V)) @ t36).reshape((n_batch, L, d_V))
-    t51 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t52 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t53 = (t32.reshape((L*n_batch, d_K)) @ t32.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t54 = (t33.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t33.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t55 = t54 * t51
-    t56 = (t52.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t57 = (t56.reshape((n_batch, n_batch, L**2, L)) @ t53.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t58 = (t57.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t59 = (X.reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
-    t60 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t61 = (t36.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t62 = (t44.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t61.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-    t63 = (t62 @ dA)
-    t64 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_V))
-    t65 = (t64 @ t63.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-    t66 = (t65.permute(0, 2, 3, 1) @ dA)
-    t67 = (t59.reshape((L*n_batch, d_K)) @ t32.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t68 = t54 * t60
-    t69 = (t56.reshape((n_batch, n_batch, L**2, L)) @ t67.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t70 = (t69.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t66.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t71 = (t61.permute(1, 2, 0) @ t44.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t72 = (t71.reshape((n_batch, L**2, d_V)) @ t64.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t73 = (t72.permute(0, 2, 3, 1) @ dA)
-    t74 = (t73.permute(0, 1, 3, 2) @ dA)
-    t75 = (t71.permute(0, 2, 3, 1) @ dA)
-    t76 = (t64 @ t75.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-    t77 = (t76.permute(0, 2, 3, 1) @ dA)
-    t78 = (t59.reshape((L*n_batch, d_K)) @ t59.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t79 = t54 * t52
-    t80 = (t52.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t74.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t81 = (t80.reshape((n_batch, n_batch, L**2, L)) @ t78.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t82 = (t81.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t77.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t83 = (n_batch**(-2)) * (t27.sum((0,)) * t27.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t34 * t31).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t50 * t47).sum() + (1/(d_K**2*n_batch**2)) * (t58 * t55.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t70 * t68.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t82 * t79.permute(0, 2, 3, 1)).sum()
-    t84 = torch.sqrt(torch.clamp(t83, min=0.0))
-    return t84
+    dA34 = (t33.reshape((1, 1, d_V, d_V)) * A32.reshape((n_batch, L, d_V, 1))) - (A32.reshape((n_batch, L, 1, d_V)) * A32.reshape((n_batch, L, d_V, 1)))
+    t35 = t30.transpose(-1, -2)
+    t36 = (X.reshape((L*n_batch, d_V)) @ t27.sum((0,))).reshape((n_batch, L, d_V))
+    t37 = (t36.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t38 = (dA34 * t10.reshape((n_batch, L, d_V, 1)))
+    t39 = (W_Q @ t1)
+    t40 = (t37.reshape((L*n_batch, d_V)) @ t35.permute(1, 0)).reshape((n_batch, L, d_V))
+    t41 = (t40.reshape((n_batch, L, 1, d_V)) @ t38.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t42 = (t39.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t43 = (t42.permute(1, 2, 0).reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t44 = (t43.reshape((L*n_batch, d_V)) @ t30).reshape((n_batch, L, d_V))
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t28.reshape((1, 1, L, L)) * t25.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t25.reshape((n_batch, L, L, 1))) - (t25.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t45 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t27.sum((0,))).reshape((n_batch, L, d_V))
+    t46 = (t45 @ X.permute(0, 2, 1))
+    t47 = (t46.reshape((n_batch, L, 1, L)) @ d2A.permute(0, 1, 3, 2)).reshape((n_batch, L, L))
+    t48 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
+    t49 = (W_Q.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t50 = (t49.permute(1, 2, 0) @ t48.permute(0, 2, 1))
+    t51 = (X.reshape((L*n_batch, d_V)) @ t1.permute(1, 0)).reshape((n_batch, L, d_K))
+    t52 = (t30.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
+    t53 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t54 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t35.permute(1, 0)).reshape((n_batch, L, d_V))
+    t55 = (t52.permute(1, 2, 0) @ t38.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t56 = (t55.reshape((n_batch, L**2, d_V)) @ t54.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t57 = (t56.permute(0, 2, 3, 1) @ dA)
+    t58 = (t57.permute(0, 1, 3, 2) @ dA)
+    t59 = (t55.permute(0, 2, 3, 1) @ dA)
+    t60 = (t54 @ t59.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+    t61 = (t60.permute(0, 2, 3, 1) @ dA)
+    t62 = (t51.reshape((L*n_batch, d_K)) @ t51.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t63 = (t49.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t49.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t64 = t63 * t53
+    t65 = (t53.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ t58.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t66 = (t65.reshape((n_batch, n_batch, L**2, L)) @ t62.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t67 = (t66.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t61.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t68 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t69 = (t48.reshape((L*n_batch, d_K)) @ t51.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t70 = t63 * t68
+    t71 = (t53.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t72 = (t71.reshape((n_batch, n_batch, L**2, L)) @ t69.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t73 = (t72.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t58.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t74 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t75 = (t48.reshape((L*n_batch, d_K)) @ t48.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t76 = t63 * t74
+    t77 = (t53.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 3, 1, 2).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t78 = (t77.reshape((n_batch, n_batch, L**2, L)) @ t75.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t79 = (t78.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 3, 2, 1).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t80 = (n_batch**(-2)) * (t27.sum((0,)) * t27.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t44 * t41).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t50 * t47).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t67 * t64.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t73 * t70.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t79 * t76.permute(0, 2, 3, 1)).sum()
+    t81 = torch.sqrt(torch.clamp(t80, min=0.0))
+    return t81
 
 
 def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -30090,71 +30052,67 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    t15 = t14 @ W_O
-    F = t15
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t12 * A17
-    t19 = t18 - Y
-    t20 = (1/L) * t19
-    G = t20
-    t21 = W_O.transpose(-1, -2)
-    t22 = W_V.transpose(-1, -2)
-    t23 = t22 @ t2
-    t24 = t21 @ t23
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdim=True)
-    t27 = A * t26
-    t28 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t28.reshape((1, 1, L, L)) * t27.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t27.reshape((n_batch, L, L, 1))) - (t27.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t29 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = (t29.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t30 = (1/(d_K*n_batch)) * t1
-    t31 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t32 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t30.permute(1, 0)).reshape((n_batch, L, d_K))
-    t33 = (t32.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'L', 'L')
-    dA = (t28.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t34 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    dA = (t11.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t12 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t34.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t35 = W_V @ W_O
-    t36 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A37 = t36 / t36.sum(-1, keepdim=True)
-    t38 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t12.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t13 = W_V @ W_O
+    t14 = Y.sum(-1, keepdim=True)
+    t15 = t14.expand(*t14.shape[:-1], d_V)
+    t16 = A @ X
+    M_1 = t16
+    t17 = M_1 @ t13
+    t18 = torch.exp(t17 - t17.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA39 = (t38.reshape((1, 1, d_V, d_V)) * A37.reshape((n_batch, L, d_V, 1))) - (A37.reshape((n_batch, L, 1, d_V)) * A37.reshape((n_batch, L, d_V, 1)))
-    t40 = t35.transpose(-1, -2)
-    t41 = (1/(L*d_K*n_batch)) * t1
-    t42 = (t35.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
-    t43 = (dA39 * t12.reshape((n_batch, L, d_V, 1)))
-    t44 = (t43.permute(0, 1, 3, 2) @ t42.permute(1, 2, 0, 3))
-    t45 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t40.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
-    t46 = (t45 @ t44)
-    t47 = ((W_K.permute(1, 0) @ t46.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
-    t48 = (X.reshape((L*n_batch, d_V)) @ t41.permute(1, 0)).reshape((n_batch, L, d_K))
-    t49 = (t48.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
-    t50 = t0.diagonal(0, 1, 3)
-    t51 = t27.transpose(-1, -2)
-    t52 = t51 @ X
-    t53 = t2 @ t52
-    t54 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t55 = (1/(math.sqrt(d_K)*n_batch)) * t54
-    t56 = t33.reshape((d_K*d_V, L*n_batch))
-    t57 = t49.reshape((d_K*d_V, L*n_batch))
-    t58 = t31.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t59 = t47.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
-    t60 = torch.cat([t56, t57], dim=-1)
-    t61 = torch.cat([t58, t59], dim=-2)
-    t0[...] = ((t60 @ t61).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
-    t50.addcmul_(t55.reshape((1, 1, d_K)), t53.sum((0,)).reshape((d_V, d_V, 1)))
+    dA21 = (t20.reshape((1, 1, d_V, d_V)) * A19.reshape((n_batch, L, d_V, 1))) - (A19.reshape((n_batch, L, 1, d_V)) * A19.reshape((n_batch, L, d_V, 1)))
+    t22 = t13.transpose(-1, -2)
+    t23 = (1/(L*d_K*n_batch)) * t1
+    t24 = (t13.permute(1, 0) @ M_2.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))
+    t25 = (dA21 * t15.reshape((n_batch, L, d_V, 1)))
+    t26 = (t25.permute(0, 1, 3, 2) @ t24.permute(1, 2, 0, 3))
+    t27 = (M_2.permute(0, 1, 3, 2).reshape((L*d_V*n_batch, d_V)) @ t22.permute(1, 0)).reshape((n_batch, L, d_V, d_V))
+    t28 = (t27 @ t26)
+    t29 = ((W_K.permute(1, 0) @ t28.permute(2, 3, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t30 = (X.reshape((L*n_batch, d_V)) @ t23.permute(1, 0)).reshape((n_batch, L, d_K))
+    t31 = (t30.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    F = t17
+    t32 = torch.exp(F - F.amax(-1, keepdim=True))
+    A33 = t32 / t32.sum(-1, keepdim=True)
+    t34 = t15 * A33
+    t35 = t34 - Y
+    t36 = (1/L) * t35
+    G = t36
+    t37 = t22 @ t2
+    t38 = G @ t37
+    t39 = t38 - (A * t38).sum(-1, keepdim=True)
+    t40 = A * t39
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t11.reshape((1, 1, L, L)) * t40.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t40.reshape((n_batch, L, L, 1))) - (t40.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t41 = (d2A.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t2.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = (t41.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t42 = (1/(d_K*n_batch)) * t1
+    t43 = ((W_K.permute(1, 0) @ M_3.permute(3, 2, 0, 1).reshape((d_V, L*d_V*n_batch))).reshape((d_K, d_V, n_batch, L))).permute(1, 0, 2, 3)
+    t44 = (t2.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t42.permute(1, 0)).reshape((n_batch, L, d_K))
+    t45 = (t44.permute(2, 0, 1).reshape((d_K, 1, n_batch, L)) * X.permute(2, 0, 1).reshape((1, d_V, n_batch, L)))
+    t46 = t0.diagonal(0, 1, 3)
+    t47 = t40.transpose(-1, -2)
+    t48 = t47 @ X
+    t49 = t2 @ t48
+    t50 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t51 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t52 = t31.reshape((d_K*d_V, L*n_batch))
+    t53 = t45.reshape((d_K*d_V, L*n_batch))
+    t54 = t29.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t55 = t43.permute(2, 3, 0, 1).reshape((L*n_batch, d_K*d_V))
+    t56 = torch.cat([t52, t53], dim=-1)
+    t57 = torch.cat([t54, t55], dim=-2)
+    t0[...] = ((t56 @ t57).reshape((d_K, d_V, d_V, d_K))).permute(2, 0, 1, 3)
+    t46.addcmul_(t51.reshape((1, 1, d_K)), t49.sum((0,)).reshape((d_V, d_V, 1)))
     return out
 
 
@@ -30200,70 +30158,66 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = t0 @ t27
     t29 = W_Q.transpose(-1, -2)
     t30 = torch.eye(L, dtype=X.dtype, device=X.device)
-    # d2A: compact tensor ('L', 'L', 'L')
-    d2A = (t30.reshape((1, 1, L, L)) * t25.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t25.reshape((n_batch, L, L, 1))) - (t25.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t31 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t28.sum((0,))).reshape((n_batch, L, d_V))
-    t32 = (t31 @ X.permute(0, 2, 1))
-    t33 = (t32.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
-    t34 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_K))
-    t35 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
-    t36 = (t35.permute(1, 2, 0) @ t34.permute(0, 2, 1))
     # dA: compact tensor ('L', 'L', 'L')
     dA = (t30.reshape((1, 1, L, L)) * A.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
-    t37 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
+    t31 = (dA.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t0.permute(0, 2, 1)).reshape((n_batch, L, L, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = (t37.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
-    t38 = W_V @ W_O
-    t39 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A40 = t39 / t39.sum(-1, keepdim=True)
-    t41 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    M_2 = (t31.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, L)) @ X).reshape((n_batch, L, d_V, d_V))
+    t32 = W_V @ W_O
+    t33 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A34 = t33 / t33.sum(-1, keepdim=True)
+    t35 = torch.eye(d_V, dtype=X.dtype, device=X.device)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA42 = (t41.reshape((1, 1, d_V, d_V)) * A40.reshape((n_batch, L, d_V, 1))) - (A40.reshape((n_batch, L, 1, d_V)) * A40.reshape((n_batch, L, d_V, 1)))
-    t43 = t38.transpose(-1, -2)
-    t44 = (X.reshape((L*n_batch, d_V)) @ t28.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
-    t45 = (t44.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
-    t46 = (dA42 * t10.reshape((n_batch, L, d_V, 1)))
-    t47 = (X.reshape((L*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_K))
-    t48 = (t45.reshape((L*n_batch, d_V)) @ t38).reshape((n_batch, L, d_V))
-    t49 = (t48.reshape((n_batch, L, 1, d_V)) @ t46).reshape((n_batch, L, d_V))
-    t50 = (t49.reshape((L*n_batch, d_V)) @ t43).reshape((n_batch, L, d_V))
-    t51 = (t50.reshape((n_batch, L, 1, d_V)) @ M_2).reshape((n_batch, L, d_V))
-    t52 = (t47.reshape((L*n_batch, d_K)) @ W_K.permute(1, 0)).reshape((n_batch, L, d_V))
-    t53 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    dA36 = (t35.reshape((1, 1, d_V, d_V)) * A34.reshape((n_batch, L, d_V, 1))) - (A34.reshape((n_batch, L, 1, d_V)) * A34.reshape((n_batch, L, d_V, 1)))
+    t37 = t32.transpose(-1, -2)
+    t38 = (X.reshape((L*n_batch, d_V)) @ t28.sum((0,)).permute(1, 0)).reshape((n_batch, L, d_V))
+    t39 = (t38.reshape((n_batch, L, 1, d_V)) @ M_2.permute(0, 1, 3, 2)).reshape((n_batch, L, d_V))
+    t40 = (dA36 * t10.reshape((n_batch, L, d_V, 1)))
+    t41 = (X.reshape((L*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_K))
+    t42 = (t39.reshape((L*n_batch, d_V)) @ t32).reshape((n_batch, L, d_V))
+    t43 = (t42.reshape((n_batch, L, 1, d_V)) @ t40).reshape((n_batch, L, d_V))
+    t44 = (t43.reshape((L*n_batch, d_V)) @ t37).reshape((n_batch, L, d_V))
+    t45 = (t44.reshape((n_batch, L, 1, d_V)) @ M_2).reshape((n_batch, L, d_V))
+    t46 = (t41.reshape((L*n_batch, d_K)) @ W_K.permute(1, 0)).reshape((n_batch, L, d_V))
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = (t30.reshape((1, 1, L, L)) * t25.reshape((n_batch, L, L, 1))) - (A.reshape((n_batch, L, 1, L)) * t25.reshape((n_batch, L, L, 1))) - (t25.reshape((n_batch, L, 1, L)) * A.reshape((n_batch, L, L, 1)))
+    t47 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t28.sum((0,))).reshape((n_batch, L, d_V))
+    t48 = (t47 @ X.permute(0, 2, 1))
+    t49 = (t48.permute(0, 2, 1).reshape((n_batch, L, 1, L)) @ d2A).reshape((n_batch, L, L))
+    t50 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t29.permute(1, 0)).reshape((n_batch, L, d_K))
+    t51 = (W_K.permute(1, 0) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((d_K, n_batch, L))
+    t52 = (t51.permute(1, 2, 0) @ t50.permute(0, 2, 1))
+    t53 = (t32.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
     t54 = (X.reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t55 = (t34.reshape((L*n_batch, d_K)) @ t34.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t56 = t55 * t54
-    t57 = (t35.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t35.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t58 = (t53.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t59 = (t58.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t56.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t60 = (t59.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t61 = (X.reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t62 = (t38.permute(1, 0) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((d_V, n_batch, L))
-    t63 = (t46.permute(0, 1, 3, 2).reshape((n_batch, L*d_V, d_V)) @ t62.permute(1, 0, 2)).reshape((n_batch, L, d_V, L))
-    t64 = (t63 @ dA)
-    t65 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t43.permute(1, 0)).reshape((n_batch, L, d_V))
-    t66 = (t65 @ t64.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-    t67 = (t66.permute(0, 2, 3, 1) @ dA)
-    t68 = (t47.reshape((L*n_batch, d_K)) @ t34.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t69 = t68 * t54
-    t70 = (t61.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
-    t71 = (t70.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t69.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t72 = (t71.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t67.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t73 = (t62.permute(1, 2, 0) @ t46.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
-    t74 = (t73.reshape((n_batch, L**2, d_V)) @ t65.permute(0, 2, 1)).reshape((n_batch, L, L, L))
-    t75 = (t74.permute(0, 2, 3, 1) @ dA)
-    t76 = (t75.permute(0, 1, 3, 2) @ dA)
-    t77 = (t73.permute(0, 2, 3, 1) @ dA)
-    t78 = (t65 @ t77.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
-    t79 = (t78.permute(0, 2, 3, 1) @ dA)
-    t80 = (t47.reshape((L*n_batch, d_K)) @ t47.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
-    t81 = t80 * t54
-    t82 = (t76.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t54.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
-    t83 = (t82.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t81.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
-    t84 = (t83.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t79.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
-    t85 = (n_batch**(-2)) * (t28.sum((0,)) * t28.sum((0,))).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t36 * t33.permute(0, 2, 1)).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t52 * t51).sum() + (1/(d_K**2*n_batch**2)) * (t60 * t57.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t72 * t57.permute(0, 2, 3, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t84 * t57.permute(0, 2, 3, 1)).sum()
-    t86 = torch.sqrt(torch.clamp(t85, min=0.0))
-    return t86
+    t55 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t37.permute(1, 0)).reshape((n_batch, L, d_V))
+    t56 = (t53.permute(1, 2, 0) @ t40.permute(0, 2, 1, 3).reshape((n_batch, d_V, L*d_V))).reshape((n_batch, L, L, d_V))
+    t57 = (t56.reshape((n_batch, L**2, d_V)) @ t55.permute(0, 2, 1)).reshape((n_batch, L, L, L))
+    t58 = (t57.permute(0, 2, 3, 1) @ dA)
+    t59 = (t58.permute(0, 1, 3, 2) @ dA)
+    t60 = (t56.permute(0, 2, 3, 1) @ dA)
+    t61 = (t55 @ t60.permute(0, 2, 1, 3).reshape((n_batch, d_V, L**2))).reshape((n_batch, L, L, L))
+    t62 = (t61.permute(0, 2, 3, 1) @ dA)
+    t63 = (t41.reshape((L*n_batch, d_K)) @ t41.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t64 = t63 * t54
+    t65 = (t51.permute(1, 2, 0).reshape((L*n_batch, d_K)) @ t51.reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t66 = (t59.permute(0, 1, 3, 2).reshape((n_batch, L**2, L)) @ t54.permute(2, 3, 0, 1).reshape((n_batch, L, L*n_batch))).reshape((n_batch, L, L, n_batch, L))
+    t67 = (t66.permute(0, 3, 2, 4, 1).reshape((n_batch, n_batch, L**2, L)) @ t64.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t68 = (t67.permute(1, 0, 2, 3, 4).reshape((n_batch, L*n_batch, L**2)) @ t62.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t69 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ X.permute(2, 0, 1).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t70 = (t50.reshape((L*n_batch, d_K)) @ t41.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t71 = t70 * t54
+    t72 = (t69.permute(0, 2, 3, 1).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t73 = (t72.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t71.permute(0, 2, 1, 3)).reshape((n_batch, n_batch, L, L, L))
+    t74 = (t73.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ t59.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t75 = (t0.permute(0, 2, 1).reshape((L*n_batch, d_V)) @ t0.permute(1, 0, 2).reshape((d_V, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t76 = (t50.reshape((L*n_batch, d_K)) @ t50.permute(2, 0, 1).reshape((d_K, L*n_batch))).reshape((n_batch, L, n_batch, L))
+    t77 = t76 * t54
+    t78 = (t75.permute(2, 0, 1, 3).reshape((n_batch, L*n_batch, L)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L, L**2))).reshape((n_batch, n_batch, L, L, L))
+    t79 = (t78.permute(0, 1, 2, 4, 3).reshape((n_batch, n_batch, L**2, L)) @ t77.permute(2, 0, 3, 1)).reshape((n_batch, n_batch, L, L, L))
+    t80 = (t79.permute(1, 0, 3, 2, 4).reshape((n_batch, L*n_batch, L**2)) @ d2A.permute(0, 2, 1, 3).reshape((n_batch, L**2, L))).reshape((n_batch, n_batch, L, L))
+    t81 = (n_batch**(-2)) * (t28.sum((0,)) * t28.sum((0,))).sum() + (2/(L*d_K**(3/2)*n_batch**2)) * (t46 * t45).sum() + (2/(d_K**(3/2)*n_batch**2)) * (t52 * t49.permute(0, 2, 1)).sum() + (1/(L**2*d_K**2*n_batch**2)) * (t68 * t65.permute(0, 2, 3, 1)).sum() + (2/(L*d_K**2*n_batch**2)) * (t74 * t65.permute(2, 0, 1, 3)).sum() + (1/(d_K**2*n_batch**2)) * (t80 * t65.permute(0, 2, 3, 1)).sum()
+    t82 = torch.sqrt(torch.clamp(t81, min=0.0))
+    return t82
 
 
 def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):

@@ -246,7 +246,42 @@ def _add(lw, n, rows, cols, t):
     f = factored(n)
     if not f == n:
         return lw._lower(f, rows, cols, t)
-    return _compactable(lw, n, rows, cols, t, _add_terms)
+    return _compactable(lw, n, rows, cols, t, _grouped_terms)
+
+
+def _grouped_terms(lw, n, rows, cols, t):
+    """The terms of a sum that is not one compact factor, its summands grouped by shared
+    end factors first (``grouped``)."""
+    g = grouped(n)
+    if g is None:
+        return _add_terms(lw, n, rows, cols, t)
+    return [out for a in g for out in lw._lower(a, rows, cols, t.copy())]
+
+
+@lru_cache(maxsize=None)
+def grouped(n):
+    """The summands of a sum that ``factored`` cannot factor as a whole, with the terms
+    that end (or start) with the same factor factored among themselves:
+    Σ_t c_t F_t X_t = Σ_X (Σ_{t: X_t = X} c_t F_t) X.  E.g. LayerNorm's centring
+    (I − 11ᵀ/d) distributed into two terms per downstream factor becomes one compact
+    factor again.  None when no two terms share an end."""
+    chains = [_chain(a)[1] for a in n.args]
+    for end in (-1, 0):
+        groups = {}
+        for a, f in zip(n.args, chains):
+            groups.setdefault(f[end] if f else None, []).append(a)
+        if len(groups) < len(n.args) and None not in groups:
+            out = []
+            for members in groups.values():
+                if len(members) == 1:
+                    out.append(members[0])
+                    continue
+                s = E.add(*members)
+                f = factored(s) if isinstance(s, E.Add) else s
+                out.append(f)
+            if any(not isinstance(o, E.Add) for o, m in zip(out, groups.values()) if len(m) > 1):
+                return tuple(out)
+    return None
 
 
 def _chain(n):
