@@ -5,7 +5,7 @@ import pytest
 import symhess as sh
 from symhess import codegen, expr as E
 from symhess.evaluate import evaluate
-from symhess.printing.index import factored, Lowering
+from symhess.printing.index import factored, grouped, Lowering
 
 
 def _values(names_shapes, seed=0):
@@ -43,6 +43,35 @@ def test_a_sum_scaled_as_a_whole_is_recognised_as_the_same_factor():
     f = factored(s)
     assert isinstance(f, E.MatMul) and f.args[-1] == J
     assert any(isinstance(x, E.Add) and x == S for x in f.args)
+
+
+def test_terms_sharing_an_end_are_factored_in_groups():
+    """(A ⊗ I) X − (1/d)(A ⊗ 1 1ᵀ) X + (B ⊗ I) Y: no factor is common to all three terms, but
+    the first two end with X and become (A ⊗ (I − 11ᵀ/d)) X, whose centring is one compact
+    factor when lowered (two terms instead of three)."""
+    L, d = E.dims("L d")
+    A, B = E.matrix("A", L, L), E.matrix("B", L, L)
+    X, Y = E.matrix("X", L * d, L * d), E.matrix("Y", L * d, L * d)
+    s = E.kron(A, E.identity(d)) @ X + E.scale(-1 / d, E.kron(A, E.ones(d, d)) @ X) + \
+        E.kron(B, E.identity(d)) @ Y
+    assert factored(s) == s                      # nothing common to every term
+    g = grouped(s)
+    assert g is not None and len(g) == 2
+    vals = _values({"A": (3, 3), "B": (3, 3), "X": (12, 12), "Y": (12, 12)})
+    env = {L: 3, d: 4}
+    assert np.allclose(sum(evaluate(t, vals, env=env) for t in g), evaluate(s, vals, env=env),
+                       rtol=1e-13, atol=1e-13)
+    lw = Lowering()
+    terms = lw.lower(s, lw.labels.fresh(L * d), lw.labels.fresh(L * d))
+    assert len(terms) == 2
+
+
+def test_post_ln_centring_is_not_distributed():
+    """H(W_V, W_1) of the post-LN block: the first LayerNorm's centring stays one factor
+    (14 lowered terms before sums were factored in groups, 3 after)."""
+    low = codegen.lowered("post_ln_block", "mse", ())
+    terms, _, _ = low.terms("W_V", "W_1", "full")
+    assert len(terms) <= 3
 
 
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
