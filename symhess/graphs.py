@@ -55,8 +55,8 @@ class GraphedFunction:
     """A generated routine replayed from CUDA graphs, one graph per input signature.
 
     ``warmup`` eager calls on a side stream precede each capture (cuBLAS sets up its
-    workspaces there, as CUDA-graph capture requires). Not thread-safe: the static
-    buffers of a graph are shared by its calls.
+    workspaces there, as CUDA-graph capture requires). The static buffers of a graph are
+    shared by its calls, so a lock lets one call at a time copy in, replay and copy out.
     """
 
     def __init__(self, fn, name=None, warmup=2):

@@ -93,7 +93,7 @@ class ZeroVarianceCheck:
         """The check on ``u`` of shape (N, L, d) (NumPy or torch, any device): one boolean
         comes back to the host unless a row fails."""
         var = ((u - u.mean(-1, keepdims=True)) ** 2).mean(-1) if isinstance(u, np.ndarray) \
-            else u.var(-1, unbiased=False)         # the biased row variance LN divides by
+            else u.var(-1, correction=0)           # the biased row variance LN divides by
         bad = var <= ZERO_VARIANCE_RTOL ** 2 * (u * u).mean(-1)
         if not bool(bad.any()):
             return
