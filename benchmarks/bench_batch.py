@@ -19,18 +19,8 @@ import torch
 
 import symhess as sh
 
-from .bench_full_block import layer_norm
+from .bench_full_block import make_loss
 from .timing import add_device_option, best, check_device, device_label
-
-
-def batch_loss(X, T):
-    """The post-LN block's MSE loss, mean over the sequences of X (N × L × d)."""
-    def loss(W_Q, W_K, W_V, W_1, W_2):
-        S = X @ W_Q @ W_K.T @ X.transpose(-1, -2) / math.sqrt(W_Q.shape[1])
-        Y = layer_norm(X + torch.softmax(S, dim=-1) @ X @ W_V)
-        Z = layer_norm(Y + torch.relu(Y @ W_1) @ W_2)
-        return ((Z - T) ** 2).sum() / Z.numel()
-    return loss
 
 
 def main(argv=None):
@@ -56,7 +46,7 @@ def main(argv=None):
         X = torch.tensor(rng.standard_normal((N, L, d)), device=dev)
         T = torch.tensor(rng.standard_normal((N, L, d)), device=dev)
         tv = {"X": X, "Y": T, **params}
-        loss = batch_loss(X, T)
+        loss = make_loss(X, T)
         args = tuple(params[p] for p in names)
         v = torch.tensor(rng.standard_normal(n), device=dev)
         tangents, off = [], 0

@@ -65,21 +65,13 @@ def cuda_graph_replay(fn, device):
 
     For autograd references measured on the same footing as ``Kernel.with_cuda_graphs()``:
     both then pay no launch overhead. Returns (replay or None, message)."""
+    from symhess.graphs import capture
     dev = torch.device(device)
     if dev.type != "cuda":
         return None, "CUDA graphs need a CUDA device"
     try:
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = capture(fn, dev)
     except Exception as e:          # e.g. an operation that synchronises with the host
-        torch.cuda.synchronize(dev)
         return None, f"not capturable ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     return graph.replay, "captured"
 

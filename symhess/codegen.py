@@ -409,22 +409,17 @@ class Variant:
         return self.function("gradient", rt, "(" + ", ".join(outs) + ",)",
                              "(∂ℓ/∂W_p for p in the parameters), batch mean.")
 
-    def batch_checks(self):
-        """The layer's value checks that run on a whole batch (``check_batch``) of an input
-        expression (``input``), e.g. LayerNorm's zero-variance rows; in the layer's order."""
-        return [c for c in self.d.layer.checks if hasattr(c, "check_batch") and hasattr(c, "input")]
-
     def check_inputs(self):
         """The inputs of the layer's batch checks, for every sequence at once (Y not read):
         the kernels validate values with one call of this instead of interpreting the
         declaration sequence by sequence."""
         from .jacobians import header, routine
         rt, vs, batched = routine(self)
-        names = [rt.mat(c.input) for c in self.batch_checks()]
-        ret = "(" + "".join(f"{n}, " for n in names) + ")"
+        checks = self.d.layer.batch_checks
+        ret = "(" + "".join(f"{rt.mat(c.input)}, " for c in checks) + ")"
         doc = "The inputs of the layer's value checks (" + \
             ", ".join(f"LayerNorm {c.label}" if hasattr(c, "label") else type(c).__name__
-                      for c in self.batch_checks()) + ")."
+                      for c in checks) + ")."
         return Function(f"{self.tag}__check_inputs", list(vs), header(self, vs, batched) +
                         rt.pruned(ret), ret, doc)
 
@@ -547,7 +542,7 @@ class Variant:
     def keys(self):
         """Every routine key of the variant, in the order of the generated module."""
         names = self.d.layer.param_names
-        out = [("loss",), ("gradient",)] + ([("check_inputs",)] if self.batch_checks() else [])
+        out = [("loss",), ("gradient",)] + ([("check_inputs",)] if self.d.layer.batch_checks else [])
         for part in PARTS:
             out += [("hessian", part), ("hvp", part), ("frobenius_all", part)]
             for p in names:

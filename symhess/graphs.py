@@ -51,12 +51,34 @@ def _cuda_device(kwargs):
     return dev
 
 
+def capture(fn, device, warmup=2):
+    """(graph, output) of one CUDA-graph capture of the zero-argument ``fn`` on ``device``:
+    ``warmup`` eager calls on a side stream first (cuBLAS sets up its workspaces there, as
+    capture requires). Raises what the capture raises (an operation that synchronises
+    with the host, say), after waiting for the device."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                out = fn()
+        except Exception:
+            torch.cuda.synchronize(device)
+            raise
+    return graph, out
+
+
 class GraphedFunction:
     """A generated routine replayed from CUDA graphs, one graph per input signature.
 
-    ``warmup`` eager calls on a side stream precede each capture (cuBLAS sets up its
-    workspaces there, as CUDA-graph capture requires). The static buffers of a graph are
-    shared by its calls, so a lock lets one call at a time copy in, replay and copy out.
+    Each capture is made by ``capture`` on copies of the call's inputs. The static buffers
+    of a graph are shared by its calls, so a lock lets one call at a time copy in, replay
+    and copy out.
     """
 
     def __init__(self, fn, name=None, warmup=2):
@@ -78,14 +100,14 @@ class GraphedFunction:
     def __call__(self, out=None, **kwargs):
         dev = None if self._eager else _cuda_device(kwargs)
         if dev is None:
-            return self.fn(**kwargs) if out is None else self.fn(**kwargs, out=out)
+            return self._eager_call(out, kwargs)
         sig = tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in sorted(kwargs.items()))
         with self._lock:
             cap = self._graphs.get(sig)
             if cap is None:
                 cap = self._capture(dev, kwargs)
                 if cap is None:
-                    return self.fn(**kwargs) if out is None else self.fn(**kwargs, out=out)
+                    return self._eager_call(out, kwargs)
                 self._graphs[sig] = cap
             for k, buf in cap.inputs.items():
                 buf.copy_(kwargs[k])
@@ -94,26 +116,19 @@ class GraphedFunction:
                 return out.copy_(cap.outputs)
             return _clone(cap.outputs)
 
+    def _eager_call(self, out, kwargs):
+        return self.fn(**kwargs) if out is None else self.fn(**kwargs, out=out)
+
     def _capture(self, dev, kwargs):
-        with torch.cuda.device(dev):
-            static = {k: v.detach().clone() for k, v in kwargs.items()}
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    self.fn(**static)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
-                    out = self.fn(**static)
-            except Exception as e:          # an operation that cannot be captured
-                torch.cuda.synchronize(dev)
-                self._eager = True
-                warnings.warn(f"symhess: routine {self.__name__} cannot be captured in a CUDA "
-                              f"graph ({type(e).__name__}: {e}); it runs eagerly",
-                              RuntimeWarning, stacklevel=3)
-                return None
+        static = {k: v.detach().clone() for k, v in kwargs.items()}
+        try:
+            graph, out = capture(lambda: self.fn(**static), dev, self.warmup)
+        except Exception as e:          # an operation that cannot be captured
+            self._eager = True
+            warnings.warn(f"symhess: routine {self.__name__} cannot be captured in a CUDA "
+                          f"graph ({type(e).__name__}: {e}); it runs eagerly",
+                          RuntimeWarning, stacklevel=3)
+            return None
         return _Capture(graph, static, out)
 
 

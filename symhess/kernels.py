@@ -279,7 +279,7 @@ class Kernel:
         checks = self.layer.checks
         if not checks:
             return
-        if all(hasattr(c, "check_batch") and hasattr(c, "input") for c in checks):
+        if len(self.layer.batch_checks) == len(checks):
             with np.errstate(all="ignore"):      # a later input may be undefined: reported first
                 inputs = self._fns[("check_inputs",)](**{n: a for n, a in arrays.items() if n != "Y"})
             for check, u in zip(checks, inputs):
@@ -326,19 +326,24 @@ class Kernel:
         arrays = self._prepare(values)
         if out is not None:
             self._check_out(out, arrays)
-            return self._fns[("hessian", part)](**arrays, out=out)
+            arrays["out"] = out
         return self._fns[("hessian", part)](**arrays)
+
+    def _like_values(self, name, a, arrays):
+        """An InputError unless ``a`` has the values' dtype (and, for torch, device)."""
+        like = arrays[self.params[0]]
+        if a.dtype != like.dtype:
+            raise InputError(f"{name} has dtype {a.dtype} but the values have dtype {like.dtype}")
+        if self.backend == "torch" and a.device != like.device:
+            raise InputError(f"{name} is on {a.device} but the values are on {like.device}")
 
     def _check_out(self, out, arrays):
         """``out`` fits the full Hessian of ``arrays``, or an InputError that says why not."""
         n = sum(int(np.prod(arrays[p].shape)) for p in self.params)
-        like = arrays[self.params[0]]
         if self.backend == "torch":
             import torch
             if not isinstance(out, torch.Tensor):
                 raise InputError(f"out must be a torch tensor, got {type(out).__name__}")
-            if out.device != like.device:
-                raise InputError(f"out is on {out.device} but the values are on {like.device}")
             contiguous, writeable = out.is_contiguous(), not out.requires_grad
         else:
             if not isinstance(out, np.ndarray):
@@ -347,8 +352,7 @@ class Kernel:
         if tuple(out.shape) != (n, n):
             raise InputError(f"out must have shape ({n}, {n}) (numel of "
                              f"{' + '.join(self.params)} each way), got {tuple(out.shape)}")
-        if out.dtype != like.dtype:
-            raise InputError(f"out has dtype {out.dtype} but the values have dtype {like.dtype}")
+        self._like_values("out", out, arrays)
         if not contiguous:
             raise InputError("out must be C-contiguous (row-major, no gaps)")
         if not writeable:
@@ -365,11 +369,7 @@ class Kernel:
         if tuple(v.shape) != (n,):
             raise InputError(f"v must be a flat vector of length {n} (= numel of "
                              f"{' + '.join(self.params)}), got shape {tuple(v.shape)}")
-        like = arrays[self.params[0]]
-        if v.dtype != like.dtype:
-            raise InputError(f"v has dtype {v.dtype} but the values have dtype {like.dtype}")
-        if self.backend == "torch" and v.device != like.device:
-            raise InputError(f"v is on {v.device} but the values are on {like.device}")
+        self._like_values("v", v, arrays)
         dirs, off = {}, 0
         for p, s in zip(self.params, sizes):
             dirs[f"V_{p}"] = v[off:off + s].reshape(arrays[p].shape)

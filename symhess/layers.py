@@ -53,6 +53,13 @@ class Layer:
         raise KeyError(f"unknown block {name!r} for layer {self.name!r}; "
                        f"valid: {', '.join(self.param_names)}")
 
+    @property
+    def batch_checks(self) -> tuple:
+        """The value checks that test an input expression (``input``) for a whole batch at
+        once (``check_batch``), in order; the kernels compute those inputs with a generated
+        routine (``check_inputs``) instead of interpreting the declaration per sequence."""
+        return tuple(c for c in self.checks if hasattr(c, "check_batch") and hasattr(c, "input"))
+
     def validate(self, values) -> None:
         """Run the layer's value checks (e.g. LayerNorm rows of zero variance); each raises InputError."""
         for check in self.checks:

@@ -87,13 +87,13 @@ class ZeroVarianceCheck:
                 u = np.asarray(evaluate(self.input, {k: _numpy(v) for k, v in values.items()}))
             except InputError:
                 return  # the values are incomplete; evaluation itself reports what is missing
-        self.check_batch(u[None], batched=False)
+        self.check_batch(u[None])
 
-    def check_batch(self, u, batched=True):
+    def check_batch(self, u):
         """The check on ``u`` of shape (N, L, d) (NumPy or torch, any device): one boolean
-        comes back to the host unless a row fails."""
-        var = ((u - u.mean(-1, keepdims=True)) ** 2).mean(-1) if isinstance(u, np.ndarray) \
-            else u.var(-1, correction=0)           # the biased row variance LN divides by
+        comes back to the host unless a row fails; the sequence is named when N > 1."""
+        # the biased row variance LN divides by
+        var = np.var(u, axis=-1) if isinstance(u, np.ndarray) else u.var(-1, correction=0)
         bad = var <= ZERO_VARIANCE_RTOL ** 2 * (u * u).mean(-1)
         if not bool(bad.any()):
             return
@@ -101,7 +101,7 @@ class ZeroVarianceCheck:
         seq = int(np.flatnonzero(bad.any(-1))[0])
         rows = np.flatnonzero(bad[seq])
         i = int(rows[0])
-        where = f"sequence {seq}, " if batched and bad.shape[0] > 1 else ""
+        where = f"sequence {seq}, " if bad.shape[0] > 1 else ""
         more = ", rows " + ", ".join(map(str, rows.tolist())) if rows.size > 1 else ""
         raise InputError(
             f"LayerNorm {self.label}: {where}row {i} (0-based) of its input has zero variance "

@@ -483,8 +483,8 @@ class Routine:
         (x, lx), (y, ly), pre, m, n = _oriented((x, lx), (y, ly), out)
         xm = self._grouped(x, lx, pre, [m, con])
         ym = self._grouped(y, ly, pre, [con, n])
-        full = all(a in lx and a in ly for a in pre)
-        return self._finish(f"({xm} @ {ym})", pre, m, n, out, (xm, ym) if full else None)
+        return self._finish(f"({xm} @ {ym})", pre, m, n, out,
+                            (xm, ym) if _carries(lx, ly, pre) else None)
 
     def _aligned(self, x, lx, out):
         """``x`` (labels ``lx`` ⊆ ``out``) permuted to ``out``'s order with a unit axis for
@@ -650,8 +650,8 @@ class Routine:
             self.written += size
         printed, split = [], {}
         for term in terms:
-            n_rows = len(self.lw.resolve(term, r))
-            atoms = self.lw.resolve(term, r) + self.lw.resolve(term, c)
+            row_atoms = self.lw.resolve(term, r)
+            n_rows, atoms = len(row_atoms), row_atoms + self.lw.resolve(term, c)
             sizes = [self.lw.labels.size[a] for a in atoms]
             view = self.emit(self.fmt("view", target, self.shape([N_BATCH] * len(lead) + sizes)),
                              False)
@@ -665,13 +665,7 @@ class Routine:
             printed.append((view, coef, code))
         first = fresh and not needs_zero
         for view, how, members in self._write_groups(printed):
-            if how == "alone":
-                coef, code = members[0]
-                rhs = _scaled(self, coef, str(code))
-            elif how == "stack":
-                rhs = self._stacked([code for _, code in members])
-            else:
-                rhs = self._shared([code for _, code in members], how)
+            rhs = self._group_code(how, members)
             pair = self.bcast.get(rhs)
             if pair is not None and "mul_into" in self.t:     # one pass, no temporary
                 self.line(self.fmt("mul_into" if first else "addmul_into", *pair, view))
@@ -714,6 +708,16 @@ class Routine:
         out = self.emit(self.fmt("view", view, self.shape(shape)), False)
         self.line(self.fmt(key, x3, y3, out))
         return True
+
+    def _group_code(self, how, members):
+        """The code of one group of ``_write_groups``: a (scaled) term alone, one product of
+        stacked halves, or one product of a shared half with the sum of the others."""
+        if how == "alone":
+            coef, code = members[0]
+            return _scaled(self, coef, str(code))
+        if how == "stack":
+            return self._stacked([code for _, code in members])
+        return self._shared([code for _, code in members], how)
 
     def _write_groups(self, printed):
         """[(view, how, members)]: terms written by one product each ("alone"), by one product
@@ -804,14 +808,8 @@ class Routine:
                 code = ops[0] if len(ops) == 1 and list(labs[0]) == list(out) else \
                     self.contract(ops, labs, out)
             codes.append(code)
-        parts = []
-        for _, how, members in self._write_groups([(None, 1, c) for c in codes]):
-            if how == "alone":
-                parts.append(str(members[0][1]))
-            elif how == "stack":
-                parts.append(self._stacked([c for _, c in members]))
-            else:
-                parts.append(self._shared([c for _, c in members], how))
+        parts = [self._group_code(how, members)
+                 for _, how, members in self._write_groups([(None, 1, c) for c in codes])]
         return self.emit(" + ".join(parts), False)
 
     def _stacked(self, finals):
@@ -1035,14 +1033,16 @@ def _orientations(factors):
     return factors, tuple(E.transpose(f) for f in reversed(factors))
 
 
+def _carries(lx, ly, pre):
+    """Both operands carry every label of ``pre`` (no broadcast axis: they reshape to
+    (P, M, K) and (P, K, N) without copies along P)."""
+    return all(a in lx and a in ly for a in pre)
+
+
 def _full(finals, pre):
-    """Every half of every product in ``finals`` carries every label of ``pre`` (no
-    broadcast axis: the halves reshape to (P, M, K) and (P, K, N) without copies of P)."""
-    for f in finals:
-        (_, lx), (_, ly), _, _, _ = f.oriented()
-        if not all(a in lx and a in ly for a in pre):
-            return False
-    return True
+    """Every product in ``finals`` has halves that carry every label of ``pre``."""
+    oriented = (f.oriented() for f in finals)
+    return all(_carries(lx, ly, pre) for (_, lx), (_, ly), _, _, _ in oriented)
 
 
 def _prod(xs):
