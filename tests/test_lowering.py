@@ -99,6 +99,41 @@ def test_block_diagonal_sum_becomes_a_compact_tensor():
     assert inter.axis_sizes == (L, d, d)
 
 
+def test_an_identity_factor_is_not_carried_by_the_compact_tensor():
+    """I_k ⊗ (I − 11ᵀ/d) is a d×d compact tensor with a δ over k, not k copies of it."""
+    k, d = E.dims("k d")
+    W = E.matrix("W", d, d)
+    s = E.kron(E.identity(k), E.identity(d)) + E.kron(E.identity(k), W)
+    lw = Lowering()
+    rows, cols = lw.labels.fresh(k * d), lw.labels.fresh(k * d)
+    terms = lw.lower(s, rows, cols)
+    inter = lw.intermediates[s]
+    assert inter.axis_sizes == (d, d) and inter.pattern == ((-1, 0), (-1, 1))
+    assert len(terms) == 1 and len(terms[0].factors) == 1
+    # the δ over k survives as an identification of the row and column labels
+    t = terms[0]
+    assert lw.resolve(t, rows)[0] == lw.resolve(t, cols)[0]
+
+
+def test_post_ln_compact_tensors_carry_no_pure_identity_axis():
+    """Every compact tensor of the post-LN lowering depends on each of its axes: an axis
+    that only identified a row with a column (I_{d_ff} ⊗ C) is left to a δ."""
+    low = codegen.lowered("post_ln_block", "mse", ())
+    for p in ("W_1", "W_2"):
+        for q in ("W_Q", "W_2"):
+            low.terms(p, q, "full")
+    lw, seen = low.lw, 0
+    for inter in lw.intermediates.values():
+        if inter is None:
+            continue
+        seen += 1
+        for ax in range(len(inter.axis_sizes)):
+            assert any(outs[ax] in lw.resolve(t, f.labels)
+                       for t, outs in zip(inter.terms, inter.outputs) for f in t.factors)
+    assert seen and any(p < 0 for inter in lw.intermediates.values() if inter
+                        for p in inter.pattern[0] + inter.pattern[1])
+
+
 def test_frobenius_split_matches_the_per_part_norms():
     d = sh.derive(sh.layer("attention", causal=True), "ce")
     from symhess.verify import random_values

@@ -125,12 +125,11 @@ def mse__hessian__outer(X, Y, out=None):
     t18 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t15.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S19 = (np.reshape(t12, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t18.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
-    t20 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = (np.reshape(t20, (L, 1, 1)) * np.reshape(t12, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t20, (L, 1, 1)) * np.reshape(t13, (1, d_V, d_V)))
-    t22 = S21.transpose(0, 2, 1)
-    t23 = (S17 @ S19)
-    t2 += (t23 @ t22.transpose(0, 2, 1))
+    # S: compact tensor ('d_V', 'd_V')
+    S20 = t12 + (-1/d_V) * t13
+    t21 = S20.transpose(1, 0)
+    t22 = (S17 @ S19)
+    t2 += np.reshape((np.reshape(t22, (L*d_V, d_V)) @ t21.transpose(1, 0)), (L, d_V, d_V))
     return H
 
 
@@ -208,15 +207,14 @@ def mse__frobenius_all__outer(X, Y):
     t15 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t15.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
-    t17 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (np.reshape(t17, (L, 1, 1)) * np.reshape(t9, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t17, (L, 1, 1)) * np.reshape(t10, (1, d_V, d_V)))
-    t19 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
-    t20 = (S18 @ S18.transpose(0, 2, 1))
-    t21 = (t20 @ t19)
-    t22 = (t21 * t19).sum()
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    return (t23,)
+    # S: compact tensor ('d_V', 'd_V')
+    S17 = t9 + (-1/d_V) * t10
+    t18 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
+    t19 = (np.reshape(t18.transpose(1, 0, 2), (d_V, L*d_V)) @ np.reshape(t18.transpose(0, 2, 1), (L*d_V, d_V)))
+    t20 = (S17 @ S17.transpose(1, 0))
+    t21 = (t20 * t19).sum()
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return (t22,)
 
 
 def mse__diag__X__outer(X, Y):
@@ -250,12 +248,11 @@ def mse__diag__X__outer(X, Y):
     t16 = (np.reshape(t11, (d_V, d_V, 1)) * np.reshape(t13.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S17 = (np.reshape(t10, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t16.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
-    t18 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = (np.reshape(t18, (L, 1, 1)) * np.reshape(t10, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t18, (L, 1, 1)) * np.reshape(t11, (1, d_V, d_V)))
-    t20 = S19.transpose(0, 2, 1)
-    t21 = (S15 @ S17)
-    t0[...] = np.reshape((np.reshape(t20, (L, d_V, 1, d_V)) @ np.reshape(t21, (L, d_V, d_V, 1))), (L, d_V))
+    # S: compact tensor ('d_V', 'd_V')
+    S18 = t10 + (-1/d_V) * t11
+    t19 = S18.transpose(1, 0)
+    t20 = (S15 @ S17)
+    t0[...] = (np.reshape((np.reshape(t19, (d_V, 1, d_V)) @ t20.transpose(1, 2, 0)), (d_V, L))).transpose(1, 0)
     return out
 
 
@@ -288,11 +285,10 @@ def mse__trace__X__outer(X, Y):
     t15 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t15.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
-    t17 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (np.reshape(t17, (L, 1, 1)) * np.reshape(t9, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t17, (L, 1, 1)) * np.reshape(t10, (1, d_V, d_V)))
-    t19 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
-    return (t19 * S18).sum()
+    # S: compact tensor ('d_V', 'd_V')
+    S17 = t9 + (-1/d_V) * t10
+    t18 = (np.reshape(S16.transpose(2, 0, 1), (d_V, L*d_V)) @ np.reshape(S14.transpose(0, 2, 1), (L*d_V, d_V)))
+    return (t18 * S17).sum()
 
 
 def mse__block__X__X__outer(X, Y):
@@ -328,12 +324,11 @@ def mse__block__X__X__outer(X, Y):
     t17 = (np.reshape(t12, (d_V, d_V, 1)) * np.reshape(t14.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S18 = (np.reshape(t11, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t17.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
-    t19 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = (np.reshape(t19, (L, 1, 1)) * np.reshape(t11, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t19, (L, 1, 1)) * np.reshape(t12, (1, d_V, d_V)))
-    t21 = S20.transpose(0, 2, 1)
-    t22 = (S16 @ S18)
-    t1 += (t22 @ t21.transpose(0, 2, 1))
+    # S: compact tensor ('d_V', 'd_V')
+    S19 = t11 + (-1/d_V) * t12
+    t20 = S19.transpose(1, 0)
+    t21 = (S16 @ S18)
+    t1 += np.reshape((np.reshape(t21, (L*d_V, d_V)) @ t20.transpose(1, 0)), (L, d_V, d_V))
     return out
 
 
@@ -366,15 +361,14 @@ def mse__frobenius__X__X__outer(X, Y):
     t15 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t15.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
-    t17 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (np.reshape(t17, (L, 1, 1)) * np.reshape(t9, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t17, (L, 1, 1)) * np.reshape(t10, (1, d_V, d_V)))
-    t19 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
-    t20 = (S18 @ S18.transpose(0, 2, 1))
-    t21 = (t20 @ t19)
-    t22 = (t21 * t19).sum()
-    t23 = np.sqrt(np.maximum(t22, 0.0))
-    return t23
+    # S: compact tensor ('d_V', 'd_V')
+    S17 = t9 + (-1/d_V) * t10
+    t18 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
+    t19 = (np.reshape(t18.transpose(1, 0, 2), (d_V, L*d_V)) @ np.reshape(t18.transpose(0, 2, 1), (L*d_V, d_V)))
+    t20 = (S17 @ S17.transpose(1, 0))
+    t21 = (t20 * t19).sum()
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def mse__hessian__functional(X, Y, out=None):
@@ -422,13 +416,12 @@ def mse__hessian__functional(X, Y, out=None):
     S26 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (np.reshape(t22.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (np.reshape((t25.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (2/d_V) * (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t22.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t25.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t21 @ np.reshape(S26.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t28 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (np.reshape(t28, (L, 1, 1)) * np.reshape(t19, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t28, (L, 1, 1)) * np.reshape(t21, (1, d_V, d_V)))
-    t30 = (1/n_batch) * S29
-    t31 = S27.sum((0,))
-    t32 = t30.transpose(0, 2, 1)
-    t2 += (t31 @ t32.transpose(0, 2, 1))
+    # S: compact tensor ('d_V', 'd_V')
+    S28 = t19 + (-1/d_V) * t21
+    t29 = (1/n_batch) * S28
+    t30 = S27.sum((0,))
+    t31 = t29.transpose(1, 0)
+    t2 += np.reshape((np.reshape(t30, (L*d_V, d_V)) @ t31.transpose(1, 0)), (L, d_V, d_V))
     return H
 
 
@@ -527,14 +520,13 @@ def mse__frobenius_all__functional(X, Y):
     S23 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (2/d_V) * (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S23.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t25 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (np.reshape(t25, (L, 1, 1)) * np.reshape(t16, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t25, (L, 1, 1)) * np.reshape(t18, (1, d_V, d_V)))
-    t27 = (S26.transpose(0, 2, 1) @ S24.sum((0,)).transpose(0, 2, 1))
-    t28 = (t27.transpose(0, 2, 1) @ S26.transpose(0, 2, 1))
-    t29 = (n_batch**(-2)) * (t28 * S24.sum((0,))).sum()
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30,)
+    # S: compact tensor ('d_V', 'd_V')
+    S25 = t16 + (-1/d_V) * t18
+    t26 = (S25 @ S25.transpose(1, 0))
+    t27 = np.reshape((t26 @ np.reshape(S24.sum((0,)).transpose(2, 0, 1), (d_V, L*d_V))), (d_V, L, d_V))
+    t28 = (n_batch**(-2)) * (t27 * S24.sum((0,)).transpose(2, 0, 1)).sum()
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    return (t29,)
 
 
 def mse__diag__X__functional(X, Y):
@@ -579,13 +571,12 @@ def mse__diag__X__functional(X, Y):
     S24 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(t16, (n_batch, L, d_V, 1))) + (np.reshape(t20.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (np.reshape((t23.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = (2/d_V) * (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(t16, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t20.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t23.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t19 @ np.reshape(S24.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t26 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (np.reshape(t26, (L, 1, 1)) * np.reshape(t17, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t26, (L, 1, 1)) * np.reshape(t19, (1, d_V, d_V)))
-    t28 = (1/n_batch) * S27
-    t29 = S25.sum((0,))
-    t30 = t28.transpose(0, 2, 1)
-    t0[...] = np.reshape((np.reshape(t29, (L, d_V, 1, d_V)) @ np.reshape(t30, (L, d_V, d_V, 1))), (L, d_V))
+    # S: compact tensor ('d_V', 'd_V')
+    S26 = t17 + (-1/d_V) * t19
+    t27 = (1/n_batch) * S26
+    t28 = S25.sum((0,))
+    t29 = t27.transpose(1, 0)
+    t0[...] = (np.reshape((t28.transpose(1, 0, 2) @ np.reshape(t29, (d_V, d_V, 1))), (d_V, L))).transpose(1, 0)
     return out
 
 
@@ -629,10 +620,9 @@ def mse__trace__X__functional(X, Y):
     S23 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (2/d_V) * (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S23.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t25 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (np.reshape(t25, (L, 1, 1)) * np.reshape(t16, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t25, (L, 1, 1)) * np.reshape(t18, (1, d_V, d_V)))
-    return (1/n_batch) * (S26 * S24.sum((0,)).transpose(0, 2, 1)).sum()
+    # S: compact tensor ('d_V', 'd_V')
+    S25 = t16 + (-1/d_V) * t18
+    return (1/n_batch) * (S25 * S24.sum((0, 1)).transpose(1, 0)).sum()
 
 
 def mse__block__X__X__functional(X, Y):
@@ -679,13 +669,12 @@ def mse__block__X__X__functional(X, Y):
     S25 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape(t21.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape((t24.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S26 = (2/d_V) * (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t21.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t24.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t20 @ np.reshape(S25.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t27 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (np.reshape(t27, (L, 1, 1)) * np.reshape(t18, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t27, (L, 1, 1)) * np.reshape(t20, (1, d_V, d_V)))
-    t29 = (1/n_batch) * S28
-    t30 = S26.sum((0,))
-    t31 = t29.transpose(0, 2, 1)
-    t1 += (t30 @ t31.transpose(0, 2, 1))
+    # S: compact tensor ('d_V', 'd_V')
+    S27 = t18 + (-1/d_V) * t20
+    t28 = (1/n_batch) * S27
+    t29 = S26.sum((0,))
+    t30 = t28.transpose(1, 0)
+    t1 += np.reshape((np.reshape(t29, (L*d_V, d_V)) @ t30.transpose(1, 0)), (L, d_V, d_V))
     return out
 
 
@@ -729,14 +718,13 @@ def mse__frobenius__X__X__functional(X, Y):
     S23 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (2/d_V) * (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S23.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t25 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (np.reshape(t25, (L, 1, 1)) * np.reshape(t16, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t25, (L, 1, 1)) * np.reshape(t18, (1, d_V, d_V)))
-    t27 = (S26.transpose(0, 2, 1) @ S24.sum((0,)).transpose(0, 2, 1))
-    t28 = (t27.transpose(0, 2, 1) @ S26.transpose(0, 2, 1))
-    t29 = (n_batch**(-2)) * (t28 * S24.sum((0,))).sum()
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    return t30
+    # S: compact tensor ('d_V', 'd_V')
+    S25 = t16 + (-1/d_V) * t18
+    t26 = (S25 @ S25.transpose(1, 0))
+    t27 = np.reshape((t26 @ np.reshape(S24.sum((0,)).transpose(2, 0, 1), (d_V, L*d_V))), (d_V, L, d_V))
+    t28 = (n_batch**(-2)) * (t27 * S24.sum((0,)).transpose(2, 0, 1)).sum()
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    return t29
 
 
 def mse__hessian__full(X, Y, out=None):
@@ -792,13 +780,12 @@ def mse__hessian__full(X, Y, out=None):
     S31 = (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (np.reshape(t22.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (np.reshape((t25.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S32 = (2/d_V) * (np.reshape(t19, (1, 1, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t22.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t25.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (S28 @ S30) + (-2/d_V**2) * (np.reshape((t21 @ np.reshape(S31.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t33 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (np.reshape(t33, (L, 1, 1)) * np.reshape(t19, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t33, (L, 1, 1)) * np.reshape(t21, (1, d_V, d_V)))
-    t35 = (1/n_batch) * S34
-    t36 = S32.sum((0,))
-    t37 = t35.transpose(0, 2, 1)
-    t2 += (t36 @ t37.transpose(0, 2, 1))
+    # S: compact tensor ('d_V', 'd_V')
+    S33 = t19 + (-1/d_V) * t21
+    t34 = (1/n_batch) * S33
+    t35 = S32.sum((0,))
+    t36 = t34.transpose(1, 0)
+    t2 += np.reshape((np.reshape(t35, (L*d_V, d_V)) @ t36.transpose(1, 0)), (L, d_V, d_V))
     return H
 
 
@@ -916,14 +903,13 @@ def mse__frobenius_all__full(X, Y):
     S28 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (2/d_V) * (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (S25 @ S27) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S28.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t30 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (np.reshape(t30, (L, 1, 1)) * np.reshape(t16, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t30, (L, 1, 1)) * np.reshape(t18, (1, d_V, d_V)))
-    t32 = (S31.transpose(0, 2, 1) @ S29.sum((0,)).transpose(0, 2, 1))
-    t33 = (t32.transpose(0, 2, 1) @ S31.transpose(0, 2, 1))
-    t34 = (n_batch**(-2)) * (t33 * S29.sum((0,))).sum()
-    t35 = np.sqrt(np.maximum(t34, 0.0))
-    return (t35,)
+    # S: compact tensor ('d_V', 'd_V')
+    S30 = t16 + (-1/d_V) * t18
+    t31 = (S30 @ S30.transpose(1, 0))
+    t32 = np.reshape((t31 @ np.reshape(S29.sum((0,)).transpose(2, 0, 1), (d_V, L*d_V))), (d_V, L, d_V))
+    t33 = (n_batch**(-2)) * (t32 * S29.sum((0,)).transpose(2, 0, 1)).sum()
+    t34 = np.sqrt(np.maximum(t33, 0.0))
+    return (t34,)
 
 
 def mse__diag__X__full(X, Y):
@@ -976,13 +962,12 @@ def mse__diag__X__full(X, Y):
     S29 = (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(t16, (n_batch, L, d_V, 1))) + (np.reshape(t20.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (np.reshape((t23.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S30 = (2/d_V) * (np.reshape(t17, (1, 1, d_V, d_V)) * np.reshape(t16, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t20.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t18, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t23.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (S26 @ S28) + (-2/d_V**2) * (np.reshape((t19 @ np.reshape(S29.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t31 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = (np.reshape(t31, (L, 1, 1)) * np.reshape(t17, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t31, (L, 1, 1)) * np.reshape(t19, (1, d_V, d_V)))
-    t33 = (1/n_batch) * S32
-    t34 = S30.sum((0,))
-    t35 = t33.transpose(0, 2, 1)
-    t0[...] = np.reshape((np.reshape(t34, (L, d_V, 1, d_V)) @ np.reshape(t35, (L, d_V, d_V, 1))), (L, d_V))
+    # S: compact tensor ('d_V', 'd_V')
+    S31 = t17 + (-1/d_V) * t19
+    t32 = (1/n_batch) * S31
+    t33 = S30.sum((0,))
+    t34 = t32.transpose(1, 0)
+    t0[...] = (np.reshape((t33.transpose(1, 0, 2) @ np.reshape(t34, (d_V, d_V, 1))), (d_V, L))).transpose(1, 0)
     return out
 
 
@@ -1034,10 +1019,9 @@ def mse__trace__X__full(X, Y):
     S28 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (2/d_V) * (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (S25 @ S27) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S28.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t30 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (np.reshape(t30, (L, 1, 1)) * np.reshape(t16, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t30, (L, 1, 1)) * np.reshape(t18, (1, d_V, d_V)))
-    return (1/n_batch) * (S31 * S29.sum((0,)).transpose(0, 2, 1)).sum()
+    # S: compact tensor ('d_V', 'd_V')
+    S30 = t16 + (-1/d_V) * t18
+    return (1/n_batch) * (S30 * S29.sum((0, 1)).transpose(1, 0)).sum()
 
 
 def mse__block__X__X__full(X, Y):
@@ -1092,13 +1076,12 @@ def mse__block__X__X__full(X, Y):
     S30 = (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape(t21.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape((t24.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S31 = (2/d_V) * (np.reshape(t18, (1, 1, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t21.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t24.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (S27 @ S29) + (-2/d_V**2) * (np.reshape((t20 @ np.reshape(S30.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t32 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (np.reshape(t32, (L, 1, 1)) * np.reshape(t18, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t32, (L, 1, 1)) * np.reshape(t20, (1, d_V, d_V)))
-    t34 = (1/n_batch) * S33
-    t35 = S31.sum((0,))
-    t36 = t34.transpose(0, 2, 1)
-    t1 += (t35 @ t36.transpose(0, 2, 1))
+    # S: compact tensor ('d_V', 'd_V')
+    S32 = t18 + (-1/d_V) * t20
+    t33 = (1/n_batch) * S32
+    t34 = S31.sum((0,))
+    t35 = t33.transpose(1, 0)
+    t1 += np.reshape((np.reshape(t34, (L*d_V, d_V)) @ t35.transpose(1, 0)), (L, d_V, d_V))
     return out
 
 
@@ -1150,14 +1133,13 @@ def mse__frobenius__X__X__full(X, Y):
     S28 = (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (2/d_V) * (np.reshape(t16, (1, 1, d_V, d_V)) * np.reshape(t15, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t19.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t17, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t22.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (S25 @ S27) + (-2/d_V**2) * (np.reshape((t18 @ np.reshape(S28.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t30 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (np.reshape(t30, (L, 1, 1)) * np.reshape(t16, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t30, (L, 1, 1)) * np.reshape(t18, (1, d_V, d_V)))
-    t32 = (S31.transpose(0, 2, 1) @ S29.sum((0,)).transpose(0, 2, 1))
-    t33 = (t32.transpose(0, 2, 1) @ S31.transpose(0, 2, 1))
-    t34 = (n_batch**(-2)) * (t33 * S29.sum((0,))).sum()
-    t35 = np.sqrt(np.maximum(t34, 0.0))
-    return t35
+    # S: compact tensor ('d_V', 'd_V')
+    S30 = t16 + (-1/d_V) * t18
+    t31 = (S30 @ S30.transpose(1, 0))
+    t32 = np.reshape((t31 @ np.reshape(S29.sum((0,)).transpose(2, 0, 1), (d_V, L*d_V))), (d_V, L, d_V))
+    t33 = (n_batch**(-2)) * (t32 * S29.sum((0,)).transpose(2, 0, 1)).sum()
+    t34 = np.sqrt(np.maximum(t33, 0.0))
+    return t34
 
 
 def mse__frobenius_split__X__X(X, Y):
@@ -1189,44 +1171,41 @@ def mse__frobenius_split__X__X(X, Y):
     t15 = (np.reshape(t10, (d_V, d_V, 1)) * np.reshape(t12.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (np.reshape(t9, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t15.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
-    t17 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (np.reshape(t17, (L, 1, 1)) * np.reshape(t9, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t17, (L, 1, 1)) * np.reshape(t10, (1, d_V, d_V)))
-    t19 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
-    t20 = (S18 @ S18.transpose(0, 2, 1))
-    t21 = (t20 @ t19)
-    t22 = (t21 * t19).sum()
-    t23 = M_Z * P_Z
-    Z = t23
+    # S: compact tensor ('d_V', 'd_V')
+    S17 = t9 + (-1/d_V) * t10
+    t18 = (S16.transpose(0, 2, 1) @ S14.transpose(0, 2, 1))
+    t19 = (np.reshape(t18.transpose(1, 0, 2), (d_V, L*d_V)) @ np.reshape(t18.transpose(0, 2, 1), (L*d_V, d_V)))
+    t20 = (S17 @ S17.transpose(1, 0))
+    t21 = (t20 * t19).sum()
+    t22 = M_Z * P_Z
+    Z = t22
     F = Z
-    t24 = F - Y
-    t25 = (2/(L*d_V)) * t24
-    G = t25
-    t26 = t11 * G * M_Z
-    t27 = t26.sum(-1, keepdims=True)
-    t28 = np.broadcast_to(t27, t27.shape[:-1] + (d_V,))
-    t29 = t11 * G
-    t30 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t10.transpose(1, 0), (d_V, 1, d_V)))
-    t31 = (0.75 * (sigma2_Z ** -2.5))
-    t32 = t31 * G * M_Z
+    t23 = F - Y
+    t24 = (2/(L*d_V)) * t23
+    G = t24
+    t25 = t11 * G * M_Z
+    t26 = t25.sum(-1, keepdims=True)
+    t27 = np.broadcast_to(t26, t26.shape[:-1] + (d_V,))
+    t28 = t11 * G
+    t29 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t10.transpose(1, 0), (d_V, 1, d_V)))
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(t29, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t30.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t32, (n_batch, L, d_V, 1)))
+    S32 = (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(t28, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t29.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t31, (n_batch, L, d_V, 1)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(t28, (n_batch, L, d_V, 1))) + (np.reshape(t30.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t29, (n_batch, L, d_V, 1))) + (np.reshape((t13.transpose(2, 0, 1) @ np.reshape(S33.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
+    S33 = (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(t27, (n_batch, L, d_V, 1))) + (np.reshape(t29.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t28, (n_batch, L, d_V, 1))) + (np.reshape((t13.transpose(2, 0, 1) @ np.reshape(S32.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (2/d_V) * (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(t28, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t30.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t29, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t13.transpose(2, 0, 1) @ np.reshape(S33.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t10 @ np.reshape(S34.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t36 = (S18.transpose(0, 2, 1) @ S35.sum((0,)).transpose(0, 2, 1))
-    t37 = (t36.transpose(0, 2, 1) @ S18.transpose(0, 2, 1))
-    t38 = (n_batch**(-2)) * (t37 * S35.sum((0,))).sum()
-    t39 = (S35.sum((0,)).transpose(0, 2, 1) @ S14)
-    t40 = (S18.transpose(0, 2, 1) @ S16.transpose(0, 2, 1))
-    t41 = (t40.transpose(0, 2, 1) @ S18.transpose(0, 2, 1))
-    t42 = (2/n_batch) * (t41 * t39.transpose(0, 2, 1)).sum()
-    t43 = t22 + t38 + t42
-    t44 = np.sqrt(np.maximum(t22, 0.0))
-    t45 = np.sqrt(np.maximum(t38, 0.0))
-    t46 = np.sqrt(np.maximum(t43, 0.0))
-    return (t44, t45, t46,)
+    S34 = (2/d_V) * (np.reshape(t9, (1, 1, d_V, d_V)) * np.reshape(t27, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t29.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t28, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t13.transpose(2, 0, 1) @ np.reshape(S32.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t10 @ np.reshape(S33.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    t35 = np.reshape((t20 @ np.reshape(S34.sum((0,)).transpose(2, 0, 1), (d_V, L*d_V))), (d_V, L, d_V))
+    t36 = (n_batch**(-2)) * (t35 * S34.sum((0,)).transpose(2, 0, 1)).sum()
+    t37 = (S34.sum((0,)).transpose(0, 2, 1) @ S14)
+    t38 = (np.reshape(t37.transpose(1, 0, 2), (d_V, L*d_V)) @ np.reshape(S16, (L*d_V, d_V)))
+    t39 = (2/n_batch) * (t20 * t38).sum()
+    t40 = t21 + t36 + t39
+    t41 = np.sqrt(np.maximum(t21, 0.0))
+    t42 = np.sqrt(np.maximum(t36, 0.0))
+    t43 = np.sqrt(np.maximum(t40, 0.0))
+    return (t41, t42, t43,)
 
 
 def jacobian__X(X):
@@ -1421,14 +1400,13 @@ def ce__hessian__outer(X, Y, out=None):
     t24 = (np.reshape(t16, (d_V, d_V, 1)) * np.reshape(t23.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = (np.reshape(t15, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t24.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
-    t26 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (np.reshape(t26, (L, 1, 1)) * np.reshape(t15, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t26, (L, 1, 1)) * np.reshape(t16, (1, d_V, d_V)))
-    t28 = (1/n_batch) * dA
-    t29 = S20.sum((0,))
-    t30 = (S25.transpose(0, 2, 1) @ t28.transpose(0, 2, 1))
-    t31 = (S27.transpose(0, 2, 1) @ t30)
-    t2 += (t29 @ t31.transpose(0, 2, 1))
+    # S: compact tensor ('d_V', 'd_V')
+    S26 = t15 + (-1/d_V) * t16
+    t27 = (1/n_batch) * S26
+    t28 = S20.sum((0,))
+    t29 = (S25.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t30 = (np.reshape((t27.transpose(1, 0) @ np.reshape(t29.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    t2 += (t28 @ t30.transpose(0, 2, 1))
     return H
 
 
@@ -1524,17 +1502,16 @@ def ce__frobenius_all__outer(X, Y):
     t21 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t20.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = (np.reshape(t12, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t21.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
-    t23 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (np.reshape(t23, (L, 1, 1)) * np.reshape(t12, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t23, (L, 1, 1)) * np.reshape(t13, (1, d_V, d_V)))
-    t25 = (S17.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
-    t26 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
-    t27 = (S24 @ S24.transpose(0, 2, 1))
-    t28 = (t27 @ t26)
-    t29 = (t28 @ t25.transpose(0, 2, 1))
-    t30 = (n_batch**(-2)) * (t29 * t26).sum()
-    t31 = np.sqrt(np.maximum(t30, 0.0))
-    return (t31,)
+    # S: compact tensor ('d_V', 'd_V')
+    S23 = t12 + (-1/d_V) * t13
+    t24 = (S17.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
+    t25 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t26 = (t25 @ t24.transpose(0, 2, 1))
+    t27 = (np.reshape(t26.transpose(1, 0, 2), (d_V, L*d_V)) @ np.reshape(t25.transpose(0, 2, 1), (L*d_V, d_V)))
+    t28 = (S23 @ S23.transpose(1, 0))
+    t29 = (n_batch**(-2)) * (t28 * t27.transpose(1, 0)).sum()
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    return (t30,)
 
 
 def ce__diag__X__outer(X, Y):
@@ -1578,14 +1555,13 @@ def ce__diag__X__outer(X, Y):
     t22 = (np.reshape(t14, (d_V, d_V, 1)) * np.reshape(t21.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S23 = (np.reshape(t13, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t22.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
-    t24 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (np.reshape(t24, (L, 1, 1)) * np.reshape(t13, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t24, (L, 1, 1)) * np.reshape(t14, (1, d_V, d_V)))
-    t26 = (1/n_batch) * dA
-    t27 = S18.sum((0,))
-    t28 = (S23.transpose(0, 2, 1) @ t26.transpose(0, 2, 1))
-    t29 = (S25.transpose(0, 2, 1) @ t28)
-    t0[...] = np.reshape((np.reshape(t27, (L, d_V, 1, d_V)) @ np.reshape(t29, (L, d_V, d_V, 1))), (L, d_V))
+    # S: compact tensor ('d_V', 'd_V')
+    S24 = t13 + (-1/d_V) * t14
+    t25 = (1/n_batch) * S24
+    t26 = S18.sum((0,))
+    t27 = (S23.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t28 = (np.reshape((t25.transpose(1, 0) @ np.reshape(t27.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    t0[...] = np.reshape((np.reshape(t26, (L, d_V, 1, d_V)) @ np.reshape(t28, (L, d_V, d_V, 1))), (L, d_V))
     return out
 
 
@@ -1628,12 +1604,11 @@ def ce__trace__X__outer(X, Y):
     t21 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t20.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = (np.reshape(t12, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t21.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
-    t23 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (np.reshape(t23, (L, 1, 1)) * np.reshape(t12, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t23, (L, 1, 1)) * np.reshape(t13, (1, d_V, d_V)))
-    t25 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
-    t26 = (t25.transpose(0, 2, 1) @ S24)
-    return (1/n_batch) * (t26 * S17.sum((0,)).transpose(0, 2, 1)).sum()
+    # S: compact tensor ('d_V', 'd_V')
+    S23 = t12 + (-1/d_V) * t13
+    t24 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t25 = np.reshape((np.reshape(t24.transpose(0, 2, 1), (L*d_V, d_V)) @ S23), (L, d_V, d_V))
+    return (1/n_batch) * (t25 * S17.sum((0,)).transpose(0, 2, 1)).sum()
 
 
 def ce__block__X__X__outer(X, Y):
@@ -1679,14 +1654,13 @@ def ce__block__X__X__outer(X, Y):
     t23 = (np.reshape(t15, (d_V, d_V, 1)) * np.reshape(t22.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (np.reshape(t14, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t23.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
-    t25 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (np.reshape(t25, (L, 1, 1)) * np.reshape(t14, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t25, (L, 1, 1)) * np.reshape(t15, (1, d_V, d_V)))
-    t27 = (1/n_batch) * dA
-    t28 = S19.sum((0,))
-    t29 = (S24.transpose(0, 2, 1) @ t27.transpose(0, 2, 1))
-    t30 = (S26.transpose(0, 2, 1) @ t29)
-    t1 += (t28 @ t30.transpose(0, 2, 1))
+    # S: compact tensor ('d_V', 'd_V')
+    S25 = t14 + (-1/d_V) * t15
+    t26 = (1/n_batch) * S25
+    t27 = S19.sum((0,))
+    t28 = (S24.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t29 = (np.reshape((t26.transpose(1, 0) @ np.reshape(t28.transpose(1, 0, 2), (d_V, L*d_V))), (d_V, L, d_V))).transpose(1, 0, 2)
+    t1 += (t27 @ t29.transpose(0, 2, 1))
     return out
 
 
@@ -1729,17 +1703,16 @@ def ce__frobenius__X__X__outer(X, Y):
     t21 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t20.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = (np.reshape(t12, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t21.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
-    t23 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (np.reshape(t23, (L, 1, 1)) * np.reshape(t12, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t23, (L, 1, 1)) * np.reshape(t13, (1, d_V, d_V)))
-    t25 = (S17.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
-    t26 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
-    t27 = (S24 @ S24.transpose(0, 2, 1))
-    t28 = (t27 @ t26)
-    t29 = (t28 @ t25.transpose(0, 2, 1))
-    t30 = (n_batch**(-2)) * (t29 * t26).sum()
-    t31 = np.sqrt(np.maximum(t30, 0.0))
-    return t31
+    # S: compact tensor ('d_V', 'd_V')
+    S23 = t12 + (-1/d_V) * t13
+    t24 = (S17.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
+    t25 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t26 = (t25 @ t24.transpose(0, 2, 1))
+    t27 = (np.reshape(t26.transpose(1, 0, 2), (d_V, L*d_V)) @ np.reshape(t25.transpose(0, 2, 1), (L*d_V, d_V)))
+    t28 = (S23 @ S23.transpose(1, 0))
+    t29 = (n_batch**(-2)) * (t28 * t27.transpose(1, 0)).sum()
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    return t30
 
 
 def ce__hessian__functional(X, Y, out=None):
@@ -1792,13 +1765,12 @@ def ce__hessian__functional(X, Y, out=None):
     S30 = (np.reshape(t23, (1, 1, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (np.reshape(t26.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t24, (n_batch, L, d_V, 1))) + (np.reshape((t29.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S31 = (2/d_V) * (np.reshape(t23, (1, 1, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t26.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t24, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t29.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t25 @ np.reshape(S30.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t32 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (np.reshape(t32, (L, 1, 1)) * np.reshape(t23, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t32, (L, 1, 1)) * np.reshape(t25, (1, d_V, d_V)))
-    t34 = (1/n_batch) * S33
-    t35 = S31.sum((0,))
-    t36 = t34.transpose(0, 2, 1)
-    t2 += (t35 @ t36.transpose(0, 2, 1))
+    # S: compact tensor ('d_V', 'd_V')
+    S32 = t23 + (-1/d_V) * t25
+    t33 = (1/n_batch) * S32
+    t34 = S31.sum((0,))
+    t35 = t33.transpose(1, 0)
+    t2 += np.reshape((np.reshape(t34, (L*d_V, d_V)) @ t35.transpose(1, 0)), (L, d_V, d_V))
     return H
 
 
@@ -1907,14 +1879,13 @@ def ce__frobenius_all__functional(X, Y):
     S27 = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (2/d_V) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S27.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t29 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (np.reshape(t29, (L, 1, 1)) * np.reshape(t20, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t29, (L, 1, 1)) * np.reshape(t22, (1, d_V, d_V)))
-    t31 = (S30.transpose(0, 2, 1) @ S28.sum((0,)).transpose(0, 2, 1))
-    t32 = (t31.transpose(0, 2, 1) @ S30.transpose(0, 2, 1))
-    t33 = (n_batch**(-2)) * (t32 * S28.sum((0,))).sum()
-    t34 = np.sqrt(np.maximum(t33, 0.0))
-    return (t34,)
+    # S: compact tensor ('d_V', 'd_V')
+    S29 = t20 + (-1/d_V) * t22
+    t30 = (S29 @ S29.transpose(1, 0))
+    t31 = np.reshape((t30 @ np.reshape(S28.sum((0,)).transpose(2, 0, 1), (d_V, L*d_V))), (d_V, L, d_V))
+    t32 = (n_batch**(-2)) * (t31 * S28.sum((0,)).transpose(2, 0, 1)).sum()
+    t33 = np.sqrt(np.maximum(t32, 0.0))
+    return (t33,)
 
 
 def ce__diag__X__functional(X, Y):
@@ -1964,13 +1935,12 @@ def ce__diag__X__functional(X, Y):
     S28 = (np.reshape(t21, (1, 1, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (np.reshape(t24.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (np.reshape((t27.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (2/d_V) * (np.reshape(t21, (1, 1, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t24.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t27.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t23 @ np.reshape(S28.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t30 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (np.reshape(t30, (L, 1, 1)) * np.reshape(t21, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t30, (L, 1, 1)) * np.reshape(t23, (1, d_V, d_V)))
-    t32 = (1/n_batch) * S31
-    t33 = S29.sum((0,))
-    t34 = t32.transpose(0, 2, 1)
-    t0[...] = np.reshape((np.reshape(t33, (L, d_V, 1, d_V)) @ np.reshape(t34, (L, d_V, d_V, 1))), (L, d_V))
+    # S: compact tensor ('d_V', 'd_V')
+    S30 = t21 + (-1/d_V) * t23
+    t31 = (1/n_batch) * S30
+    t32 = S29.sum((0,))
+    t33 = t31.transpose(1, 0)
+    t0[...] = (np.reshape((t32.transpose(1, 0, 2) @ np.reshape(t33, (d_V, d_V, 1))), (d_V, L))).transpose(1, 0)
     return out
 
 
@@ -2019,10 +1989,9 @@ def ce__trace__X__functional(X, Y):
     S27 = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (2/d_V) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S27.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t29 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (np.reshape(t29, (L, 1, 1)) * np.reshape(t20, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t29, (L, 1, 1)) * np.reshape(t22, (1, d_V, d_V)))
-    return (1/n_batch) * (S30 * S28.sum((0,)).transpose(0, 2, 1)).sum()
+    # S: compact tensor ('d_V', 'd_V')
+    S29 = t20 + (-1/d_V) * t22
+    return (1/n_batch) * (S29 * S28.sum((0, 1)).transpose(1, 0)).sum()
 
 
 def ce__block__X__X__functional(X, Y):
@@ -2074,13 +2043,12 @@ def ce__block__X__X__functional(X, Y):
     S29 = (np.reshape(t22, (1, 1, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape(t25.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t23, (n_batch, L, d_V, 1))) + (np.reshape((t28.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S30 = (2/d_V) * (np.reshape(t22, (1, 1, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t25.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t23, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t28.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t24 @ np.reshape(S29.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t31 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = (np.reshape(t31, (L, 1, 1)) * np.reshape(t22, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t31, (L, 1, 1)) * np.reshape(t24, (1, d_V, d_V)))
-    t33 = (1/n_batch) * S32
-    t34 = S30.sum((0,))
-    t35 = t33.transpose(0, 2, 1)
-    t1 += (t34 @ t35.transpose(0, 2, 1))
+    # S: compact tensor ('d_V', 'd_V')
+    S31 = t22 + (-1/d_V) * t24
+    t32 = (1/n_batch) * S31
+    t33 = S30.sum((0,))
+    t34 = t32.transpose(1, 0)
+    t1 += np.reshape((np.reshape(t33, (L*d_V, d_V)) @ t34.transpose(1, 0)), (L, d_V, d_V))
     return out
 
 
@@ -2129,14 +2097,13 @@ def ce__frobenius__X__X__functional(X, Y):
     S27 = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (2/d_V) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S27.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t29 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (np.reshape(t29, (L, 1, 1)) * np.reshape(t20, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t29, (L, 1, 1)) * np.reshape(t22, (1, d_V, d_V)))
-    t31 = (S30.transpose(0, 2, 1) @ S28.sum((0,)).transpose(0, 2, 1))
-    t32 = (t31.transpose(0, 2, 1) @ S30.transpose(0, 2, 1))
-    t33 = (n_batch**(-2)) * (t32 * S28.sum((0,))).sum()
-    t34 = np.sqrt(np.maximum(t33, 0.0))
-    return t34
+    # S: compact tensor ('d_V', 'd_V')
+    S29 = t20 + (-1/d_V) * t22
+    t30 = (S29 @ S29.transpose(1, 0))
+    t31 = np.reshape((t30 @ np.reshape(S28.sum((0,)).transpose(2, 0, 1), (d_V, L*d_V))), (d_V, L, d_V))
+    t32 = (n_batch**(-2)) * (t31 * S28.sum((0,)).transpose(2, 0, 1)).sum()
+    t33 = np.sqrt(np.maximum(t32, 0.0))
+    return t33
 
 
 def ce__hessian__full(X, Y, out=None):
@@ -2204,13 +2171,12 @@ def ce__hessian__full(X, Y, out=None):
     S40 = (np.reshape(t23, (1, 1, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (np.reshape(t26.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t24, (n_batch, L, d_V, 1))) + (np.reshape((t29.transpose(2, 0, 1) @ np.reshape(S39.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S41 = (2/d_V) * (np.reshape(t23, (1, 1, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t26.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t24, (n_batch, L, d_V, 1))) + (np.reshape((np.reshape(S30.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t36.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (2/d_V) * (np.reshape((t29.transpose(2, 0, 1) @ np.reshape(S39.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t25 @ np.reshape(S40.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t42 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S43 = (np.reshape(t42, (L, 1, 1)) * np.reshape(t23, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t42, (L, 1, 1)) * np.reshape(t25, (1, d_V, d_V)))
-    t44 = (1/n_batch) * S43
-    t45 = S41.sum((0,))
-    t46 = t44.transpose(0, 2, 1)
-    t2 += (t45 @ t46.transpose(0, 2, 1))
+    # S: compact tensor ('d_V', 'd_V')
+    S42 = t23 + (-1/d_V) * t25
+    t43 = (1/n_batch) * S42
+    t44 = S41.sum((0,))
+    t45 = t43.transpose(1, 0)
+    t2 += np.reshape((np.reshape(t44, (L*d_V, d_V)) @ t45.transpose(1, 0)), (L, d_V, d_V))
     return H
 
 
@@ -2345,14 +2311,13 @@ def ce__frobenius_all__full(X, Y):
     S37 = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S36.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S38 = (2/d_V) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((np.reshape(S27.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t33.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S36.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S37.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t39 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (np.reshape(t39, (L, 1, 1)) * np.reshape(t20, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t39, (L, 1, 1)) * np.reshape(t22, (1, d_V, d_V)))
-    t41 = (S40.transpose(0, 2, 1) @ S38.sum((0,)).transpose(0, 2, 1))
-    t42 = (t41.transpose(0, 2, 1) @ S40.transpose(0, 2, 1))
-    t43 = (n_batch**(-2)) * (t42 * S38.sum((0,))).sum()
-    t44 = np.sqrt(np.maximum(t43, 0.0))
-    return (t44,)
+    # S: compact tensor ('d_V', 'd_V')
+    S39 = t20 + (-1/d_V) * t22
+    t40 = (S39 @ S39.transpose(1, 0))
+    t41 = np.reshape((t40 @ np.reshape(S38.sum((0,)).transpose(2, 0, 1), (d_V, L*d_V))), (d_V, L, d_V))
+    t42 = (n_batch**(-2)) * (t41 * S38.sum((0,)).transpose(2, 0, 1)).sum()
+    t43 = np.sqrt(np.maximum(t42, 0.0))
+    return (t43,)
 
 
 def ce__diag__X__full(X, Y):
@@ -2417,13 +2382,12 @@ def ce__diag__X__full(X, Y):
     S38 = (np.reshape(t21, (1, 1, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (np.reshape(t24.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (np.reshape((t27.transpose(2, 0, 1) @ np.reshape(S37.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S39 = (2/d_V) * (np.reshape(t21, (1, 1, d_V, d_V)) * np.reshape(t20, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t24.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t22, (n_batch, L, d_V, 1))) + (np.reshape((np.reshape(S28.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t34.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (2/d_V) * (np.reshape((t27.transpose(2, 0, 1) @ np.reshape(S37.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t23 @ np.reshape(S38.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t40 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S41 = (np.reshape(t40, (L, 1, 1)) * np.reshape(t21, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t40, (L, 1, 1)) * np.reshape(t23, (1, d_V, d_V)))
-    t42 = (1/n_batch) * S41
-    t43 = S39.sum((0,))
-    t44 = t42.transpose(0, 2, 1)
-    t0[...] = np.reshape((np.reshape(t43, (L, d_V, 1, d_V)) @ np.reshape(t44, (L, d_V, d_V, 1))), (L, d_V))
+    # S: compact tensor ('d_V', 'd_V')
+    S40 = t21 + (-1/d_V) * t23
+    t41 = (1/n_batch) * S40
+    t42 = S39.sum((0,))
+    t43 = t41.transpose(1, 0)
+    t0[...] = (np.reshape((t42.transpose(1, 0, 2) @ np.reshape(t43, (d_V, d_V, 1))), (d_V, L))).transpose(1, 0)
     return out
 
 
@@ -2487,10 +2451,9 @@ def ce__trace__X__full(X, Y):
     S37 = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S36.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S38 = (2/d_V) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((np.reshape(S27.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t33.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S36.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S37.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t39 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (np.reshape(t39, (L, 1, 1)) * np.reshape(t20, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t39, (L, 1, 1)) * np.reshape(t22, (1, d_V, d_V)))
-    return (1/n_batch) * (S40 * S38.sum((0,)).transpose(0, 2, 1)).sum()
+    # S: compact tensor ('d_V', 'd_V')
+    S39 = t20 + (-1/d_V) * t22
+    return (1/n_batch) * (S39 * S38.sum((0, 1)).transpose(1, 0)).sum()
 
 
 def ce__block__X__X__full(X, Y):
@@ -2557,13 +2520,12 @@ def ce__block__X__X__full(X, Y):
     S39 = (np.reshape(t22, (1, 1, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape(t25.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t23, (n_batch, L, d_V, 1))) + (np.reshape((t28.transpose(2, 0, 1) @ np.reshape(S38.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S40 = (2/d_V) * (np.reshape(t22, (1, 1, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t25.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t23, (n_batch, L, d_V, 1))) + (np.reshape((np.reshape(S29.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t35.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (2/d_V) * (np.reshape((t28.transpose(2, 0, 1) @ np.reshape(S38.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t24 @ np.reshape(S39.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t41 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S42 = (np.reshape(t41, (L, 1, 1)) * np.reshape(t22, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t41, (L, 1, 1)) * np.reshape(t24, (1, d_V, d_V)))
-    t43 = (1/n_batch) * S42
-    t44 = S40.sum((0,))
-    t45 = t43.transpose(0, 2, 1)
-    t1 += (t44 @ t45.transpose(0, 2, 1))
+    # S: compact tensor ('d_V', 'd_V')
+    S41 = t22 + (-1/d_V) * t24
+    t42 = (1/n_batch) * S41
+    t43 = S40.sum((0,))
+    t44 = t42.transpose(1, 0)
+    t1 += np.reshape((np.reshape(t43, (L*d_V, d_V)) @ t44.transpose(1, 0)), (L, d_V, d_V))
     return out
 
 
@@ -2627,14 +2589,13 @@ def ce__frobenius__X__X__full(X, Y):
     S37 = (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S36.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S38 = (2/d_V) * (np.reshape(t20, (1, 1, d_V, d_V)) * np.reshape(t19, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t23.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t21, (n_batch, L, d_V, 1))) + (np.reshape((np.reshape(S27.transpose(1, 0, 2, 3), (L, d_V*n_batch, d_V)) @ t33.transpose(0, 2, 1)), (L, n_batch, d_V, d_V))).transpose(1, 0, 2, 3) + (2/d_V) * (np.reshape((t26.transpose(2, 0, 1) @ np.reshape(S36.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t22 @ np.reshape(S37.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t39 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (np.reshape(t39, (L, 1, 1)) * np.reshape(t20, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t39, (L, 1, 1)) * np.reshape(t22, (1, d_V, d_V)))
-    t41 = (S40.transpose(0, 2, 1) @ S38.sum((0,)).transpose(0, 2, 1))
-    t42 = (t41.transpose(0, 2, 1) @ S40.transpose(0, 2, 1))
-    t43 = (n_batch**(-2)) * (t42 * S38.sum((0,))).sum()
-    t44 = np.sqrt(np.maximum(t43, 0.0))
-    return t44
+    # S: compact tensor ('d_V', 'd_V')
+    S39 = t20 + (-1/d_V) * t22
+    t40 = (S39 @ S39.transpose(1, 0))
+    t41 = np.reshape((t40 @ np.reshape(S38.sum((0,)).transpose(2, 0, 1), (d_V, L*d_V))), (d_V, L, d_V))
+    t42 = (n_batch**(-2)) * (t41 * S38.sum((0,)).transpose(2, 0, 1)).sum()
+    t43 = np.sqrt(np.maximum(t42, 0.0))
+    return t43
 
 
 def ce__frobenius_split__X__X(X, Y):
@@ -2676,46 +2637,44 @@ def ce__frobenius_split__X__X(X, Y):
     t21 = (np.reshape(t13, (d_V, d_V, 1)) * np.reshape(t20.transpose(1, 0), (d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = (np.reshape(t12, (1, d_V, d_V)) * np.reshape(P_Z, (L, d_V, 1))) + (2/d_V) * (t21.transpose(2, 0, 1) * np.reshape(M_Z, (L, 1, d_V)))
-    t23 = np.ones((L,), dtype=Y.dtype)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (np.reshape(t23, (L, 1, 1)) * np.reshape(t12, (1, d_V, d_V))) + (-1/d_V) * (np.reshape(t23, (L, 1, 1)) * np.reshape(t13, (1, d_V, d_V)))
-    t25 = (S17.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
-    t26 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
-    t27 = (S24 @ S24.transpose(0, 2, 1))
-    t28 = (t27 @ t26)
-    t29 = (t28 @ t25.transpose(0, 2, 1))
-    t30 = (n_batch**(-2)) * (t29 * t26).sum()
+    # S: compact tensor ('d_V', 'd_V')
+    S23 = t12 + (-1/d_V) * t13
+    t24 = (S17.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
+    t25 = (S22.transpose(0, 2, 1) @ dA.transpose(0, 2, 1))
+    t26 = (t25 @ t24.transpose(0, 2, 1))
+    t27 = (np.reshape(t26.transpose(1, 0, 2), (d_V, L*d_V)) @ np.reshape(t25.transpose(0, 2, 1), (L*d_V, d_V)))
+    t28 = (S23 @ S23.transpose(1, 0))
+    t29 = (n_batch**(-2)) * (t28 * t27.transpose(1, 0)).sum()
     F = Z
-    t31 = np.exp(F - F.max(-1, keepdims=True))
-    A32 = t31 / t31.sum(-1, keepdims=True)
-    t33 = t1 * A32
-    t34 = t33 - Y
-    t35 = (1/L) * t34
-    G = t35
-    t36 = t14 * G * M_Z
-    t37 = t36.sum(-1, keepdims=True)
-    t38 = np.broadcast_to(t37, t37.shape[:-1] + (d_V,))
-    t39 = t14 * G
-    t40 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t13.transpose(1, 0), (d_V, 1, d_V)))
-    t41 = (0.75 * (sigma2_Z ** -2.5))
-    t42 = t41 * G * M_Z
+    t30 = np.exp(F - F.max(-1, keepdims=True))
+    A31 = t30 / t30.sum(-1, keepdims=True)
+    t32 = t1 * A31
+    t33 = t32 - Y
+    t34 = (1/L) * t33
+    G = t34
+    t35 = t14 * G * M_Z
+    t36 = t35.sum(-1, keepdims=True)
+    t37 = np.broadcast_to(t36, t36.shape[:-1] + (d_V,))
+    t38 = t14 * G
+    t39 = (np.reshape(M_Z.transpose(1, 0), (d_V, L, 1)) * np.reshape(t13.transpose(1, 0), (d_V, 1, d_V)))
+    t40 = (0.75 * (sigma2_Z ** -2.5))
+    t41 = t40 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S43 = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t39, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t40.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t42, (n_batch, L, d_V, 1)))
+    S42 = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t38, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t39.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t41, (n_batch, L, d_V, 1)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S44 = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t38, (n_batch, L, d_V, 1))) + (np.reshape(t40.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t39, (n_batch, L, d_V, 1))) + (np.reshape((t16.transpose(2, 0, 1) @ np.reshape(S43.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
+    S43 = (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t37, (n_batch, L, d_V, 1))) + (np.reshape(t39.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t38, (n_batch, L, d_V, 1))) + (np.reshape((t16.transpose(2, 0, 1) @ np.reshape(S42.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S45 = (2/d_V) * (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t38, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t40.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t39, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t16.transpose(2, 0, 1) @ np.reshape(S43.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t13 @ np.reshape(S44.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
-    t46 = (S24.transpose(0, 2, 1) @ S45.sum((0,)).transpose(0, 2, 1))
-    t47 = (t46.transpose(0, 2, 1) @ S24.transpose(0, 2, 1))
-    t48 = (n_batch**(-2)) * (t47 * S45.sum((0,))).sum()
-    t49 = (S45.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
-    t50 = (t27.transpose(0, 2, 1) @ t49)
-    t51 = (2/n_batch**2) * (t50 * t26).sum()
-    t52 = t30 + t48 + t51
-    t53 = np.sqrt(np.maximum(t30, 0.0))
-    t54 = np.sqrt(np.maximum(t48, 0.0))
-    t55 = np.sqrt(np.maximum(t52, 0.0))
-    return (t53, t54, t55,)
+    S44 = (2/d_V) * (np.reshape(t12, (1, 1, d_V, d_V)) * np.reshape(t37, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape(t39.transpose(1, 2, 0), (1, L, d_V, d_V)) * np.reshape(t38, (n_batch, L, d_V, 1))) + (2/d_V) * (np.reshape((t16.transpose(2, 0, 1) @ np.reshape(S42.transpose(1, 2, 0, 3), (L, d_V, d_V*n_batch))), (L, d_V, n_batch, d_V))).transpose(2, 0, 1, 3) + (-2/d_V**2) * (np.reshape((t13 @ np.reshape(S43.transpose(2, 0, 1, 3), (d_V, L*d_V*n_batch))), (d_V, n_batch, L, d_V))).transpose(1, 2, 0, 3)
+    t45 = np.reshape((t28 @ np.reshape(S44.sum((0,)).transpose(2, 0, 1), (d_V, L*d_V))), (d_V, L, d_V))
+    t46 = (n_batch**(-2)) * (t45 * S44.sum((0,)).transpose(2, 0, 1)).sum()
+    t47 = (S44.sum((0,)).transpose(0, 2, 1) @ S17.sum((0,)))
+    t48 = (np.reshape(t25.transpose(1, 0, 2), (d_V, L*d_V)) @ np.reshape(t47.transpose(0, 2, 1), (L*d_V, d_V)))
+    t49 = (2/n_batch**2) * (t28 * t48.transpose(1, 0)).sum()
+    t50 = t29 + t46 + t49
+    t51 = np.sqrt(np.maximum(t29, 0.0))
+    t52 = np.sqrt(np.maximum(t46, 0.0))
+    t53 = np.sqrt(np.maximum(t50, 0.0))
+    return (t51, t52, t53,)
 
 
 VARIANTS = {

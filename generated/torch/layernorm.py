@@ -137,12 +137,11 @@ def mse__hessian__outer(X, Y, out=None):
     t18 = (t13.reshape((d_V, d_V, 1)) * t15.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S19 = (t12.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t18.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
-    t20 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = (t20.reshape((L, 1, 1)) * t12.reshape((1, d_V, d_V))) + (-1/d_V) * (t20.reshape((L, 1, 1)) * t13.reshape((1, d_V, d_V)))
-    t22 = S21.permute(2, 0, 1)
-    t23 = ((S17 @ S19)).permute(1, 0, 2)
-    t2 += ((t22.permute(1, 0, 2) @ t23.permute(1, 2, 0))).permute(2, 1, 0)
+    # S: compact tensor ('d_V', 'd_V')
+    S20 = t12 + (-1/d_V) * t13
+    t21 = S20.permute(1, 0)
+    t22 = ((S17 @ S19)).permute(1, 0, 2)
+    t2 += ((t21 @ t22.permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, d_V, L))).permute(1, 0, 2)
     return H
 
 
@@ -220,15 +219,14 @@ def mse__frobenius_all__outer(X, Y):
     t15 = (t10.reshape((d_V, d_V, 1)) * t12.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t15.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
-    t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (t17.reshape((L, 1, 1)) * t9.reshape((1, d_V, d_V))) + (-1/d_V) * (t17.reshape((L, 1, 1)) * t10.reshape((1, d_V, d_V)))
-    t19 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
-    t20 = (S18 @ S18.permute(0, 2, 1))
-    t21 = (t20 @ t19)
-    t22 = (t21 * t19).sum()
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return (t23,)
+    # S: compact tensor ('d_V', 'd_V')
+    S17 = t9 + (-1/d_V) * t10
+    t18 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
+    t19 = (t18.permute(1, 0, 2).reshape((d_V, L*d_V)) @ t18.permute(0, 2, 1).reshape((L*d_V, d_V)))
+    t20 = (S17 @ S17.permute(1, 0))
+    t21 = (t20 * t19).sum()
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return (t22,)
 
 
 def mse__diag__X__outer(X, Y):
@@ -262,12 +260,11 @@ def mse__diag__X__outer(X, Y):
     t16 = (t11.reshape((d_V, d_V, 1)) * t13.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S17 = (t10.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t16.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
-    t18 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = (t18.reshape((L, 1, 1)) * t10.reshape((1, d_V, d_V))) + (-1/d_V) * (t18.reshape((L, 1, 1)) * t11.reshape((1, d_V, d_V)))
-    t20 = S19.permute(0, 2, 1)
-    t21 = (S15 @ S17)
-    t0[...] = (t20.reshape((L, d_V, 1, d_V)) @ t21.reshape((L, d_V, d_V, 1))).reshape((L, d_V))
+    # S: compact tensor ('d_V', 'd_V')
+    S18 = t10 + (-1/d_V) * t11
+    t19 = S18.permute(1, 0)
+    t20 = (S15 @ S17)
+    t0[...] = ((t19.reshape((d_V, 1, d_V)) @ t20.permute(1, 2, 0)).reshape((d_V, L))).permute(1, 0)
     return out
 
 
@@ -300,11 +297,10 @@ def mse__trace__X__outer(X, Y):
     t15 = (t10.reshape((d_V, d_V, 1)) * t12.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t15.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
-    t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (t17.reshape((L, 1, 1)) * t9.reshape((1, d_V, d_V))) + (-1/d_V) * (t17.reshape((L, 1, 1)) * t10.reshape((1, d_V, d_V)))
-    t19 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
-    return (t19 * S18).sum()
+    # S: compact tensor ('d_V', 'd_V')
+    S17 = t9 + (-1/d_V) * t10
+    t18 = (S16.permute(2, 0, 1).reshape((d_V, L*d_V)) @ S14.permute(0, 2, 1).reshape((L*d_V, d_V)))
+    return (t18 * S17).sum()
 
 
 def mse__block__X__X__outer(X, Y):
@@ -340,12 +336,11 @@ def mse__block__X__X__outer(X, Y):
     t17 = (t12.reshape((d_V, d_V, 1)) * t14.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S18 = (t11.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t17.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
-    t19 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = (t19.reshape((L, 1, 1)) * t11.reshape((1, d_V, d_V))) + (-1/d_V) * (t19.reshape((L, 1, 1)) * t12.reshape((1, d_V, d_V)))
-    t21 = S20.permute(2, 0, 1)
-    t22 = ((S16 @ S18)).permute(1, 0, 2)
-    t1 += ((t21.permute(1, 0, 2) @ t22.permute(1, 2, 0))).permute(2, 1, 0)
+    # S: compact tensor ('d_V', 'd_V')
+    S19 = t11 + (-1/d_V) * t12
+    t20 = S19.permute(1, 0)
+    t21 = ((S16 @ S18)).permute(1, 0, 2)
+    t1 += ((t20 @ t21.permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, d_V, L))).permute(1, 0, 2)
     return out
 
 
@@ -378,15 +373,14 @@ def mse__frobenius__X__X__outer(X, Y):
     t15 = (t10.reshape((d_V, d_V, 1)) * t12.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t15.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
-    t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (t17.reshape((L, 1, 1)) * t9.reshape((1, d_V, d_V))) + (-1/d_V) * (t17.reshape((L, 1, 1)) * t10.reshape((1, d_V, d_V)))
-    t19 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
-    t20 = (S18 @ S18.permute(0, 2, 1))
-    t21 = (t20 @ t19)
-    t22 = (t21 * t19).sum()
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    # S: compact tensor ('d_V', 'd_V')
+    S17 = t9 + (-1/d_V) * t10
+    t18 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
+    t19 = (t18.permute(1, 0, 2).reshape((d_V, L*d_V)) @ t18.permute(0, 2, 1).reshape((L*d_V, d_V)))
+    t20 = (S17 @ S17.permute(1, 0))
+    t21 = (t20 * t19).sum()
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def mse__hessian__functional(X, Y, out=None):
@@ -434,13 +428,12 @@ def mse__hessian__functional(X, Y, out=None):
     S26 = (t19.reshape((1, 1, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + (t22.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + ((t25.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S27 = (2/d_V) * (t19.reshape((1, 1, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t22.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t25.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t21 @ S26.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t28 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (t28.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (-1/d_V) * (t28.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V)))
-    t30 = (1/n_batch) * S29
-    t31 = (S27.sum((0,))).permute(1, 0, 2)
-    t32 = t30.permute(2, 0, 1)
-    t2 += ((t31.permute(1, 0, 2) @ t32.permute(1, 2, 0))).permute(1, 2, 0)
+    # S: compact tensor ('d_V', 'd_V')
+    S28 = t19 + (-1/d_V) * t21
+    t29 = (1/n_batch) * S28
+    t30 = (S27.sum((0,))).permute(1, 0, 2)
+    t31 = t29.permute(1, 0)
+    t2 += ((t31 @ t30.permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, d_V, L))).permute(1, 0, 2)
     return H
 
 
@@ -539,14 +532,13 @@ def mse__frobenius_all__functional(X, Y):
     S23 = (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (2/d_V) * (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t18 @ S23.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (t25.reshape((L, 1, 1)) * t16.reshape((1, d_V, d_V))) + (-1/d_V) * (t25.reshape((L, 1, 1)) * t18.reshape((1, d_V, d_V)))
-    t27 = (S26.permute(0, 2, 1) @ S24.sum((0,)).permute(0, 2, 1))
-    t28 = (t27.permute(0, 2, 1) @ S26.permute(0, 2, 1))
-    t29 = (n_batch**(-2)) * (t28 * S24.sum((0,))).sum()
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t30,)
+    # S: compact tensor ('d_V', 'd_V')
+    S25 = t16 + (-1/d_V) * t18
+    t26 = (S25 @ S25.permute(1, 0))
+    t27 = (t26 @ S24.sum((0,)).permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))
+    t28 = (n_batch**(-2)) * (t27 * S24.sum((0,)).permute(2, 0, 1)).sum()
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return (t29,)
 
 
 def mse__diag__X__functional(X, Y):
@@ -591,13 +583,12 @@ def mse__diag__X__functional(X, Y):
     S24 = (t17.reshape((1, 1, d_V, d_V)) * t16.reshape((n_batch, L, d_V, 1))) + (t20.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + ((t23.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = (2/d_V) * (t17.reshape((1, 1, d_V, d_V)) * t16.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t20.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t23.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t19 @ S24.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (t26.reshape((L, 1, 1)) * t17.reshape((1, d_V, d_V))) + (-1/d_V) * (t26.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V)))
-    t28 = (1/n_batch) * S27
-    t29 = S25.sum((0,))
-    t30 = t28.permute(0, 2, 1)
-    t0[...] = (t29.reshape((L, d_V, 1, d_V)) @ t30.reshape((L, d_V, d_V, 1))).reshape((L, d_V))
+    # S: compact tensor ('d_V', 'd_V')
+    S26 = t17 + (-1/d_V) * t19
+    t27 = (1/n_batch) * S26
+    t28 = S25.sum((0,))
+    t29 = t27.permute(1, 0)
+    t0[...] = ((t28.permute(1, 0, 2) @ t29.reshape((d_V, d_V, 1))).reshape((d_V, L))).permute(1, 0)
     return out
 
 
@@ -641,10 +632,9 @@ def mse__trace__X__functional(X, Y):
     S23 = (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (2/d_V) * (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t18 @ S23.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (t25.reshape((L, 1, 1)) * t16.reshape((1, d_V, d_V))) + (-1/d_V) * (t25.reshape((L, 1, 1)) * t18.reshape((1, d_V, d_V)))
-    return (1/n_batch) * (S26 * S24.sum((0,)).permute(0, 2, 1)).sum()
+    # S: compact tensor ('d_V', 'd_V')
+    S25 = t16 + (-1/d_V) * t18
+    return (1/n_batch) * (S25 * S24.sum((0, 1)).permute(1, 0)).sum()
 
 
 def mse__block__X__X__functional(X, Y):
@@ -691,13 +681,12 @@ def mse__block__X__X__functional(X, Y):
     S25 = (t18.reshape((1, 1, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (t21.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + ((t24.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S26 = (2/d_V) * (t18.reshape((1, 1, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t21.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t24.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t20 @ S25.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (t27.reshape((L, 1, 1)) * t18.reshape((1, d_V, d_V))) + (-1/d_V) * (t27.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V)))
-    t29 = (1/n_batch) * S28
-    t30 = (S26.sum((0,))).permute(1, 0, 2)
-    t31 = t29.permute(2, 0, 1)
-    t1 += ((t30.permute(1, 0, 2) @ t31.permute(1, 2, 0))).permute(1, 2, 0)
+    # S: compact tensor ('d_V', 'd_V')
+    S27 = t18 + (-1/d_V) * t20
+    t28 = (1/n_batch) * S27
+    t29 = (S26.sum((0,))).permute(1, 0, 2)
+    t30 = t28.permute(1, 0)
+    t1 += ((t30 @ t29.permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, d_V, L))).permute(1, 0, 2)
     return out
 
 
@@ -741,14 +730,13 @@ def mse__frobenius__X__X__functional(X, Y):
     S23 = (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (2/d_V) * (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t18 @ S23.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (t25.reshape((L, 1, 1)) * t16.reshape((1, d_V, d_V))) + (-1/d_V) * (t25.reshape((L, 1, 1)) * t18.reshape((1, d_V, d_V)))
-    t27 = (S26.permute(0, 2, 1) @ S24.sum((0,)).permute(0, 2, 1))
-    t28 = (t27.permute(0, 2, 1) @ S26.permute(0, 2, 1))
-    t29 = (n_batch**(-2)) * (t28 * S24.sum((0,))).sum()
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return t30
+    # S: compact tensor ('d_V', 'd_V')
+    S25 = t16 + (-1/d_V) * t18
+    t26 = (S25 @ S25.permute(1, 0))
+    t27 = (t26 @ S24.sum((0,)).permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))
+    t28 = (n_batch**(-2)) * (t27 * S24.sum((0,)).permute(2, 0, 1)).sum()
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return t29
 
 
 def mse__hessian__full(X, Y, out=None):
@@ -804,13 +792,12 @@ def mse__hessian__full(X, Y, out=None):
     S31 = (t19.reshape((1, 1, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + (t22.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + ((t25.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S32 = (2/d_V) * (t19.reshape((1, 1, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t22.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t25.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (S28 @ S30) + (-2/d_V**2) * ((t21 @ S31.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t33 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (t33.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V))) + (-1/d_V) * (t33.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V)))
-    t35 = (1/n_batch) * S34
-    t36 = (S32.sum((0,))).permute(1, 0, 2)
-    t37 = t35.permute(2, 0, 1)
-    t2 += ((t36.permute(1, 0, 2) @ t37.permute(1, 2, 0))).permute(1, 2, 0)
+    # S: compact tensor ('d_V', 'd_V')
+    S33 = t19 + (-1/d_V) * t21
+    t34 = (1/n_batch) * S33
+    t35 = (S32.sum((0,))).permute(1, 0, 2)
+    t36 = t34.permute(1, 0)
+    t2 += ((t36 @ t35.permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, d_V, L))).permute(1, 0, 2)
     return H
 
 
@@ -928,14 +915,13 @@ def mse__frobenius_all__full(X, Y):
     S28 = (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (2/d_V) * (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (S25 @ S27) + (-2/d_V**2) * ((t18 @ S28.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t30 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (t30.reshape((L, 1, 1)) * t16.reshape((1, d_V, d_V))) + (-1/d_V) * (t30.reshape((L, 1, 1)) * t18.reshape((1, d_V, d_V)))
-    t32 = (S31.permute(0, 2, 1) @ S29.sum((0,)).permute(0, 2, 1))
-    t33 = (t32.permute(0, 2, 1) @ S31.permute(0, 2, 1))
-    t34 = (n_batch**(-2)) * (t33 * S29.sum((0,))).sum()
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    return (t35,)
+    # S: compact tensor ('d_V', 'd_V')
+    S30 = t16 + (-1/d_V) * t18
+    t31 = (S30 @ S30.permute(1, 0))
+    t32 = (t31 @ S29.sum((0,)).permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))
+    t33 = (n_batch**(-2)) * (t32 * S29.sum((0,)).permute(2, 0, 1)).sum()
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    return (t34,)
 
 
 def mse__diag__X__full(X, Y):
@@ -988,13 +974,12 @@ def mse__diag__X__full(X, Y):
     S29 = (t17.reshape((1, 1, d_V, d_V)) * t16.reshape((n_batch, L, d_V, 1))) + (t20.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + ((t23.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S30 = (2/d_V) * (t17.reshape((1, 1, d_V, d_V)) * t16.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t20.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t18.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t23.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (S26 @ S28) + (-2/d_V**2) * ((t19 @ S29.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t31 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = (t31.reshape((L, 1, 1)) * t17.reshape((1, d_V, d_V))) + (-1/d_V) * (t31.reshape((L, 1, 1)) * t19.reshape((1, d_V, d_V)))
-    t33 = (1/n_batch) * S32
-    t34 = S30.sum((0,))
-    t35 = t33.permute(0, 2, 1)
-    t0[...] = (t34.reshape((L, d_V, 1, d_V)) @ t35.reshape((L, d_V, d_V, 1))).reshape((L, d_V))
+    # S: compact tensor ('d_V', 'd_V')
+    S31 = t17 + (-1/d_V) * t19
+    t32 = (1/n_batch) * S31
+    t33 = S30.sum((0,))
+    t34 = t32.permute(1, 0)
+    t0[...] = ((t33.permute(1, 0, 2) @ t34.reshape((d_V, d_V, 1))).reshape((d_V, L))).permute(1, 0)
     return out
 
 
@@ -1046,10 +1031,9 @@ def mse__trace__X__full(X, Y):
     S28 = (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (2/d_V) * (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (S25 @ S27) + (-2/d_V**2) * ((t18 @ S28.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t30 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (t30.reshape((L, 1, 1)) * t16.reshape((1, d_V, d_V))) + (-1/d_V) * (t30.reshape((L, 1, 1)) * t18.reshape((1, d_V, d_V)))
-    return (1/n_batch) * (S31 * S29.sum((0,)).permute(0, 2, 1)).sum()
+    # S: compact tensor ('d_V', 'd_V')
+    S30 = t16 + (-1/d_V) * t18
+    return (1/n_batch) * (S30 * S29.sum((0, 1)).permute(1, 0)).sum()
 
 
 def mse__block__X__X__full(X, Y):
@@ -1104,13 +1088,12 @@ def mse__block__X__X__full(X, Y):
     S30 = (t18.reshape((1, 1, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (t21.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + ((t24.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S31 = (2/d_V) * (t18.reshape((1, 1, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t21.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t24.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (S27 @ S29) + (-2/d_V**2) * ((t20 @ S30.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t32 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (t32.reshape((L, 1, 1)) * t18.reshape((1, d_V, d_V))) + (-1/d_V) * (t32.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V)))
-    t34 = (1/n_batch) * S33
-    t35 = (S31.sum((0,))).permute(1, 0, 2)
-    t36 = t34.permute(2, 0, 1)
-    t1 += ((t35.permute(1, 0, 2) @ t36.permute(1, 2, 0))).permute(1, 2, 0)
+    # S: compact tensor ('d_V', 'd_V')
+    S32 = t18 + (-1/d_V) * t20
+    t33 = (1/n_batch) * S32
+    t34 = (S31.sum((0,))).permute(1, 0, 2)
+    t35 = t33.permute(1, 0)
+    t1 += ((t35 @ t34.permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, d_V, L))).permute(1, 0, 2)
     return out
 
 
@@ -1162,14 +1145,13 @@ def mse__frobenius__X__X__full(X, Y):
     S28 = (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (2/d_V) * (t16.reshape((1, 1, d_V, d_V)) * t15.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t19.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t17.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t22.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (S25 @ S27) + (-2/d_V**2) * ((t18 @ S28.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t30 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (t30.reshape((L, 1, 1)) * t16.reshape((1, d_V, d_V))) + (-1/d_V) * (t30.reshape((L, 1, 1)) * t18.reshape((1, d_V, d_V)))
-    t32 = (S31.permute(0, 2, 1) @ S29.sum((0,)).permute(0, 2, 1))
-    t33 = (t32.permute(0, 2, 1) @ S31.permute(0, 2, 1))
-    t34 = (n_batch**(-2)) * (t33 * S29.sum((0,))).sum()
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    return t35
+    # S: compact tensor ('d_V', 'd_V')
+    S30 = t16 + (-1/d_V) * t18
+    t31 = (S30 @ S30.permute(1, 0))
+    t32 = (t31 @ S29.sum((0,)).permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))
+    t33 = (n_batch**(-2)) * (t32 * S29.sum((0,)).permute(2, 0, 1)).sum()
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    return t34
 
 
 def mse__frobenius_split__X__X(X, Y):
@@ -1201,44 +1183,41 @@ def mse__frobenius_split__X__X(X, Y):
     t15 = (t10.reshape((d_V, d_V, 1)) * t12.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S16 = (t9.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t15.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
-    t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (t17.reshape((L, 1, 1)) * t9.reshape((1, d_V, d_V))) + (-1/d_V) * (t17.reshape((L, 1, 1)) * t10.reshape((1, d_V, d_V)))
-    t19 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
-    t20 = (S18 @ S18.permute(0, 2, 1))
-    t21 = (t20 @ t19)
-    t22 = (t21 * t19).sum()
-    t23 = M_Z * P_Z
-    Z = t23
+    # S: compact tensor ('d_V', 'd_V')
+    S17 = t9 + (-1/d_V) * t10
+    t18 = (S16.permute(0, 2, 1) @ S14.permute(0, 2, 1))
+    t19 = (t18.permute(1, 0, 2).reshape((d_V, L*d_V)) @ t18.permute(0, 2, 1).reshape((L*d_V, d_V)))
+    t20 = (S17 @ S17.permute(1, 0))
+    t21 = (t20 * t19).sum()
+    t22 = M_Z * P_Z
+    Z = t22
     F = Z
-    t24 = F - Y
-    t25 = (2/(L*d_V)) * t24
-    G = t25
-    t26 = t11 * G * M_Z
-    t27 = t26.sum(-1, keepdim=True)
-    t28 = t27.expand(*t27.shape[:-1], d_V)
-    t29 = t11 * G
-    t30 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t10.permute(1, 0).reshape((d_V, 1, d_V)))
-    t31 = (0.75 * (sigma2_Z ** -2.5))
-    t32 = t31 * G * M_Z
+    t23 = F - Y
+    t24 = (2/(L*d_V)) * t23
+    G = t24
+    t25 = t11 * G * M_Z
+    t26 = t25.sum(-1, keepdim=True)
+    t27 = t26.expand(*t26.shape[:-1], d_V)
+    t28 = t11 * G
+    t29 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t10.permute(1, 0).reshape((d_V, 1, d_V)))
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (t9.reshape((1, 1, d_V, d_V)) * t29.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t30.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t32.reshape((n_batch, L, d_V, 1)))
+    S32 = (t9.reshape((1, 1, d_V, d_V)) * t28.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t29.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t31.reshape((n_batch, L, d_V, 1)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (t9.reshape((1, 1, d_V, d_V)) * t28.reshape((n_batch, L, d_V, 1))) + (t30.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t29.reshape((n_batch, L, d_V, 1))) + ((t13.permute(2, 0, 1) @ S33.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
+    S33 = (t9.reshape((1, 1, d_V, d_V)) * t27.reshape((n_batch, L, d_V, 1))) + (t29.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t28.reshape((n_batch, L, d_V, 1))) + ((t13.permute(2, 0, 1) @ S32.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (2/d_V) * (t9.reshape((1, 1, d_V, d_V)) * t28.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t30.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t29.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t13.permute(2, 0, 1) @ S33.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t10 @ S34.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t36 = (S18.permute(0, 2, 1) @ S35.sum((0,)).permute(0, 2, 1))
-    t37 = (t36.permute(0, 2, 1) @ S18.permute(0, 2, 1))
-    t38 = (n_batch**(-2)) * (t37 * S35.sum((0,))).sum()
-    t39 = (S35.sum((0,)).permute(0, 2, 1) @ S14)
-    t40 = (S18.permute(0, 2, 1) @ S16.permute(0, 2, 1))
-    t41 = (t40.permute(0, 2, 1) @ S18.permute(0, 2, 1))
-    t42 = (2/n_batch) * (t41 * t39.permute(0, 2, 1)).sum()
-    t43 = t22 + t38 + t42
-    t44 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t45 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t46 = torch.sqrt(torch.clamp(t43, min=0.0))
-    return (t44, t45, t46,)
+    S34 = (2/d_V) * (t9.reshape((1, 1, d_V, d_V)) * t27.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t29.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t28.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t13.permute(2, 0, 1) @ S32.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t10 @ S33.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    t35 = (t20 @ S34.sum((0,)).permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))
+    t36 = (n_batch**(-2)) * (t35 * S34.sum((0,)).permute(2, 0, 1)).sum()
+    t37 = (S34.sum((0,)).permute(0, 2, 1) @ S14)
+    t38 = (t37.permute(1, 0, 2).reshape((d_V, L*d_V)) @ S16.reshape((L*d_V, d_V)))
+    t39 = (2/n_batch) * (t20 * t38).sum()
+    t40 = t21 + t36 + t39
+    t41 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t42 = torch.sqrt(torch.clamp(t36, min=0.0))
+    t43 = torch.sqrt(torch.clamp(t40, min=0.0))
+    return (t41, t42, t43,)
 
 
 def jacobian__X(X):
@@ -1433,14 +1412,13 @@ def ce__hessian__outer(X, Y, out=None):
     t24 = (t16.reshape((d_V, d_V, 1)) * t23.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S25 = (t15.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t24.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
-    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (t26.reshape((L, 1, 1)) * t15.reshape((1, d_V, d_V))) + (-1/d_V) * (t26.reshape((L, 1, 1)) * t16.reshape((1, d_V, d_V)))
-    t28 = (1/n_batch) * dA
-    t29 = (S20.sum((0,))).permute(1, 0, 2)
-    t30 = (S25.permute(0, 2, 1) @ t28.permute(0, 2, 1))
-    t31 = ((S27.permute(0, 2, 1) @ t30)).permute(1, 0, 2)
-    t2 += ((t29.permute(1, 0, 2) @ t31.permute(1, 2, 0))).permute(1, 2, 0)
+    # S: compact tensor ('d_V', 'd_V')
+    S26 = t15 + (-1/d_V) * t16
+    t27 = (1/n_batch) * S26
+    t28 = (S20.sum((0,))).permute(1, 0, 2)
+    t29 = (S25.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t30 = (t27.permute(1, 0) @ t29.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))
+    t2 += ((t28.permute(1, 0, 2) @ t30.permute(1, 2, 0))).permute(1, 2, 0)
     return H
 
 
@@ -1536,17 +1514,16 @@ def ce__frobenius_all__outer(X, Y):
     t21 = (t13.reshape((d_V, d_V, 1)) * t20.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = (t12.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t21.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
-    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (t23.reshape((L, 1, 1)) * t12.reshape((1, d_V, d_V))) + (-1/d_V) * (t23.reshape((L, 1, 1)) * t13.reshape((1, d_V, d_V)))
-    t25 = (S17.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
-    t26 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
-    t27 = (S24 @ S24.permute(0, 2, 1))
-    t28 = (t27 @ t26)
-    t29 = (t28 @ t25.permute(0, 2, 1))
-    t30 = (n_batch**(-2)) * (t29 * t26).sum()
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    return (t31,)
+    # S: compact tensor ('d_V', 'd_V')
+    S23 = t12 + (-1/d_V) * t13
+    t24 = (S17.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
+    t25 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t26 = (t25 @ t24.permute(0, 2, 1))
+    t27 = (t26.permute(1, 0, 2).reshape((d_V, L*d_V)) @ t25.permute(0, 2, 1).reshape((L*d_V, d_V)))
+    t28 = (S23 @ S23.permute(1, 0))
+    t29 = (n_batch**(-2)) * (t28 * t27.permute(1, 0)).sum()
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30,)
 
 
 def ce__diag__X__outer(X, Y):
@@ -1590,14 +1567,13 @@ def ce__diag__X__outer(X, Y):
     t22 = (t14.reshape((d_V, d_V, 1)) * t21.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S23 = (t13.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t22.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
-    t24 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (t24.reshape((L, 1, 1)) * t13.reshape((1, d_V, d_V))) + (-1/d_V) * (t24.reshape((L, 1, 1)) * t14.reshape((1, d_V, d_V)))
-    t26 = (1/n_batch) * dA
-    t27 = S18.sum((0,))
-    t28 = (S23.permute(0, 2, 1) @ t26.permute(0, 2, 1))
-    t29 = (S25.permute(0, 2, 1) @ t28)
-    t0[...] = (t27.reshape((L, d_V, 1, d_V)) @ t29.reshape((L, d_V, d_V, 1))).reshape((L, d_V))
+    # S: compact tensor ('d_V', 'd_V')
+    S24 = t13 + (-1/d_V) * t14
+    t25 = (1/n_batch) * S24
+    t26 = S18.sum((0,))
+    t27 = (S23.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t28 = ((t25.permute(1, 0) @ t27.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))).permute(1, 0, 2)
+    t0[...] = (t26.reshape((L, d_V, 1, d_V)) @ t28.reshape((L, d_V, d_V, 1))).reshape((L, d_V))
     return out
 
 
@@ -1640,12 +1616,11 @@ def ce__trace__X__outer(X, Y):
     t21 = (t13.reshape((d_V, d_V, 1)) * t20.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = (t12.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t21.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
-    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (t23.reshape((L, 1, 1)) * t12.reshape((1, d_V, d_V))) + (-1/d_V) * (t23.reshape((L, 1, 1)) * t13.reshape((1, d_V, d_V)))
-    t25 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
-    t26 = (t25.permute(0, 2, 1) @ S24)
-    return (1/n_batch) * (t26 * S17.sum((0,)).permute(0, 2, 1)).sum()
+    # S: compact tensor ('d_V', 'd_V')
+    S23 = t12 + (-1/d_V) * t13
+    t24 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t25 = (t24.permute(0, 2, 1).reshape((L*d_V, d_V)) @ S23).reshape((L, d_V, d_V))
+    return (1/n_batch) * (t25 * S17.sum((0,)).permute(0, 2, 1)).sum()
 
 
 def ce__block__X__X__outer(X, Y):
@@ -1691,14 +1666,13 @@ def ce__block__X__X__outer(X, Y):
     t23 = (t15.reshape((d_V, d_V, 1)) * t22.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S24 = (t14.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t23.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
-    t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (t25.reshape((L, 1, 1)) * t14.reshape((1, d_V, d_V))) + (-1/d_V) * (t25.reshape((L, 1, 1)) * t15.reshape((1, d_V, d_V)))
-    t27 = (1/n_batch) * dA
-    t28 = (S19.sum((0,))).permute(1, 0, 2)
-    t29 = (S24.permute(0, 2, 1) @ t27.permute(0, 2, 1))
-    t30 = ((S26.permute(0, 2, 1) @ t29)).permute(1, 0, 2)
-    t1 += ((t28.permute(1, 0, 2) @ t30.permute(1, 2, 0))).permute(1, 2, 0)
+    # S: compact tensor ('d_V', 'd_V')
+    S25 = t14 + (-1/d_V) * t15
+    t26 = (1/n_batch) * S25
+    t27 = (S19.sum((0,))).permute(1, 0, 2)
+    t28 = (S24.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t29 = (t26.permute(1, 0) @ t28.permute(1, 0, 2).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))
+    t1 += ((t27.permute(1, 0, 2) @ t29.permute(1, 2, 0))).permute(1, 2, 0)
     return out
 
 
@@ -1741,17 +1715,16 @@ def ce__frobenius__X__X__outer(X, Y):
     t21 = (t13.reshape((d_V, d_V, 1)) * t20.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = (t12.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t21.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
-    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (t23.reshape((L, 1, 1)) * t12.reshape((1, d_V, d_V))) + (-1/d_V) * (t23.reshape((L, 1, 1)) * t13.reshape((1, d_V, d_V)))
-    t25 = (S17.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
-    t26 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
-    t27 = (S24 @ S24.permute(0, 2, 1))
-    t28 = (t27 @ t26)
-    t29 = (t28 @ t25.permute(0, 2, 1))
-    t30 = (n_batch**(-2)) * (t29 * t26).sum()
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    return t31
+    # S: compact tensor ('d_V', 'd_V')
+    S23 = t12 + (-1/d_V) * t13
+    t24 = (S17.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
+    t25 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t26 = (t25 @ t24.permute(0, 2, 1))
+    t27 = (t26.permute(1, 0, 2).reshape((d_V, L*d_V)) @ t25.permute(0, 2, 1).reshape((L*d_V, d_V)))
+    t28 = (S23 @ S23.permute(1, 0))
+    t29 = (n_batch**(-2)) * (t28 * t27.permute(1, 0)).sum()
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return t30
 
 
 def ce__hessian__functional(X, Y, out=None):
@@ -1804,13 +1777,12 @@ def ce__hessian__functional(X, Y, out=None):
     S30 = (t23.reshape((1, 1, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + (t26.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t24.reshape((n_batch, L, d_V, 1))) + ((t29.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S31 = (2/d_V) * (t23.reshape((1, 1, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t26.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t24.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t29.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t25 @ S30.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t32 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (t32.reshape((L, 1, 1)) * t23.reshape((1, d_V, d_V))) + (-1/d_V) * (t32.reshape((L, 1, 1)) * t25.reshape((1, d_V, d_V)))
-    t34 = (1/n_batch) * S33
-    t35 = (S31.sum((0,))).permute(1, 0, 2)
-    t36 = t34.permute(2, 0, 1)
-    t2 += ((t35.permute(1, 0, 2) @ t36.permute(1, 2, 0))).permute(1, 2, 0)
+    # S: compact tensor ('d_V', 'd_V')
+    S32 = t23 + (-1/d_V) * t25
+    t33 = (1/n_batch) * S32
+    t34 = (S31.sum((0,))).permute(1, 0, 2)
+    t35 = t33.permute(1, 0)
+    t2 += ((t35 @ t34.permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, d_V, L))).permute(1, 0, 2)
     return H
 
 
@@ -1919,14 +1891,13 @@ def ce__frobenius_all__functional(X, Y):
     S27 = (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (2/d_V) * (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t22 @ S27.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (t29.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (-1/d_V) * (t29.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V)))
-    t31 = (S30.permute(0, 2, 1) @ S28.sum((0,)).permute(0, 2, 1))
-    t32 = (t31.permute(0, 2, 1) @ S30.permute(0, 2, 1))
-    t33 = (n_batch**(-2)) * (t32 * S28.sum((0,))).sum()
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    return (t34,)
+    # S: compact tensor ('d_V', 'd_V')
+    S29 = t20 + (-1/d_V) * t22
+    t30 = (S29 @ S29.permute(1, 0))
+    t31 = (t30 @ S28.sum((0,)).permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))
+    t32 = (n_batch**(-2)) * (t31 * S28.sum((0,)).permute(2, 0, 1)).sum()
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return (t33,)
 
 
 def ce__diag__X__functional(X, Y):
@@ -1976,13 +1947,12 @@ def ce__diag__X__functional(X, Y):
     S28 = (t21.reshape((1, 1, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + (t24.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + ((t27.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S29 = (2/d_V) * (t21.reshape((1, 1, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t24.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t27.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t23 @ S28.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t30 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (t30.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (-1/d_V) * (t30.reshape((L, 1, 1)) * t23.reshape((1, d_V, d_V)))
-    t32 = (1/n_batch) * S31
-    t33 = S29.sum((0,))
-    t34 = t32.permute(0, 2, 1)
-    t0[...] = (t33.reshape((L, d_V, 1, d_V)) @ t34.reshape((L, d_V, d_V, 1))).reshape((L, d_V))
+    # S: compact tensor ('d_V', 'd_V')
+    S30 = t21 + (-1/d_V) * t23
+    t31 = (1/n_batch) * S30
+    t32 = S29.sum((0,))
+    t33 = t31.permute(1, 0)
+    t0[...] = ((t32.permute(1, 0, 2) @ t33.reshape((d_V, d_V, 1))).reshape((d_V, L))).permute(1, 0)
     return out
 
 
@@ -2031,10 +2001,9 @@ def ce__trace__X__functional(X, Y):
     S27 = (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (2/d_V) * (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t22 @ S27.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (t29.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (-1/d_V) * (t29.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V)))
-    return (1/n_batch) * (S30 * S28.sum((0,)).permute(0, 2, 1)).sum()
+    # S: compact tensor ('d_V', 'd_V')
+    S29 = t20 + (-1/d_V) * t22
+    return (1/n_batch) * (S29 * S28.sum((0, 1)).permute(1, 0)).sum()
 
 
 def ce__block__X__X__functional(X, Y):
@@ -2086,13 +2055,12 @@ def ce__block__X__X__functional(X, Y):
     S29 = (t22.reshape((1, 1, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + (t25.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t23.reshape((n_batch, L, d_V, 1))) + ((t28.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S30 = (2/d_V) * (t22.reshape((1, 1, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t25.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t23.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t28.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t24 @ S29.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t31 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = (t31.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (-1/d_V) * (t31.reshape((L, 1, 1)) * t24.reshape((1, d_V, d_V)))
-    t33 = (1/n_batch) * S32
-    t34 = (S30.sum((0,))).permute(1, 0, 2)
-    t35 = t33.permute(2, 0, 1)
-    t1 += ((t34.permute(1, 0, 2) @ t35.permute(1, 2, 0))).permute(1, 2, 0)
+    # S: compact tensor ('d_V', 'd_V')
+    S31 = t22 + (-1/d_V) * t24
+    t32 = (1/n_batch) * S31
+    t33 = (S30.sum((0,))).permute(1, 0, 2)
+    t34 = t32.permute(1, 0)
+    t1 += ((t34 @ t33.permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, d_V, L))).permute(1, 0, 2)
     return out
 
 
@@ -2141,14 +2109,13 @@ def ce__frobenius__X__X__functional(X, Y):
     S27 = (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S28 = (2/d_V) * (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t26.permute(2, 0, 1) @ S.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t22 @ S27.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (t29.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (-1/d_V) * (t29.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V)))
-    t31 = (S30.permute(0, 2, 1) @ S28.sum((0,)).permute(0, 2, 1))
-    t32 = (t31.permute(0, 2, 1) @ S30.permute(0, 2, 1))
-    t33 = (n_batch**(-2)) * (t32 * S28.sum((0,))).sum()
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    return t34
+    # S: compact tensor ('d_V', 'd_V')
+    S29 = t20 + (-1/d_V) * t22
+    t30 = (S29 @ S29.permute(1, 0))
+    t31 = (t30 @ S28.sum((0,)).permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))
+    t32 = (n_batch**(-2)) * (t31 * S28.sum((0,)).permute(2, 0, 1)).sum()
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return t33
 
 
 def ce__hessian__full(X, Y, out=None):
@@ -2216,13 +2183,12 @@ def ce__hessian__full(X, Y, out=None):
     S40 = (t23.reshape((1, 1, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + (t26.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t24.reshape((n_batch, L, d_V, 1))) + ((t29.permute(2, 0, 1) @ S39.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S41 = (2/d_V) * (t23.reshape((1, 1, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t26.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t24.reshape((n_batch, L, d_V, 1))) + ((S30.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t36.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t29.permute(2, 0, 1) @ S39.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t25 @ S40.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t42 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S43 = (t42.reshape((L, 1, 1)) * t23.reshape((1, d_V, d_V))) + (-1/d_V) * (t42.reshape((L, 1, 1)) * t25.reshape((1, d_V, d_V)))
-    t44 = (1/n_batch) * S43
-    t45 = (S41.sum((0,))).permute(1, 0, 2)
-    t46 = t44.permute(2, 0, 1)
-    t2 += ((t45.permute(1, 0, 2) @ t46.permute(1, 2, 0))).permute(1, 2, 0)
+    # S: compact tensor ('d_V', 'd_V')
+    S42 = t23 + (-1/d_V) * t25
+    t43 = (1/n_batch) * S42
+    t44 = (S41.sum((0,))).permute(1, 0, 2)
+    t45 = t43.permute(1, 0)
+    t2 += ((t45 @ t44.permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, d_V, L))).permute(1, 0, 2)
     return H
 
 
@@ -2357,14 +2323,13 @@ def ce__frobenius_all__full(X, Y):
     S37 = (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((t26.permute(2, 0, 1) @ S36.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S38 = (2/d_V) * (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((S27.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t33.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t26.permute(2, 0, 1) @ S36.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t22 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t39 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (t39.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (-1/d_V) * (t39.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V)))
-    t41 = (S40.permute(0, 2, 1) @ S38.sum((0,)).permute(0, 2, 1))
-    t42 = (t41.permute(0, 2, 1) @ S40.permute(0, 2, 1))
-    t43 = (n_batch**(-2)) * (t42 * S38.sum((0,))).sum()
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    return (t44,)
+    # S: compact tensor ('d_V', 'd_V')
+    S39 = t20 + (-1/d_V) * t22
+    t40 = (S39 @ S39.permute(1, 0))
+    t41 = (t40 @ S38.sum((0,)).permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))
+    t42 = (n_batch**(-2)) * (t41 * S38.sum((0,)).permute(2, 0, 1)).sum()
+    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
+    return (t43,)
 
 
 def ce__diag__X__full(X, Y):
@@ -2429,13 +2394,12 @@ def ce__diag__X__full(X, Y):
     S38 = (t21.reshape((1, 1, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + (t24.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + ((t27.permute(2, 0, 1) @ S37.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S39 = (2/d_V) * (t21.reshape((1, 1, d_V, d_V)) * t20.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t24.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t22.reshape((n_batch, L, d_V, 1))) + ((S28.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t34.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t27.permute(2, 0, 1) @ S37.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t23 @ S38.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t40 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S41 = (t40.reshape((L, 1, 1)) * t21.reshape((1, d_V, d_V))) + (-1/d_V) * (t40.reshape((L, 1, 1)) * t23.reshape((1, d_V, d_V)))
-    t42 = (1/n_batch) * S41
-    t43 = S39.sum((0,))
-    t44 = t42.permute(0, 2, 1)
-    t0[...] = (t43.reshape((L, d_V, 1, d_V)) @ t44.reshape((L, d_V, d_V, 1))).reshape((L, d_V))
+    # S: compact tensor ('d_V', 'd_V')
+    S40 = t21 + (-1/d_V) * t23
+    t41 = (1/n_batch) * S40
+    t42 = S39.sum((0,))
+    t43 = t41.permute(1, 0)
+    t0[...] = ((t42.permute(1, 0, 2) @ t43.reshape((d_V, d_V, 1))).reshape((d_V, L))).permute(1, 0)
     return out
 
 
@@ -2499,10 +2463,9 @@ def ce__trace__X__full(X, Y):
     S37 = (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((t26.permute(2, 0, 1) @ S36.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S38 = (2/d_V) * (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((S27.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t33.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t26.permute(2, 0, 1) @ S36.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t22 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t39 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (t39.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (-1/d_V) * (t39.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V)))
-    return (1/n_batch) * (S40 * S38.sum((0,)).permute(0, 2, 1)).sum()
+    # S: compact tensor ('d_V', 'd_V')
+    S39 = t20 + (-1/d_V) * t22
+    return (1/n_batch) * (S39 * S38.sum((0, 1)).permute(1, 0)).sum()
 
 
 def ce__block__X__X__full(X, Y):
@@ -2569,13 +2532,12 @@ def ce__block__X__X__full(X, Y):
     S39 = (t22.reshape((1, 1, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + (t25.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t23.reshape((n_batch, L, d_V, 1))) + ((t28.permute(2, 0, 1) @ S38.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S40 = (2/d_V) * (t22.reshape((1, 1, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t25.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t23.reshape((n_batch, L, d_V, 1))) + ((S29.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t35.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t28.permute(2, 0, 1) @ S38.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t24 @ S39.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t41 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S42 = (t41.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V))) + (-1/d_V) * (t41.reshape((L, 1, 1)) * t24.reshape((1, d_V, d_V)))
-    t43 = (1/n_batch) * S42
-    t44 = (S40.sum((0,))).permute(1, 0, 2)
-    t45 = t43.permute(2, 0, 1)
-    t1 += ((t44.permute(1, 0, 2) @ t45.permute(1, 2, 0))).permute(1, 2, 0)
+    # S: compact tensor ('d_V', 'd_V')
+    S41 = t22 + (-1/d_V) * t24
+    t42 = (1/n_batch) * S41
+    t43 = (S40.sum((0,))).permute(1, 0, 2)
+    t44 = t42.permute(1, 0)
+    t1 += ((t44 @ t43.permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, d_V, L))).permute(1, 0, 2)
     return out
 
 
@@ -2639,14 +2601,13 @@ def ce__frobenius__X__X__full(X, Y):
     S37 = (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((t26.permute(2, 0, 1) @ S36.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
     S38 = (2/d_V) * (t20.reshape((1, 1, d_V, d_V)) * t19.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t23.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t21.reshape((n_batch, L, d_V, 1))) + ((S27.permute(1, 0, 2, 3).reshape((L, d_V*n_batch, d_V)) @ t33.permute(0, 2, 1)).reshape((L, n_batch, d_V, d_V))).permute(1, 0, 2, 3) + (2/d_V) * ((t26.permute(2, 0, 1) @ S36.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t22 @ S37.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t39 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S40 = (t39.reshape((L, 1, 1)) * t20.reshape((1, d_V, d_V))) + (-1/d_V) * (t39.reshape((L, 1, 1)) * t22.reshape((1, d_V, d_V)))
-    t41 = (S40.permute(0, 2, 1) @ S38.sum((0,)).permute(0, 2, 1))
-    t42 = (t41.permute(0, 2, 1) @ S40.permute(0, 2, 1))
-    t43 = (n_batch**(-2)) * (t42 * S38.sum((0,))).sum()
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    return t44
+    # S: compact tensor ('d_V', 'd_V')
+    S39 = t20 + (-1/d_V) * t22
+    t40 = (S39 @ S39.permute(1, 0))
+    t41 = (t40 @ S38.sum((0,)).permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))
+    t42 = (n_batch**(-2)) * (t41 * S38.sum((0,)).permute(2, 0, 1)).sum()
+    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
+    return t43
 
 
 def ce__frobenius_split__X__X(X, Y):
@@ -2688,46 +2649,44 @@ def ce__frobenius_split__X__X(X, Y):
     t21 = (t13.reshape((d_V, d_V, 1)) * t20.permute(1, 0).reshape((d_V, 1, L)))
     # S: compact tensor ('L', 'd_V', 'd_V')
     S22 = (t12.reshape((1, d_V, d_V)) * P_Z.reshape((L, d_V, 1))) + (2/d_V) * (t21.permute(2, 0, 1) * M_Z.reshape((L, 1, d_V)))
-    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (t23.reshape((L, 1, 1)) * t12.reshape((1, d_V, d_V))) + (-1/d_V) * (t23.reshape((L, 1, 1)) * t13.reshape((1, d_V, d_V)))
-    t25 = (S17.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
-    t26 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
-    t27 = (S24 @ S24.permute(0, 2, 1))
-    t28 = (t27 @ t26)
-    t29 = (t28 @ t25.permute(0, 2, 1))
-    t30 = (n_batch**(-2)) * (t29 * t26).sum()
+    # S: compact tensor ('d_V', 'd_V')
+    S23 = t12 + (-1/d_V) * t13
+    t24 = (S17.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
+    t25 = (S22.permute(0, 2, 1) @ dA.permute(0, 2, 1))
+    t26 = (t25 @ t24.permute(0, 2, 1))
+    t27 = (t26.permute(1, 0, 2).reshape((d_V, L*d_V)) @ t25.permute(0, 2, 1).reshape((L*d_V, d_V)))
+    t28 = (S23 @ S23.permute(1, 0))
+    t29 = (n_batch**(-2)) * (t28 * t27.permute(1, 0)).sum()
     F = Z
-    t31 = torch.exp(F - F.amax(-1, keepdim=True))
-    A32 = t31 / t31.sum(-1, keepdim=True)
-    t33 = t1 * A32
-    t34 = t33 - Y
-    t35 = (1/L) * t34
-    G = t35
-    t36 = t14 * G * M_Z
-    t37 = t36.sum(-1, keepdim=True)
-    t38 = t37.expand(*t37.shape[:-1], d_V)
-    t39 = t14 * G
-    t40 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t13.permute(1, 0).reshape((d_V, 1, d_V)))
-    t41 = (0.75 * (sigma2_Z ** -2.5))
-    t42 = t41 * G * M_Z
+    t30 = torch.exp(F - F.amax(-1, keepdim=True))
+    A31 = t30 / t30.sum(-1, keepdim=True)
+    t32 = t1 * A31
+    t33 = t32 - Y
+    t34 = (1/L) * t33
+    G = t34
+    t35 = t14 * G * M_Z
+    t36 = t35.sum(-1, keepdim=True)
+    t37 = t36.expand(*t36.shape[:-1], d_V)
+    t38 = t14 * G
+    t39 = (M_Z.permute(1, 0).reshape((d_V, L, 1)) * t13.permute(1, 0).reshape((d_V, 1, d_V)))
+    t40 = (0.75 * (sigma2_Z ** -2.5))
+    t41 = t40 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S43 = (t12.reshape((1, 1, d_V, d_V)) * t39.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t40.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t42.reshape((n_batch, L, d_V, 1)))
+    S42 = (t12.reshape((1, 1, d_V, d_V)) * t38.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t41.reshape((n_batch, L, d_V, 1)))
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S44 = (t12.reshape((1, 1, d_V, d_V)) * t38.reshape((n_batch, L, d_V, 1))) + (t40.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t39.reshape((n_batch, L, d_V, 1))) + ((t16.permute(2, 0, 1) @ S43.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
+    S43 = (t12.reshape((1, 1, d_V, d_V)) * t37.reshape((n_batch, L, d_V, 1))) + (t39.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t38.reshape((n_batch, L, d_V, 1))) + ((t16.permute(2, 0, 1) @ S42.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S45 = (2/d_V) * (t12.reshape((1, 1, d_V, d_V)) * t38.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t40.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t39.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t16.permute(2, 0, 1) @ S43.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t13 @ S44.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
-    t46 = (S24.permute(0, 2, 1) @ S45.sum((0,)).permute(0, 2, 1))
-    t47 = (t46.permute(0, 2, 1) @ S24.permute(0, 2, 1))
-    t48 = (n_batch**(-2)) * (t47 * S45.sum((0,))).sum()
-    t49 = (S45.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
-    t50 = (t27.permute(0, 2, 1) @ t49)
-    t51 = (2/n_batch**2) * (t50 * t26).sum()
-    t52 = t30 + t48 + t51
-    t53 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t54 = torch.sqrt(torch.clamp(t48, min=0.0))
-    t55 = torch.sqrt(torch.clamp(t52, min=0.0))
-    return (t53, t54, t55,)
+    S44 = (2/d_V) * (t12.reshape((1, 1, d_V, d_V)) * t37.reshape((n_batch, L, d_V, 1))) + (2/d_V) * (t39.permute(1, 2, 0).reshape((1, L, d_V, d_V)) * t38.reshape((n_batch, L, d_V, 1))) + (2/d_V) * ((t16.permute(2, 0, 1) @ S42.permute(1, 2, 0, 3).reshape((L, d_V, d_V*n_batch))).reshape((L, d_V, n_batch, d_V))).permute(2, 0, 1, 3) + (-2/d_V**2) * ((t13 @ S43.permute(2, 0, 1, 3).reshape((d_V, L*d_V*n_batch))).reshape((d_V, n_batch, L, d_V))).permute(1, 2, 0, 3)
+    t45 = (t28 @ S44.sum((0,)).permute(2, 0, 1).reshape((d_V, L*d_V))).reshape((d_V, L, d_V))
+    t46 = (n_batch**(-2)) * (t45 * S44.sum((0,)).permute(2, 0, 1)).sum()
+    t47 = (S44.sum((0,)).permute(0, 2, 1) @ S17.sum((0,)))
+    t48 = (t25.permute(1, 0, 2).reshape((d_V, L*d_V)) @ t47.permute(0, 2, 1).reshape((L*d_V, d_V)))
+    t49 = (2/n_batch**2) * (t28 * t48.permute(1, 0)).sum()
+    t50 = t29 + t46 + t49
+    t51 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t52 = torch.sqrt(torch.clamp(t46, min=0.0))
+    t53 = torch.sqrt(torch.clamp(t50, min=0.0))
+    return (t51, t52, t53,)
 
 
 VARIANTS = {

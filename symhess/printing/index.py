@@ -572,7 +572,8 @@ class Intermediate:
     """A structured Named operator computed once as a compact tensor.
 
     ``pattern`` gives, for each of its row and column atoms, the position of that atom's
-    axis in the compact tensor; ``terms``/``atoms`` define it as a sum of networks.
+    axis in the compact tensor (negative: an identity over atoms the tensor does not carry);
+    ``terms``/``atoms`` define it as a sum of networks.
     """
 
     node: E.Expr
@@ -601,8 +602,14 @@ def _use_intermediate(lw, n, inter, rows, cols, t):
     rg = lw.split(t, rows, inter.row_sizes)
     cg = lw.split(t, cols, inter.col_sizes)
     axes = [lw.labels.new(s) for s in inter.axis_sizes]
+    free = {}
     for pos, group in zip(inter.pattern[0] + inter.pattern[1], rg + cg):
-        lw.unify(t, [axes[pos]], group)
+        if pos >= 0:
+            lw.unify(t, [axes[pos]], group)
+        elif pos in free:            # an identity the compact tensor does not carry
+            lw.unify(t, free[pos], group)
+        else:
+            free[pos] = group
     return [t.copy(factors=t.factors + (Factor(("inter", n), tuple(axes)),))]
 
 
@@ -698,10 +705,28 @@ def _intermediate(lw, n):
             outs.append(a)
         outputs.append(outs)
         out_terms.append(term)
+    pos, axis_sizes, outputs = _drop_free_axes(lw, pos, axis_sizes, out_terms, outputs)
     inter = Intermediate(n, tuple(new_r), tuple(new_c), (tuple(pos[:n_row]), tuple(pos[n_row:])),
                          axis_sizes, out_terms, outputs)
     lw.intermediates[n] = inter
     return inter
+
+
+def _drop_free_axes(lw, pos, axis_sizes, terms, outputs):
+    """Leave out of the compact tensor each axis that only identifies positions: one whose
+    atom no factor of any term carries (I_{d_ff} ⊗ C stays C with a δ over d_ff, instead of
+    d_ff copies of C that every product then carries as a batch axis).  Its positions get
+    a negative class (−1, −2, …) that ``_use_intermediate`` identifies directly."""
+    def carried(term, atom):
+        return any(atom in lw.resolve(term, f.labels) for f in term.factors)
+    free = [k for k in range(len(axis_sizes)) if pos.count(k) > 1
+            and not any(carried(t, outs[k]) for t, outs in zip(terms, outputs))]
+    if not free or len(free) == len(axis_sizes):
+        return pos, axis_sizes, outputs
+    kept = [k for k in range(len(axis_sizes)) if k not in free]
+    new = {k: (kept.index(k) if k in kept else -1 - free.index(k)) for k in range(len(axis_sizes))}
+    return ([new[k] for k in pos], tuple(axis_sizes[k] for k in kept),
+            [[outs[k] for k in kept] for outs in outputs])
 
 
 Lowering.intermediate = _intermediate
